@@ -1,0 +1,137 @@
+"""Sub-configs shared by the recipes: the trainer, the deployment and wandb.
+
+Plain dataclasses, validated in ``__post_init__``: a bad value fails at construction with a
+message that names the field and says what is allowed. Each field's docstring is its help text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+def _check_device(name: str, value: str) -> None:
+    _check(value in DEVICES or value.startswith("cuda:"), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
+
+
+@dataclass
+class TrainerConfig:
+    """The policy trainer: optimizer and how batches are executed."""
+
+    learning_rate: float = 1e-5
+    """AdamW learning rate (> 0)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (>= 0)."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value before each optimizer step (0 = no clipping)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch; samples are packed without padding up to it."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk when turning hidden states into logprobs (bounds the fp32 vocab-sized buffer)."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "auto"
+    """Parameter dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    reference_device: str = "auto"
+    """Where the frozen reference model (``kl_beta > 0``) lives: ``auto`` = the policy's device."""
+    seed: int = 0
+    """Seed for torch's RNG in the trainer."""
+
+    def __post_init__(self):
+        _check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {self.grad_clip_norm}")
+        _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+               "adam_betas", f"must be two values in [0, 1), got {self.adam_betas}")
+        _check(self.micro_batch_tokens > 0, "micro_batch_tokens", f"must be > 0, got {self.micro_batch_tokens}")
+        _check(self.logprob_chunk_tokens > 0, "logprob_chunk_tokens", f"must be > 0, got {self.logprob_chunk_tokens}")
+        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        _check_device("device", self.device)
+        _check_device("reference_device", self.reference_device)
+
+
+@dataclass
+class DeployConfig:
+    """The inference deployment the rollouts sample from.
+
+    With ``base_url=None`` (the default) the recipe starts the embedded server as a child
+    process on 127.0.0.1 and stops it at exit; with a URL it talks to that server instead.
+    """
+
+    base_url: Optional[str] = None
+    """URL of an external OpenAI-compatible server (``http://host:port``); None = embedded."""
+    host: str = "127.0.0.1"
+    """Interface the embedded server binds to."""
+    port: int = 0
+    """Port of the embedded server; 0 picks a free one."""
+    api_key: Optional[str] = None
+    """Bearer token the server requires (and the sampler sends); None = no auth."""
+    max_batch_size: int = 64
+    """Sequences the embedded engine decodes at once (its KV cache slots)."""
+    max_model_len: int = 2048
+    """Longest prompt + completion the embedded engine accepts, in tokens."""
+    device: str = "auto"
+    """Device of the embedded engine: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "auto"
+    """Engine dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    weight_sync: str = "auto"
+    """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when embedded)."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for the server's /health after start."""
+    request_timeout_s: float = 600.0
+    """Timeout of one sampling request."""
+    max_restarts: int = 3
+    """How many times the launcher restarts an embedded server that died."""
+    log_file: Optional[str] = None
+    """Where the embedded server's log goes; default ``<log_path>/deployment.log``."""
+
+    def __post_init__(self):
+        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
+        _check(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
+        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        _check_device("device", self.device)
+        _check(self.weight_sync in ("auto", "shm", "disk"), "weight_sync",
+               f"{self.weight_sync!r} is not one of ('auto', 'shm', 'disk')")
+        _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
+        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        if self.base_url is not None:
+            _check(self.base_url.startswith(("http://", "https://")), "base_url",
+                   f"must start with http:// or https://, got {self.base_url!r}")
+
+
+@dataclass
+class WandBConfig:
+    """Weights & Biases logging; off unless ``project`` is set. ``mode='offline'`` needs no network."""
+
+    project: Optional[str] = None
+    """wandb project; None disables wandb."""
+    entity: Optional[str] = None
+    """wandb entity (team or user)."""
+    run_name: Optional[str] = None
+    """Run name; default: the log folder's name."""
+    mode: str = "online"
+    """``online``, ``offline`` or ``disabled``."""
+    tags: list[str] = field(default_factory=list)
+    """Tags attached to the run."""
+
+    def __post_init__(self):
+        _check(self.mode in ("online", "offline", "disabled"), "mode",
+               f"{self.mode!r} is not one of ('online', 'offline', 'disabled')")
+
+    @property
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"

@@ -1,0 +1,60 @@
+"""``LossConfig``: which policy loss to train with and its parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
+TIS_LEVELS = ("token", "sequence", "off")
+
+
+@dataclass
+class LossConfig:
+    """The policy loss. ``policy_loss`` is a registered name or a callable with the same
+    signature as the built-in losses (see ``training.utils.rl.losses``)."""
+
+    policy_loss: Union[str, Callable] = "grpo"
+    """``grpo`` (default), ``importance_sampling``, ``reinforce``, ``dapo``, ``dro``, ``gspo``, ``cispo``, or a callable."""
+    kl_beta: float = 0.001
+    """Coefficient of the k3 KL penalty to the reference model (grpo; 0 turns the reference off)."""
+    eps_low: Optional[float] = None
+    """Lower clip epsilon of the ratio; None = the loss's own default (0.2)."""
+    eps_high: Optional[float] = None
+    """Upper clip epsilon; None = the loss's own default (0.2; 0.28 for dapo and cispo)."""
+    dual_clip: Optional[float] = None
+    """dapo's dual clip c > 1 for negative advantages; None = off."""
+    tis_cap: float = 5.0
+    """Cap of the train/inference importance weight exp(l_old - l_sampler)."""
+    tis_level: str = "token"
+    """``token`` (per-token weight), ``sequence`` (geometric mean over the sequence) or ``off``."""
+    dro_beta: float = 0.05
+    """Weight of dro's quadratic penalty."""
+    gspo_log_ratio_cap: float = 10.0
+    """Upper cap of gspo's per-token log ratio."""
+    aggregation: str = "token_mean"
+    """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
+
+    def __post_init__(self):
+        from training.utils.rl.losses import LOSSES  # the registry; imported late to avoid a cycle
+
+        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSSES:
+            raise ValueError(f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSSES)} or pass a callable")
+        if not isinstance(self.policy_loss, str) and not callable(self.policy_loss):
+            raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta: must be >= 0, got {self.kl_beta}")
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            if v is not None and not (0 <= v < 10):
+                raise ValueError(f"{name}: must be in [0, 10), got {v}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip: must be > 1 (or None), got {self.dual_clip}")
+        if self.tis_cap <= 0:
+            raise ValueError(f"tis_cap: must be > 0, got {self.tis_cap}")
+        if self.tis_level not in TIS_LEVELS:
+            raise ValueError(f"tis_level: {self.tis_level!r} is not one of {TIS_LEVELS}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: {self.aggregation!r} is not one of {AGGREGATIONS}")
+        if self.dro_beta < 0:
+            raise ValueError(f"dro_beta: must be >= 0, got {self.dro_beta}")

@@ -1,0 +1,154 @@
+"""The rollout contract: what a user's ``rollout_fn`` returns and what it is given.
+
+Lifecycle: the recipe calls ``make_rollout_fn(setup: RolloutSetup)`` once, then
+``await rollout_fn(row)`` ``completions_per_prompt`` times per row. Each call returns a
+``RolloutSample`` (one sequence), a ``RolloutRun`` (several segments of one episode that
+share one reward), or ``None`` to drop that completion.
+
+Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe boundary):
+
+- ``tokens``, ``logprobs`` and ``loss_mask`` are parallel lists: index ``t`` of each talks
+  about the same token.
+- ``loss_mask[t]`` is 1 exactly on tokens the sampler generated for the policy being trained
+  and 0 on prompt, user, tool and template tokens. At least one token has mask 1.
+- ``logprobs[t]`` is the sampler's logprob of ``tokens[t]`` given ``tokens[:t]`` where the
+  mask is 1, and 0.0 elsewhere. Every value is finite.
+- ``tokens`` are the exact ids the server produced; never re-tokenized text.
+
+Shape suffixes used across the code base: ``_T`` per token of one sequence, ``_G`` per
+sample of one prompt group, ``_N`` per token of a packed batch, ``_S`` per sequence of a
+packed batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Union
+
+
+class RolloutValidationError(ValueError):
+    """A rollout result broke the contract. ``field`` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class RolloutSample:
+    """One trainable sequence: prompt and completion tokens flattened into one list."""
+
+    tokens: list[int]
+    """Token ids of the whole sequence (prompt + every turn), exactly as the server saw them."""
+    logprobs: list[float]
+    """Sampler logprob per token: the generated token's logprob where ``loss_mask`` is 1, 0.0 elsewhere."""
+    loss_mask: list[int]
+    """1 on generated (trainable) tokens, 0 on prompt / user / tool / template tokens."""
+    reward: float
+    """Scalar reward of the whole sequence (or of its run, for a ``RolloutRun`` segment)."""
+    finish_reason: str = "stop"
+    """Why generation ended: ``stop``, ``length``, ``abort``... (``length`` marks truncation)."""
+    text: str = ""
+    """Optional decoded text, for logs only: never used to rebuild training data."""
+
+    @property
+    def num_trainable_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class RolloutRun:
+    """Several segments of one episode that share one reward.
+
+    An agent whose context is rebuilt between turns (compaction, a re-rendered prompt that no
+    longer extends the previous tokens) cannot be flattened into one sequence; each unbroken
+    stretch becomes one segment. All segments get ``reward`` (a segment's own ``reward`` field
+    is overwritten) and together count as one completion of the prompt group.
+    """
+
+    segments: list[RolloutSample]
+    """The segments in episode order; at least one."""
+    reward: float
+    """The episode's reward, given to every segment."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts about the episode (turn labels, timings) that are logged, not trained."""
+
+    def samples(self) -> list[RolloutSample]:
+        """The segments with the run's reward written into each."""
+        for seg in self.segments:
+            seg.reward = self.reward
+        return list(self.segments)
+
+
+RolloutResult = Union[RolloutSample, RolloutRun, None]
+RolloutFn = Callable[[dict], Awaitable[RolloutResult]]
+
+
+@dataclass
+class RolloutSetup:
+    """What the recipe hands ``make_rollout_fn`` once, before the first rollout."""
+
+    sampler: Any
+    """A ``training.deployment.sampler.DeploymentSampler`` bound to the deployment."""
+    tokenizer: Any
+    """The policy's Hugging Face tokenizer (for chat templates and stop ids; never to re-tokenize outputs)."""
+    sampling_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Defaults for every sampling call (``max_tokens``, ``temperature``, ...), from the recipe config."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Anything the user passed to ``main(..., rollout_extras=...)``."""
+    max_seq_len: Optional[int] = None
+    """The longest sequence (prompt + completion) the trainer will accept."""
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> None:
+    """Raise ``RolloutValidationError`` naming the first field that breaks the contract."""
+    if not isinstance(sample, RolloutSample):
+        raise RolloutValidationError(
+            "rollout result", f"expected RolloutSample, RolloutRun or None, got {type(sample).__name__}"
+        )
+    n = len(sample.tokens)
+    if n == 0:
+        raise RolloutValidationError("tokens", "empty sequence")
+    if len(sample.logprobs) != n:
+        raise RolloutValidationError("logprobs", f"length {len(sample.logprobs)} != len(tokens) {n}")
+    if len(sample.loss_mask) != n:
+        raise RolloutValidationError("loss_mask", f"length {len(sample.loss_mask)} != len(tokens) {n}")
+    for i, t in enumerate(sample.tokens):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise RolloutValidationError("tokens", f"tokens[{i}]={t!r} is not a non-negative int")
+        if vocab_size is not None and t >= vocab_size:
+            raise RolloutValidationError("tokens", f"tokens[{i}]={t} is outside the vocabulary (size {vocab_size})")
+    for i, m in enumerate(sample.loss_mask):
+        if m not in (0, 1) or isinstance(m, float):
+            raise RolloutValidationError("loss_mask", f"loss_mask[{i}]={m!r}; only 0 and 1 are allowed")
+    if sum(sample.loss_mask) == 0:
+        raise RolloutValidationError("loss_mask", "no trainable token (all zeros)")
+    if sample.loss_mask[0] == 1:
+        raise RolloutValidationError("loss_mask", "loss_mask[0] is 1; the first token has no context to be sampled from")
+    for i, lp in enumerate(sample.logprobs):
+        if not _finite(lp):
+            raise RolloutValidationError("logprobs", f"logprobs[{i}]={lp!r} is not finite")
+    if not _finite(sample.reward):
+        raise RolloutValidationError("reward", f"{sample.reward!r} is not a finite number")
+
+
+def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> list[RolloutSample]:
+    """Turn one ``rollout_fn`` result into validated samples ([] for ``None``)."""
+    if result is None:
+        return []
+    if isinstance(result, RolloutRun):
+        if not result.segments:
+            raise RolloutValidationError("segments", "a RolloutRun needs at least one segment")
+        if not _finite(result.reward):
+            raise RolloutValidationError("reward", f"{result.reward!r} is not a finite number")
+        samples = result.samples()
+    else:
+        samples = [result]
+    for s in samples:
+        validate_sample(s, vocab_size)
+    return samples

@@ -1,0 +1,105 @@
+"""Rows: load them, and walk them in a resumable order.
+
+A row is any JSON object; the user's ``rollout_fn`` is the only code that reads its fields.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Union
+
+Rows = Union[list, str, Path]
+
+
+def load_rows(rows: Rows) -> list[dict]:
+    """A list of dicts, or the path of a ``.jsonl`` file (one object per line)."""
+    if isinstance(rows, (str, Path)):
+        path = Path(rows)
+        if not path.exists():
+            raise FileNotFoundError(f"rows: no such file {path}")
+        out = []
+        with path.open() as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"rows: {path}:{i} is not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"rows: {path}:{i} is a {type(obj).__name__}, expected a JSON object")
+                out.append(obj)
+        rows = out
+    if not isinstance(rows, list):
+        raise TypeError(f"rows: expected a list of dicts or a .jsonl path, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise TypeError(f"rows[{i}]: expected a dict, got {type(r).__name__}")
+    if not rows:
+        raise ValueError("rows: empty; give at least one row")
+    return rows
+
+
+@dataclass
+class RowCursor:
+    """Walks ``epochs`` passes over ``num_rows`` rows, shuffled per epoch by ``seed``.
+
+    Positions count across epochs (position ``p`` is row ``order(p // n)[p % n]``). A position
+    is *done* once its group was trained, filtered or dropped; ``state()`` records the first
+    position not done plus the done positions after it, so a resumed run re-runs exactly the
+    rows that were in flight when it stopped.
+    """
+
+    num_rows: int
+    epochs: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    next_position: int = 0
+    done_floor: int = 0
+    done_after_floor: set = field(default_factory=set)
+    _orders: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.num_rows * self.epochs
+
+    def row_index(self, position: int) -> int:
+        epoch, i = divmod(position, self.num_rows)
+        if not self.shuffle:
+            return i
+        if epoch not in self._orders:
+            order = list(range(self.num_rows))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch][i]
+
+    def take(self) -> int | None:
+        """The next position to submit, or None when every pass is submitted."""
+        while self.next_position < self.total and self.next_position in self.done_after_floor:
+            self.next_position += 1
+        if self.next_position >= self.total:
+            return None
+        p = self.next_position
+        self.next_position += 1
+        return p
+
+    def mark_done(self, position: int) -> None:
+        self.done_after_floor.add(position)
+        while self.done_floor in self.done_after_floor:
+            self.done_after_floor.remove(self.done_floor)
+            self.done_floor += 1
+
+    def state(self) -> dict:
+        return {"done_floor": self.done_floor, "done_after_floor": sorted(self.done_after_floor)}
+
+    def load_state(self, state: dict) -> None:
+        self.done_floor = int(state["done_floor"])
+        self.done_after_floor = set(int(p) for p in state["done_after_floor"])
+        self.next_position = self.done_floor
+
+    def positions(self) -> Iterator[int]:
+        while (p := self.take()) is not None:
+            yield p

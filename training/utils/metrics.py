@@ -1,0 +1,75 @@
+"""Metrics: one ``metrics.jsonl`` per run, a console progress line, and wandb when configured.
+
+Names are grouped by prefix: ``rollout/*``, ``train/*``, ``offpolicy/*``, ``perf/*``, ``eval/*``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from training.utils.config import WandBConfig
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console and wandb."""
+
+    def __init__(self, log_path: str | Path, total_steps: Optional[int], wandb_cfg: Optional[WandBConfig] = None,
+                 run_config: Optional[dict] = None, console: bool = True):
+        self.path = Path(log_path) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.console = console
+        self.t0 = time.perf_counter()
+        self._wandb = None
+        if wandb_cfg is not None and wandb_cfg.enabled:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("wandb is configured but not installed: pip install -e '.[wandb]'") from None
+            self._wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity,
+                                     name=wandb_cfg.run_name or Path(log_path).name, mode=wandb_cfg.mode,
+                                     tags=wandb_cfg.tags, config=run_config, dir=str(log_path))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time_s": round(time.perf_counter() - self.t0, 3)}
+        row.update({k: (v if isinstance(v, (int, str)) or v is None or math.isfinite(v) else None)
+                    for k, v in metrics.items()})
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.console:
+            print(self.progress_line(step, metrics), file=sys.stderr, flush=True)
+
+    def progress_line(self, step: int, m: dict[str, float]) -> str:
+        total = self.total_steps
+        done = step + 1
+        bar = ""
+        if total:
+            filled = int(20 * done / total)
+            bar = f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total} "
+        parts = [f"step {step}", bar.strip()]
+        for key, fmt in (("rollout/reward_mean", "reward {:.3f}"), ("eval/reward_mean", "eval {:.3f}"),
+                         ("train/loss", "loss {:.4f}"), ("perf/step_time_s", "{:.1f} s/step"),
+                         ("offpolicy/staleness_mean", "stale {:.2f}")):
+            if key in m and m[key] is not None:
+                parts.append(fmt.format(m[key]))
+        return " | ".join(p for p in parts if p)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(log_path: str | Path) -> list[dict]:
+    """All rows of ``<log_path>/metrics.jsonl``."""
+    path = Path(log_path) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

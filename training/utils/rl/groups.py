@@ -1,0 +1,109 @@
+"""Prompt groups: run ``rollout_fn`` for one row ``completions_per_prompt`` times and collect.
+
+A failure costs one completion, never the group or the run: an exception, a timeout, a
+malformed result and a ``None`` are each counted on the group; the surviving completions
+form the group. Segments of a ``RolloutRun`` share their run's reward and advantage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from training.utils.rl.advantages import group_advantages
+from training.utils.rl.rollout import RolloutFn, RolloutSample, RolloutValidationError, flatten_result
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptGroup:
+    """The completions of one row, stamped with the weight version they were submitted under."""
+
+    position: int
+    """The row's position in the run's data order (see ``RowCursor``)."""
+    row: dict
+    submit_version: int
+    samples: list[RolloutSample] = field(default_factory=list)
+    """Every trainable sequence (a ``RolloutRun`` contributes all its segments)."""
+    completion_index: list[int] = field(default_factory=list)
+    """For each sample, which completion (0..n-1) it came from."""
+    completion_rewards: dict[int, float] = field(default_factory=dict)
+    """Reward of each surviving completion."""
+    advantages: list[float] = field(default_factory=list)
+    """One advantage per sample (its completion's), set by ``compute_advantages``."""
+    errors: int = 0
+    timeouts: int = 0
+    invalid: int = 0
+    dropped: int = 0
+    """Completions for which ``rollout_fn`` returned None."""
+    rollout_seconds: float = 0.0
+
+    @property
+    def attempts(self) -> int:
+        return len(self.completion_rewards) + self.errors + self.timeouts + self.invalid + self.dropped
+
+    @property
+    def failures(self) -> int:
+        return self.errors + self.timeouts + self.invalid
+
+    @property
+    def rewards(self) -> list[float]:
+        return [self.completion_rewards[k] for k in sorted(self.completion_rewards)]
+
+    def compute_advantages(self, scale_by_std: bool = True) -> None:
+        keys = sorted(self.completion_rewards)
+        adv = dict(zip(keys, group_advantages([self.completion_rewards[k] for k in keys], scale_by_std)))
+        self.advantages = [adv[c] for c in self.completion_index]
+
+
+async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_version: int, n: int,
+                    timeout_s: float, semaphore: asyncio.Semaphore, vocab_size: Optional[int] = None,
+                    retry_on: tuple[type[BaseException], ...] = ()) -> PromptGroup:
+    """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
+
+    An exception of a type in ``retry_on`` (a deployment that went away) is retried once.
+    """
+    group = PromptGroup(position=position, row=row, submit_version=submit_version)
+    t0 = time.perf_counter()
+
+    async def one(k: int):
+        async with semaphore:
+            for attempt in (0, 1):
+                try:
+                    return k, await asyncio.wait_for(rollout_fn(row), timeout_s)
+                except retry_on as e:
+                    if attempt == 1:
+                        return k, e
+                    logger.warning("rollout of row %d hit %r; retrying once", position, e)
+                except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    return k, e
+
+    for k, result in await asyncio.gather(*(one(k) for k in range(n))):
+        if isinstance(result, asyncio.TimeoutError):
+            group.timeouts += 1
+            logger.warning("rollout of row %d timed out after %.1f s", position, timeout_s)
+            continue
+        if isinstance(result, BaseException):
+            group.errors += 1
+            logger.warning("rollout of row %d raised %s: %s", position, type(result).__name__, result)
+            continue
+        try:
+            samples = flatten_result(result, vocab_size)
+        except (RolloutValidationError, TypeError) as e:
+            group.invalid += 1
+            logger.warning("rollout of row %d returned an invalid result: %s", position, e)
+            continue
+        if not samples:
+            group.dropped += 1
+            continue
+        group.completion_rewards[k] = float(samples[0].reward)
+        group.samples.extend(samples)
+        group.completion_index.extend([k] * len(samples))
+    group.rollout_seconds = time.perf_counter() - t0
+    return group

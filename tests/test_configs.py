@@ -1,0 +1,54 @@
+"""Configs fail at construction with a message that names the field and what is allowed."""
+
+import pytest
+
+from training.recipes.async_rl_loop import Config
+from training.utils import DeployConfig, LossConfig, TrainerConfig, WandBConfig
+
+
+def test_negative_learning_rate_fails():
+    with pytest.raises(ValueError, match="learning_rate: must be > 0"):
+        TrainerConfig(learning_rate=-1e-5)
+
+
+def test_unknown_loss_name_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match="policy_loss: unknown loss 'ppo2'.*grpo"):
+        LossConfig(policy_loss="ppo2")
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: TrainerConfig(dtype="fp8"), "dtype"),
+    (lambda: TrainerConfig(device="tpu"), "device"),
+    (lambda: DeployConfig(port=70000), "port"),
+    (lambda: DeployConfig(base_url="localhost:8000"), "base_url"),
+    (lambda: DeployConfig(weight_sync="nccl"), "weight_sync"),
+    (lambda: WandBConfig(mode="sometimes"), "mode"),
+    (lambda: LossConfig(aggregation="median"), "aggregation"),
+    (lambda: LossConfig(kl_beta=-1), "kl_beta"),
+    (lambda: Config(base_model="m", completions_per_prompt=1), "completions_per_prompt"),
+    (lambda: Config(base_model="m", weight_sync_interval=3, max_head_offpolicy_versions=1),
+     "max_head_offpolicy_versions"),
+    (lambda: Config(base_model="m", temperature=0), "temperature"),
+])
+def test_bad_values_name_the_field(make, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        make()
+
+
+def test_defaults_are_the_documented_ones():
+    t, l = TrainerConfig(), LossConfig()
+    assert (t.learning_rate, t.adam_betas, t.weight_decay) == (1e-5, (0.9, 0.95), 0.01)
+    assert (l.policy_loss, l.kl_beta, l.tis_cap, l.aggregation) == ("grpo", 0.001, 5.0, "token_mean")
+    assert DeployConfig().host == "127.0.0.1"
+    assert not WandBConfig().enabled and WandBConfig(project="p", mode="offline").enabled
+    c = Config(base_model="m")
+    assert c.max_head_offpolicy_versions == 0 and c.completions_per_prompt == 4
+    assert c.to_dict()["loss"]["policy_loss"] == "grpo"
+
+
+def test_custom_loss_callable_is_accepted():
+    def my_loss(inputs, cfg):
+        raise NotImplementedError
+
+    assert LossConfig(policy_loss=my_loss).policy_loss is my_loss
+    assert Config(base_model="m", loss=LossConfig(policy_loss=my_loss)).to_dict()["loss"]["policy_loss"] == "my_loss"

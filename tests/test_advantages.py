@@ -1,0 +1,51 @@
+"""Group advantages: values by hand, zero-variance groups, Dr. GRPO mode, bad groups."""
+
+import math
+
+import pytest
+
+from training.utils.rl.advantages import group_advantages
+
+
+def test_group_advantages_standardise_with_unbiased_std():
+    # mean 0.25; unbiased var = (0.75^2 + 3 * 0.25^2) / 3 = 0.25 -> std 0.5
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0])
+    expected = [0.75 / (0.5 + 1e-8), -0.25 / (0.5 + 1e-8), -0.25 / (0.5 + 1e-8), -0.25 / (0.5 + 1e-8)]
+    assert adv == pytest.approx(expected, rel=1e-12)
+    assert math.fsum(adv) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_group_advantages_two_samples():
+    # [3, 1]: mean 2, unbiased std sqrt(2) -> +-1/sqrt(2)
+    adv = group_advantages([3.0, 1.0])
+    assert adv == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-7)
+
+
+def test_zero_variance_group_gets_exactly_zero():
+    assert group_advantages([0.1, 0.1, 0.1]) == [0.0, 0.0, 0.0]
+    assert group_advantages([1, 1]) == [0.0, 0.0]
+    assert group_advantages([0.1, 0.1, 0.1], scale_by_std=False) == [0.0, 0.0, 0.0]
+
+
+def test_mean_centring_only_when_std_scaling_off():
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], scale_by_std=False)
+    assert adv == pytest.approx([0.75, -0.25, -0.25, -0.25], abs=1e-12)
+    # the scale of the rewards survives (unlike the standardised form)
+    assert group_advantages([10.0, 0.0], scale_by_std=False) == pytest.approx([5.0, -5.0])
+    assert group_advantages([10.0, 0.0]) == pytest.approx(group_advantages([1.0, 0.0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("rewards", [[], [1.0]])
+def test_group_smaller_than_two_raises_naming_completions_per_prompt(rewards):
+    with pytest.raises(ValueError, match="completions_per_prompt must be >= 2"):
+        group_advantages(rewards)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None, "1"])
+def test_non_finite_reward_raises(bad):
+    with pytest.raises(ValueError, match=r"rewards_G\[1\]"):
+        group_advantages([0.0, bad, 1.0])
+
+
+def test_integer_rewards_accepted():
+    assert group_advantages([1, 0]) == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-7)

@@ -158,8 +158,8 @@ class AsyncRLLoop:
     async def run(self) -> dict[str, Any]:
         ctx, cfg = self.ctx, self.ctx.cfg
         metrics_log = ctx.open_metrics()
-        if ctx.start_step > 0:
-            await ctx.sync_weights(ctx.start_step)
+        if ctx.start_step > 0 or ctx.deployment is None:
+            await ctx.sync_weights(ctx.start_step)  # a resumed run, or a server we did not start
         producer = asyncio.create_task(self.produce())
         last: dict[str, float] = {}
         step = ctx.start_step

@@ -18,11 +18,13 @@ from typing import Any, Callable, Optional
 import aiohttp
 import torch
 
+from training.models import resolve_model
 from training.recipes.config import Config
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.metrics import MetricsLogger
 from training.utils.rl.groups import PromptGroup, run_group
+from training.utils.rl.losses import needs_reference_logprobs
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 logger = logging.getLogger("training.recipe")
@@ -71,6 +73,8 @@ class RunContext:
         self.eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
         self.rollout_fn_factory = rollout_fn_factory
         self.rollout_extras = rollout_extras or {}
+        self.model_path = resolve_model(cfg.base_model)
+        """``base_model`` as a loadable path or hub id (``tiny`` and ``smollm2`` are offline aliases)."""
         self.log_path = Path(cfg.log_path)
         self.log_path.mkdir(parents=True, exist_ok=True)
         self.cursor = RowCursor(len(self.rows), cfg.epochs, cfg.seed, cfg.shuffle_rows)
@@ -90,12 +94,12 @@ class RunContext:
 
         random.seed(self.cfg.seed)
         torch.manual_seed(self.cfg.seed)
-        self.trainer = PolicyTrainer(self.cfg.base_model, self.cfg.trainer)
+        self.trainer = PolicyTrainer(self.model_path, self.cfg.trainer)
         self.tokenizer = self.trainer.tokenizer
         self.vocab_size = self.trainer.model.get_input_embeddings().weight.shape[0]
         self.reference = None
-        if self.cfg.loss.kl_beta > 0 and self.cfg.loss.policy_loss == "grpo":
-            self.reference = ReferenceModel(self.cfg.base_model, self.cfg.trainer)
+        if needs_reference_logprobs(self.cfg.loss):
+            self.reference = ReferenceModel(self.model_path, self.cfg.trainer)
         ckpt = latest_checkpoint(self.log_path / "checkpoints")
         if ckpt is not None:
             state = load_checkpoint(ckpt, self.trainer.model, self.trainer.optimizer)
@@ -114,7 +118,7 @@ class RunContext:
 
             log_file = dcfg.log_file or str(self.log_path / "deployment.log")
             self.deployment = self.exit_stack.enter_context(
-                EmbeddedDeployment(self.cfg.base_model, dcfg, log_file=log_file))
+                EmbeddedDeployment(self.model_path, dcfg, log_file=log_file))
             self.base_url = self.deployment.base_url
         else:
             self.deployment = None
@@ -135,15 +139,21 @@ class RunContext:
         return mode
 
     async def sync_weights(self, version: int) -> float:
-        """Push the trainer's weights to the deployment as ``version``; return seconds taken."""
-        from training.deployment.weight_sync import push_weights
+        """Push the trainer's weights to the deployment as ``version``; return seconds taken.
 
+        The embedded deployment keeps the pushed file so that a restarted server comes back
+        with the newest weights.
+        """
         t0 = time.perf_counter()
-        directory = str(self.log_path / "weights") if self.weight_sync_mode == "disk" else None
-        await push_weights(self.base_url, self.trainer.named_weights(), version, mode=self.weight_sync_mode,
-                           directory=directory, api_key=self.cfg.deployment.api_key)
-        if self.deployment is not None and hasattr(self.deployment, "note_weights"):
-            self.deployment.note_weights(version)
+        mode = self.weight_sync_mode
+        directory = str(self.log_path / "weights") if mode == "disk" else None
+        if self.deployment is not None:
+            await self.deployment.push_weights(self.trainer.named_weights(), version, mode=mode, directory=directory)
+        else:
+            from training.deployment.weight_sync import push_weights
+
+            await push_weights(self.base_url, self.trainer.named_weights(), version, mode=mode,
+                               directory=directory, api_key=self.cfg.deployment.api_key)
         return time.perf_counter() - t0
 
     # ---- rollouts ---------------------------------------------------------------------

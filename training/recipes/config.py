@@ -19,7 +19,7 @@ class Config:
     """
 
     base_model: str
-    """A Hugging Face hub id or a local folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
     log_path: str = "runs/default"
     """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes."""
     completions_per_prompt: int = 4

@@ -1,0 +1,181 @@
+"""Both recipes end to end on the tiny model against the real embedded server.
+
+One server is started for the module (as a user attaching to an external deployment would);
+each run pushes its own initial weights, so runs do not leak into each other.
+"""
+
+import asyncio
+import json
+import random
+import threading
+
+import pytest
+
+from training.deployment.launcher import EmbeddedDeployment
+from training.recipes import async_rl_loop, rl_loop
+from training.recipes.common import RolloutFailureError
+from training.utils import DeployConfig, LossConfig, TrainerConfig
+from training.utils.metrics import read_metrics
+from training.utils.rl.rollout import RolloutSample
+
+ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=32), log_file=str(log)) as dep:
+        yield dep
+
+
+def config(tiny_model_path, server, tmp_path, **kw):
+    base = dict(base_model=tiny_model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
+                prompt_groups_per_step=2, max_tokens=4, max_steps=2, export_final_model=False,
+                trainer=TrainerConfig(learning_rate=1e-3), loss=LossConfig(kl_beta=0.0),
+                deployment=DeployConfig(base_url=server.base_url))
+    base.update(kw)
+    return async_rl_loop.Config(**base)
+
+
+class Recorder:
+    """A rollout factory that records what happened; reward = share of even output ids."""
+
+    def __init__(self, delay_for=None, fail_for=None, hang_for=None):
+        self.rows, self.versions = [], []
+        self.delay_for, self.fail_for, self.hang_for = delay_for or {}, fail_for or set(), hang_for or set()
+
+    def __call__(self, setup):
+        sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
+
+        async def rollout_fn(row):
+            self.rows.append(row["id"])
+            if row["id"] in self.fail_for:
+                raise RuntimeError(f"scripted failure for row {row['id']}")
+            if row["id"] in self.hang_for:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay_for.get(row["id"], 0.0))
+            (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
+            out = c.full_tokens[c.prompt_len:]
+            self.versions.append(c.weight_version)
+            return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
+                                 loss_mask=[0] * c.prompt_len + [1] * len(out),
+                                 reward=sum(t % 2 == 0 for t in out) / len(out) + random.random() * 1e-3,
+                                 text=str(c.weight_version))
+        return rollout_fn
+
+
+def spy_training(monkeypatch, module):
+    """Record (step version, [server weight_version of every trained sample]) per training step."""
+    trained = []
+    real = module.train_on_groups
+
+    def spy(trainer, groups, *a, **kw):
+        trained.append([int(s.text) for g in groups for s in g.samples])
+        return real(trainer, groups, *a, **kw)
+
+    monkeypatch.setattr(module, "train_on_groups", spy)
+    return trained
+
+
+def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
+    for i, mod in enumerate((async_rl_loop, rl_loop)):
+        cfg = config(tiny_model_path, server, tmp_path / str(i), max_head_offpolicy_versions=1)
+        out = mod.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)
+        assert out["steps"] == 2
+        rows = read_metrics(cfg.log_path)
+        assert [r["step"] for r in rows] == [0, 1]
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_time_s", "perf/train_s",
+                    "perf/weight_sync_s", "perf/wait_rollout_s", "perf/trained_tokens_per_s",
+                    "perf/overlap_fraction", "offpolicy/staleness_mean", "train/mismatch_kl"):
+            assert key in rows[-1], key
+
+
+@pytest.mark.parametrize("O", [0, 1, 2])
+def test_gate_bound_holds_with_a_straggler(tiny_model_path, server, tmp_path, monkeypatch, O):
+    trained = spy_training(monkeypatch, async_rl_loop)
+    slow = {ROWS[3]["id"]: 4.0}  # one group lags several steps behind the others
+    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=O, max_steps=5,
+                 prompt_groups_per_step=1, shuffle_rows=False)
+    async_rl_loop.main(cfg, rollout_fn_factory=Recorder(delay_for=slow), rows=ROWS)
+    assert len(trained) == 5
+    for step, versions in enumerate(trained):
+        # the server-reported version of every trained sample is within O of the step's weights
+        assert all(step - v <= O for v in versions), (step, versions)
+    metrics = read_metrics(cfg.log_path)
+    assert max(r["offpolicy/staleness_max"] for r in metrics) <= O
+    if O == 0:
+        assert all(v == step for step, vs in enumerate(trained) for v in vs)
+
+
+def test_resume_continues_at_next_step_with_next_rows(tiny_model_path, server, tmp_path):
+    kw = dict(synchronous_training=True, shuffle_rows=False, dcp_save_interval=1)
+    first = Recorder()
+    async_rl_loop.main(config(tiny_model_path, server, tmp_path, max_steps=2, **kw), first, ROWS)
+    second = Recorder()
+    out = async_rl_loop.main(config(tiny_model_path, server, tmp_path, max_steps=4, **kw), second, ROWS)
+    assert out["steps"] == 4
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert steps == [0, 1, 2, 3]
+    assert sorted(set(first.rows)) == [0, 1, 2, 3]   # 2 steps x 2 groups, no shuffling
+    assert sorted(set(second.rows)) == [4, 5, 6, 7]  # the next rows, none repeated
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000004" / "recipe_state.json").read_text())
+    assert state["step"] == 4 and state["cursor"]["done_floor"] == 8
+
+
+def test_resumed_weights_equal_saved_weights(tiny_model_path, tmp_path):
+    import torch
+
+    from training.trainer import PolicyTrainer
+    from training.utils.checkpoint import load_checkpoint, save_checkpoint
+
+    a = PolicyTrainer(tiny_model_path, TrainerConfig(learning_rate=1e-2))
+    a.forward_backward([ROWS[0]["prompt_ids"] * 3], lambda packed, lp: (-lp.sum(), {}))
+    a.optim_step()
+    save_checkpoint(tmp_path, 1, a.model, a.optimizer, {"step": 1})
+    b = PolicyTrainer(tiny_model_path, TrainerConfig(learning_rate=1e-2))
+    assert load_checkpoint(tmp_path / "step_000001", b.model, b.optimizer) == {"step": 1}
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(a.optimizer.state_dict()["state"][0]["exp_avg"], b.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_failing_and_hanging_rollouts_cost_only_themselves(tiny_model_path, server, tmp_path):
+    rec = Recorder(fail_for={0, 5}, hang_for={2})
+    cfg = config(tiny_model_path, server, tmp_path, rollout_timeout_s=2.0, shuffle_rows=False, max_rollout_error_fraction=0.9,
+                 completions_per_prompt=3, max_steps=3)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=rec, rows=ROWS)
+    assert out["steps"] == 3
+    m = read_metrics(cfg.log_path)
+    assert sum(r["rollout/errors"] for r in m if "rollout/errors" in r) >= 6
+    assert sum(r["rollout/timeouts"] for r in m if "rollout/timeouts" in r) >= 3
+
+
+def test_too_many_failures_stop_the_run(tiny_model_path, server, tmp_path):
+    rec = Recorder(fail_for=set(range(64)))
+    cfg = config(tiny_model_path, server, tmp_path, max_rollout_error_fraction=0.5)
+    with pytest.raises(RolloutFailureError, match="max_rollout_error_fraction"):
+        async_rl_loop.main(cfg, rollout_fn_factory=rec, rows=ROWS)
+
+
+def test_dynamic_filter_keeps_sampling_until_the_step_is_full(tiny_model_path, server, tmp_path):
+    seen = []
+
+    def keep_odd_rows(samples):
+        seen.append(samples)
+        return len(seen) % 2 == 0
+
+    cfg = config(tiny_model_path, server, tmp_path, dynamic_filter_fn=keep_odd_rows, max_steps=2)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)
+    m = [r for r in read_metrics(cfg.log_path) if "train/loss" in r]
+    assert out["steps"] == 2 and all(r["rollout/groups"] == 2 for r in m)
+    assert sum(r["rollout/filtered_groups"] for r in m) >= 3
+
+
+@pytest.mark.parametrize("loss", ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"])
+def test_every_policy_loss_runs_end_to_end(tiny_model_path, server, tmp_path, loss):
+    cfg = config(tiny_model_path, server, tmp_path, loss=LossConfig(policy_loss=loss, kl_beta=0.01),
+                 ppo_mini_batches=2, max_head_offpolicy_versions=1)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)
+    last = out["last_metrics"]
+    assert out["steps"] == 2 and last["train/optimizer_steps"] == 2
+    assert last["train/grad_norm"] > 0

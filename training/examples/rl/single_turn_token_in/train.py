@@ -1,0 +1,44 @@
+"""Train the single-turn token-in example: ``python train.py [key=value ...]`` (``--help`` lists keys).
+
+Defaults run on CPU in a few minutes on the tiny offline model; ``base_model=smollm2`` or any
+hub id / folder trains a real model instead.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from rollout import make_rollout_fn
+from training.models import resolve_model
+from training.recipes.async_rl_loop import Config, main
+from training.utils import LossConfig, TrainerConfig
+from training.utils.cli import apply_overrides
+from training.utils.data import load_rows
+
+HERE = Path(__file__).parent
+
+cfg = apply_overrides(Config(
+    base_model="tiny",
+    log_path="runs/single_turn_token_in",
+    completions_per_prompt=8,
+    prompt_groups_per_step=8,
+    max_head_offpolicy_versions=1,
+    max_tokens=4,
+    max_steps=30,
+    eval_interval=10,
+    trainer=TrainerConfig(learning_rate=2e-3),
+    loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
+))
+
+# Pre-tokenize the prompts once; the rollout sends ids and trains on the ids it gets back.
+tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model))
+
+
+def pretokenize(path: Path) -> list[dict]:
+    return [dict(r, prompt_ids=tokenizer.encode(r["prompt"])) for r in load_rows(path)]
+
+
+if __name__ == "__main__":
+    cfg = dataclasses.replace(cfg, eval_rows=cfg.eval_rows or pretokenize(HERE / "eval.jsonl"))
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=pretokenize(HERE / "data.jsonl"))

@@ -140,6 +140,7 @@ def build_tiny(out: str | os.PathLike, arch: str = "qwen3", hidden: int = 64, la
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id).save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the folder is a normal, shareable model folder
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

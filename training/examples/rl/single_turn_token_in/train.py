@@ -25,9 +25,10 @@ cfg = apply_overrides(Config(
     prompt_groups_per_step=8,
     max_head_offpolicy_versions=1,
     max_tokens=4,
-    max_steps=30,
-    eval_interval=10,
-    trainer=TrainerConfig(learning_rate=2e-3),
+    max_steps=120,
+    epochs=4,
+    eval_interval=30,
+    trainer=TrainerConfig(learning_rate=5e-3),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
 ))
 

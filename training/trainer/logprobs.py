@@ -1,0 +1,127 @@
+"""Per-token logprobs of given tokens, chunked so full-vocabulary logits never exist for a whole batch.
+
+Alignment (the same as ``RolloutSample.logprobs``): for a sequence of length T,
+``logprobs_T[t] = log p(tokens[t] | tokens[:t])`` for ``t >= 1`` and ``logprobs_T[0] = 0.0``.
+With a sampling temperature τ the distribution is ``softmax(logits / τ)``, the one the sampler
+drew from.
+
+How: the decoder (``model.get_decoder()``) turns the packed micro-batch into hidden states
+``[N, H]``; the LM head (``model.get_output_embeddings()``) projects ``chunk_tokens`` positions
+at a time, ``log_softmax`` runs in fp32 on that chunk only and the target token's value is
+kept. When gradients are on, each chunk runs under ``torch.utils.checkpoint`` so its
+``[chunk, V]`` logits are recomputed in the backward pass instead of stored: peak extra memory
+is one chunk's logits, not ``N × V``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from training.trainer.model import PACKED_SDPA, attention_implementation
+from training.trainer.packing import PackedBatch, pack_sequences
+
+
+def _packing_arguments(model: torch.nn.Module, packed: PackedBatch) -> dict:
+    """Decoder arguments that keep the sequences of ``packed`` apart, for the model's attention.
+
+    One sequence needs nothing (plain causal attention). ``packed_sdpa`` and flash-attention
+    take the sequence boundaries ``cu_seq_lens_q/k`` (and get no mask: ``transformers`` builds
+    the one the fallback paths need from ``position_ids`` restarting at 0). ``sdpa`` takes a
+    boolean block-diagonal 4-D mask, ``eager`` an additive float one (``transformers`` passes
+    a 4-D mask through unchanged). Other implementations get ``position_ids`` only.
+    """
+    if packed.num_sequences == 1:
+        return {"attention_mask": None}
+    impl = attention_implementation(model)
+    if impl == "sdpa":
+        return {"attention_mask": packed.attention_mask(torch.bool)}
+    if impl == "eager":
+        return {"attention_mask": packed.attention_mask(next(model.parameters()).dtype)}
+    if impl == PACKED_SDPA or impl.startswith("flash"):
+        lengths = torch.tensor(packed.lengths, dtype=torch.int32)
+        cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        cu_seq_lens = cu_seq_lens.to(packed.input_ids_N.device)
+        longest = max(packed.lengths)
+        return {"attention_mask": None, "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": longest, "max_length_k": longest}
+    return {"attention_mask": None}
+
+
+def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """Final hidden states ``[N, H]`` of the decoder for one packed micro-batch (on the model's device)."""
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=packed.input_ids_N[None],
+        position_ids=packed.position_ids_N[None],
+        use_cache=False,
+        **_packing_arguments(model, packed),
+    )
+    return out.last_hidden_state[0]
+
+
+def _target_logprobs(hidden_C: torch.Tensor, targets_C: torch.Tensor, lm_head: torch.nn.Module,
+                     temperature: float, softcap: Optional[float]) -> torch.Tensor:
+    """``log softmax(lm_head(h) / τ)[target]`` per row, computed in fp32."""
+    logits_CV = lm_head(hidden_C).float()
+    if softcap:
+        logits_CV = torch.tanh(logits_CV / softcap) * softcap
+    if temperature != 1.0:
+        logits_CV = logits_CV / temperature
+    return logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - torch.logsumexp(logits_CV, dim=-1)
+
+
+def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packed: PackedBatch,
+                           chunk_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring.
+
+    Differentiable when gradients are enabled (chunks are checkpointed); the first token of each
+    sequence is the constant 0.0.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens: must be > 0, got {chunk_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    lm_head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    n = hidden_N.shape[0]
+    # hidden state at position i predicts the token at i + 1
+    predictors_M = hidden_N[:-1]
+    targets_M = packed.input_ids_N[1:]
+    use_checkpoint = torch.is_grad_enabled() and (hidden_N.requires_grad
+                                                  or any(p.requires_grad for p in lm_head.parameters()))
+    pieces: list[torch.Tensor] = []
+    for start in range(0, n - 1, chunk_tokens):
+        h_C = predictors_M[start:start + chunk_tokens]
+        t_C = targets_M[start:start + chunk_tokens]
+        if use_checkpoint:
+            pieces.append(checkpoint(_target_logprobs, h_C, t_C, lm_head, temperature, softcap, use_reentrant=False))
+        else:
+            pieces.append(_target_logprobs(h_C, t_C, lm_head, temperature, softcap))
+    first = torch.zeros(1, dtype=torch.float32, device=hidden_N.device)
+    logprobs_N = torch.cat([first, *pieces])
+    return torch.where(packed.is_sequence_start_N(), torch.zeros_like(logprobs_N), logprobs_N)
+
+
+def packed_logprobs(model: torch.nn.Module, packed: PackedBatch, chunk_tokens: int,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs ``[N]`` of one packed micro-batch: decoder forward, then chunked LM head."""
+    return chunked_token_logprobs(model, packed_hidden_states(model, packed), packed, chunk_tokens, temperature)
+
+
+@torch.no_grad()
+def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], device: Union[str, torch.device],
+                    micro_batch_tokens: int, chunk_tokens: int, temperature: float = 1.0) -> list[list[float]]:
+    """Logprobs of every token of every sequence (no gradient), packed into micro-batches.
+
+    Returns one list per input sequence, in input order, aligned as in the module docstring.
+    The caller puts the model in eval mode.
+    """
+    result: list[list[float]] = [[] for _ in sequences]
+    for packed in pack_sequences(sequences, micro_batch_tokens):
+        logprobs_N = packed_logprobs(model, packed.to(device), chunk_tokens, temperature).cpu()
+        for sample_index, logprobs_T in zip(packed.sample_indices, packed.split(logprobs_N)):
+            result[sample_index] = logprobs_T.tolist()
+    return result

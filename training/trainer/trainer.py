@@ -1,0 +1,217 @@
+"""The policy trainer (one process, CPU or one GPU) and the frozen reference model.
+
+A training step, as the recipe drives it::
+
+    old = trainer.logprobs(sequences)                       # l_old, no gradient
+    for each PPO mini-batch:
+        metrics = trainer.forward_backward(batch, loss_fn)  # gradients accumulate over micro-batches
+        stats = trainer.optim_step()                        # clip, AdamW step, zero grads
+    for name, tensor in trainer.named_weights(): ...        # weight sync to the deployment
+
+``loss_fn(packed, logprobs_N) -> (loss, metrics)`` sees one packed micro-batch at a time and
+divides by step-wide denominators itself (e.g. the number of trainable tokens of the whole
+step), so that summing the micro-batch gradients gives the step's gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+
+from training.trainer.logprobs import packed_logprobs, score_sequences
+from training.trainer.model import load_causal_lm, resolve_device, resolve_dtype
+from training.trainer.packing import PackedBatch, pack_sequences
+from training.utils.config import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(packed, logprobs_N) -> (scalar loss, metrics)`` for one micro-batch."""
+
+_TOKENIZER_KWARGS = ("gguf_file", "revision", "trust_remote_code", "cache_dir", "local_files_only")
+
+
+def _check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Reject empty sequences and token ids outside ``[0, vocab_size)`` before they reach the model."""
+    if len(sequences) == 0:
+        raise ValueError("sequences: empty list")
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise ValueError(f"sequences[{i}]: empty sequence")
+        low, high = min(seq), max(seq)
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"sequences[{i}]: token id {low if low < 0 else high} outside [0, {vocab_size})")
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def combine_metrics(per_micro_batch: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Merge micro-batch metrics: keys ending ``_max`` → max, ``_min`` → min, others → mean
+    weighted by each micro-batch's token count."""
+    combined: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, num_tokens in per_micro_batch:
+        for key, value in metrics.items():
+            value = float(value)
+            if key.endswith("_max"):
+                combined[key] = max(combined.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                combined[key] = min(combined.get(key, math.inf), value)
+            else:
+                combined[key] = combined.get(key, 0.0) + value * num_tokens
+                weights[key] = weights.get(key, 0.0) + num_tokens
+    for key, total_weight in weights.items():
+        combined[key] = combined[key] / total_weight if total_weight > 0 else 0.0
+    return combined
+
+
+class _ScoringModel:
+    """What the policy and the reference share: a loaded model and ``logprobs``."""
+
+    cfg: TrainerConfig
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    def logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs of each sequence (no gradient, eval mode), packed by
+        ``cfg.micro_batch_tokens``; ``result[i][t] = log p(seq[t] | seq[:t])``, ``result[i][0] = 0.0``."""
+        _check_sequences(sequences, _vocab_size(self.model))
+        self.model.eval()
+        return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
+                               self.cfg.logprob_chunk_tokens, temperature)
+
+
+class ReferenceModel(_ScoringModel):
+    """A frozen copy of the starting policy (for the KL penalty), on ``cfg.reference_device``.
+
+    ``reference_device="auto"`` means the policy's device (``cfg.device``). No parameter
+    requires grad; the model stays in eval mode.
+    """
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, **load_kwargs: Any):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device if cfg.reference_device == "auto" else cfg.reference_device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model = load_causal_lm(model_path, self.device, self.dtype, gradient_checkpointing=False, **load_kwargs)
+        self.model.requires_grad_(False)
+        self.model.eval()
+
+
+class PolicyTrainer(_ScoringModel):
+    """The trainable policy: model, AdamW optimizer, tokenizer.
+
+    Shares ``logprobs`` with ``ReferenceModel``; adds gradients, the optimizer,
+    weight export and saving. Weight decay applies to matrices (``ndim >= 2``) only, not to
+    norms and biases.
+    """
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, **load_kwargs: Any):
+        from transformers import AutoTokenizer
+
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
+        self.model.eval()
+        tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, **tokenizer_kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
+                                           betas=tuple(cfg.adam_betas), fused=fused or None)
+
+    def forward_backward(self, sequences: Sequence[Sequence[int]], loss_fn: LossFn,
+                         temperature: float = 1.0) -> dict[str, float]:
+        """Pack ``sequences``, and per micro-batch: logprobs with gradient, ``loss_fn``, backward.
+
+        Gradients accumulate in ``.grad`` until ``optim_step``. Returns the micro-batch metrics
+        combined by ``combine_metrics`` plus ``loss``, the sum of the micro-batch losses.
+        """
+        _check_sequences(sequences, _vocab_size(self.model))
+        self.model.train()
+        per_micro_batch: list[tuple[dict[str, float], int]] = []
+        total_loss = 0.0
+        try:
+            for packed in pack_sequences(sequences, self.cfg.micro_batch_tokens):
+                packed = packed.to(self.device)
+                logprobs_N = packed_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
+                loss, metrics = loss_fn(packed, logprobs_N)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError("loss_fn: must return a scalar tensor as its first value")
+                loss.backward()
+                total_loss += float(loss.detach())
+                per_micro_batch.append(({k: float(v) for k, v in metrics.items()}, packed.num_tokens))
+        finally:
+            self.model.eval()
+        combined = combine_metrics(per_micro_batch)
+        combined["loss"] = total_loss
+        return combined
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip the global grad norm to ``cfg.grad_clip_norm`` (0 = no clipping), step AdamW, zero grads.
+
+        Returns ``grad_norm`` (before clipping) and ``learning_rate``. A non-finite grad norm
+        skips the update (the grads are dropped) and is reported as is.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm > 0 else math.inf
+        if params:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        else:
+            grad_norm = 0.0
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "learning_rate": self.learning_rate}
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate of every parameter group (for schedules)."""
+        if not lr > 0:
+            raise ValueError(f"learning_rate: must be > 0, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's weights under the names ``save_pretrained`` writes to safetensors, detached.
+
+        Uses the same steps as ``transformers``' ``save_pretrained``: drop keys ignored on save,
+        keep one name per tied tensor (a tied ``lm_head`` is not emitted when the checkpoint does
+        not store it), and undo load-time renames/conversions. Tensors are on the trainer's
+        device and share storage with the live parameters where no conversion applies.
+        """
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        state_dict = self.model.state_dict()
+        for key in getattr(self.model, "_keys_to_ignore_on_save", None) or ():
+            state_dict.pop(key, None)
+        state_dict = remove_tied_weights_from_state_dict(state_dict, self.model)
+        state_dict = revert_weight_conversion(self.model, state_dict)
+        for name, tensor in state_dict.items():
+            yield name, tensor.detach()
+
+    def save_pretrained(self, out_dir: Union[str, Path]) -> Path:
+        """Write model (safetensors) + tokenizer as a plain Hugging Face folder; returns its path."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out

@@ -1,0 +1,32 @@
+"""The inference deployment: an OpenAI-compatible server over the generation engine, its
+client, its launcher and weight sync. See README.md in this folder.
+
+Names are imported lazily so that ``from training.deployment import DeploymentSampler``
+does not load torch or the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DeploymentSampler": "training.deployment.sampler",
+    "Completion": "training.deployment.sampler",
+    "DeploymentRequestError": "training.deployment.sampler",
+    "build_deployment_sampler": "training.deployment.sampler",
+    "EmbeddedDeployment": "training.deployment.launcher",
+    "DeploymentStartError": "training.deployment.launcher",
+    "push_weights": "training.deployment.weight_sync",
+    "push_weights_to_all": "training.deployment.weight_sync",
+    "WeightSyncError": "training.deployment.weight_sync",
+    "create_app": "training.deployment.server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'training.deployment' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,230 @@
+"""``AsyncEngine``: the asyncio face of the engine; a background thread runs the steps.
+
+Threading contract: only the engine thread touches the model, the scheduler and the KV cache.
+Coroutines hand it requests, aborts and weight updates through an inbox guarded by one
+condition variable; results come back to asyncio futures with ``loop.call_soon_threadsafe``.
+The thread sleeps while there is nothing to do or the engine is paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from training.deployment.engine.config import (EngineConfig, GenerationResult, SamplingParams,
+                                              WeightUpdateError)
+from training.deployment.engine.engine import LLMEngine, PendingUpdate
+from training.deployment.engine.sequence import Sequence
+from training.deployment.engine.weights import load_safetensors, validate_update
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Continuous-batching generation engine with session KV reuse and live weight updates."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine = LLMEngine(config)
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[Sequence] = []
+        self._updates: list[PendingUpdate] = []
+        self._paused = False
+        self._stopping = False
+        self._in_step = False
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        p = Path(self.config.model)
+        return p.name if p.exists() else self.config.model
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.engine.eos_token_ids)
+
+    def stats(self) -> dict:
+        with self._cond:
+            s = self.engine.stats()
+            s["waiting"] += len(self._inbox)
+            s["paused"] = self._paused
+            return s
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._num_threads = torch.get_num_threads()  # OpenMP settings are per thread: hand ours on
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the thread; every unfinished request gets ``finish_reason='abort'``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        with self._cond:
+            seqs = self._inbox + list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running)
+            self._inbox.clear()
+            for seq in seqs:
+                self.engine.abort(seq)
+            for upd in self._updates + self.engine.pending_updates:
+                upd.done(RuntimeError("engine shut down before the weight update was applied"))
+            self._updates.clear()
+            self.engine.pending_updates.clear()
+
+    def _ready(self) -> bool:
+        if self._inbox or self._aborts:
+            return True
+        if self._paused:  # only a weight update that needs no running step may proceed
+            ups = self._updates + self.engine.pending_updates
+            return bool(ups) and (not ups[0].wait_for_inflight or not self.engine.scheduler.running)
+        return bool(self._updates) or self.engine.has_work()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        while True:
+            with self._cond:
+                while not self._stopping and not self._ready():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                for seq in self._inbox:
+                    self.engine.add(seq)
+                self._inbox.clear()
+                for seq in self._aborts:
+                    self.engine.abort(seq)
+                self._aborts.clear()
+                self.engine.pending_updates.extend(self._updates)
+                self._updates.clear()
+                paused = self._paused
+                self._in_step = True
+            try:
+                if paused:
+                    self.engine._apply_ready_update()
+                else:
+                    self.engine.step()
+            except BaseException as exc:  # fail every in-flight request rather than hang them
+                log.exception("engine step failed")
+                self._fail_all(exc)
+            finally:
+                with self._cond:
+                    self._in_step = False
+                    self._cond.notify_all()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        sched = self.engine.scheduler
+        for seq in list(sched.running) + list(sched.waiting):
+            cb, seq.on_finish = seq.on_finish, None
+            sched.finish(seq, "abort")
+            if cb is not None:
+                cb(exc)
+
+    # ----------------------------------------------------------------- requests
+    def _deliver(self, fut: asyncio.Future):
+        loop = self._loop or asyncio.get_running_loop()
+
+        def done(value) -> None:
+            def set_value():
+                if fut.done():
+                    return
+                if isinstance(value, BaseException):
+                    fut.set_exception(value)
+                else:
+                    fut.set_result(value)
+            loop.call_soon_threadsafe(set_value)
+        return done
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       session_id: Optional[str] = None) -> GenerationResult:
+        """Generate for one prompt; raises EngineError (naming the field) for a bad request."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._cond:
+            seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, self._deliver(fut))
+            self._inbox.append(seq)
+            self._cond.notify_all()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            with self._cond:
+                self._aborts.append(seq)
+                self._cond.notify_all()
+            raise
+
+    # ----------------------------------------------------------------- weights
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int, *,
+                             wait_for_inflight: bool = True) -> None:
+        """Validate a full weight set (WeightUpdateError names the problem), then swap it in.
+
+        ``wait_for_inflight``: stop admitting, let running sequences finish on the old weights,
+        swap, resume. False: swap between two decode steps. Parked session K/V is dropped.
+        """
+        runner = self.engine.runner
+        checked = await asyncio.to_thread(validate_update, tensors, runner.weight_shapes, runner.tied)
+        fut = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("engine is not running: call start() first")
+            self._updates.append(PendingUpdate(checked, int(weight_version), wait_for_inflight,
+                                               self._deliver_update(fut)))
+            self._cond.notify_all()
+        await fut
+
+    def _deliver_update(self, fut: asyncio.Future):
+        deliver = self._deliver(fut)
+        return lambda exc: deliver(exc if exc is not None else None)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int, **kw) -> None:
+        """Load a safetensors folder (or file) with safetensors, then :meth:`update_weights`."""
+        try:
+            tensors = await asyncio.to_thread(load_safetensors, path)
+        except FileNotFoundError as exc:
+            raise WeightUpdateError(f"path: {exc}") from exc
+        await self.update_weights(tensors, weight_version, **kw)
+
+    # ----------------------------------------------------------------- pause
+    async def pause(self) -> None:
+        """No new prefill or decode step runs until :meth:`resume`; returns once the current step ended."""
+        with self._cond:
+            self._paused = True
+        await asyncio.to_thread(self._wait_idle)
+
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._in_step:
+                self._cond.wait()
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()

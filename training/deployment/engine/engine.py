@@ -1,0 +1,198 @@
+"""The synchronous engine: ``step()`` = schedule → run → postprocess.
+
+One step admits waiting requests (prefills their new tokens as one packed batch and samples
+their first token), then runs one batched decode step over every running sequence, then
+finishes sequences that hit a stop condition (their slot is freed or parked at once). Not
+thread-safe: :class:`~training.deployment.engine.async_engine.AsyncEngine` drives it from one
+thread and hands requests in between steps.
+
+Weight updates are applied between steps: ``wait_for_inflight`` stops admission until the
+running set is empty (no sequence mixes two weight sets); otherwise at the next step boundary.
+Either way every parked session is dropped (its K/V came from the old weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from training.deployment.engine.config import EngineConfig, GenerationResult, SamplingParams, validate_request
+from training.deployment.engine.model_runner import LeanModelRunner, lean_supported
+from training.deployment.engine.sampling import sample
+from training.deployment.engine.scheduler import Scheduler
+from training.deployment.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingUpdate:
+    """A validated weight set waiting for its moment; ``done(exc)`` is called once applied or failed."""
+
+    tensors: Mapping[str, torch.Tensor]
+    weight_version: int
+    wait_for_inflight: bool
+    done: Callable[[Optional[BaseException]], None]
+
+
+def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        from transformers import GenerationConfig
+        sources.insert(0, GenerationConfig.from_pretrained(path).eos_token_id)
+    except Exception:  # no generation_config.json
+        pass
+    for s in sources:
+        for i in (s if isinstance(s, (list, tuple)) else [s]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class LLMEngine:
+    """Tokenizer + runner + scheduler; ``add_request`` then ``step()`` until sequences finish."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        local = Path(config.model).is_dir() and any(Path(config.model).glob("*.safetensors"))
+        reason = lean_supported(self.hf_config) if local else "not a local safetensors folder"
+        if config.use_lean_forward and reason is None:
+            self.runner = LeanModelRunner(config.model, self.hf_config, config.max_batch_size,
+                                          config.max_model_len, self.dtype, self.device)
+            if self.device.type == "cuda" and config.cuda_graph_batch_sizes:
+                from training.deployment.engine.cuda_graphs import CudaGraphDecoder
+                self.runner.graphs = CudaGraphDecoder(self.runner, config.cuda_graph_batch_sizes,
+                                                      config.max_batch_size, config.max_model_len)
+        else:
+            if config.use_lean_forward:
+                log.info("transformers forward fallback: %s", reason)
+            from training.deployment.engine.hf_runner import HFModelRunner
+            self.runner = HFModelRunner(config.model, self.dtype, self.device)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
+        self.scheduler = Scheduler(config.max_batch_size, config.max_prefill_tokens)
+        self.weight_version = 0
+        self._rng = random.Random(config.seed)
+        self.pending_updates: list[PendingUpdate] = []
+        self.counters = {"tokens_generated": 0, "steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
+                         "max_running": 0, "requests_finished": 0}
+
+    # ----------------------------------------------------------------- requests
+    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None,
+                      on_finish: Optional[Callable[[GenerationResult], None]] = None) -> Sequence:
+        """Validate a request (EngineError names the field) and build its Sequence (not yet queued)."""
+        validate_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        return Sequence(prompt_token_ids, params, gen, frozenset(stop_ids), session_id, on_finish)
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish ``seq`` now with ``abort`` (no-op if it already finished)."""
+        if seq.finish_reason is None:
+            self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.pending_updates)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> None:
+        """schedule → run → postprocess, once."""
+        self._apply_ready_update()
+        admitted = self.scheduler.admit()
+        if admitted:
+            seqs = [s for s, _ in admitted]
+            logits = self.runner.prefill([item for _, item in admitted])
+            self.counters["prefill_tokens"] += sum(len(item.token_ids) for _, item in admitted)
+            self.counters["cached_prompt_tokens"] += sum(s.cached_prompt_tokens for s in seqs)
+            self._sample_and_postprocess(seqs, logits)
+        running = sorted(self.scheduler.running, key=lambda s: s.slot)
+        if running:
+            self.counters["max_running"] = max(self.counters["max_running"], len(self.scheduler.running))
+            logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running],
+                                        [len(s.token_ids) - 1 for s in running])
+            self._sample_and_postprocess(running, logits)
+        self.counters["steps"] += 1
+
+    def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
+                                  [s.generator for s in seqs])
+        self.counters["tokens_generated"] += len(seqs)
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            seq.append(tok, lp)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.params.stop:
+            text = self._decode(seq.output_token_ids)
+            cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = text[:cut]
+                seq.matched_stop_string = True
+                return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if not seq.matched_stop_string:
+            out = seq.output_token_ids
+            if reason == "stop" and out and out[-1] in seq.stop_ids:
+                out = out[:-1]
+            seq.text = self._decode(out)
+        self.scheduler.finish(seq, reason)
+        self.counters["requests_finished"] += 1
+        if seq.on_finish is not None:
+            seq.on_finish(seq.result(self.weight_version))
+
+    # ----------------------------------------------------------------- weights
+    def _apply_ready_update(self) -> None:
+        while self.pending_updates:
+            upd = self.pending_updates[0]
+            if upd.wait_for_inflight and self.scheduler.running:
+                self.scheduler.admitting = False
+                return
+            self.pending_updates.pop(0)
+            try:
+                self.runner.load_weights(upd.tensors)
+            except BaseException as exc:  # validated before; a failure here is a bug or OOM
+                log.exception("weight update failed while copying")
+                upd.done(exc)
+                continue
+            self.scheduler.slots.drop_parked()
+            self.weight_version = upd.weight_version
+            upd.done(None)
+        self.scheduler.admitting = True
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "parked_sessions": len(s.slots.parked),
+                "free_slots": s.slots.num_free, "weight_version": self.weight_version,
+                "pending_weight_updates": len(self.pending_updates), **self.counters}
+

@@ -1,0 +1,271 @@
+"""Lean forward for Llama / Qwen2 / Qwen3 decoders over the slot KV cache.
+
+Same weights as the transformers model, read from the folder's safetensors, stored fused:
+``qkv = [q; k; v]`` and ``gate_up = [gate; up]`` so a layer is four matmuls (plus biases where
+the checkpoint has them: Qwen2's qkv bias, Llama's ``attention_bias`` / ``mlp_bias``). Qwen3's
+per-head ``q_norm`` / ``k_norm`` are applied before RoPE, as transformers does. RMSNorm,
+RoPE (``rope_parameters`` / ``rope_theta``, transformers' init functions for scaled variants)
+and attention (SDPA, GQA) follow the transformers definitions, so greedy outputs match token
+for token and fp32 logprobs to ~1e-5.
+
+Two entry points, both return fp32 logits:
+- ``prefill(items)``: new tokens of several sequences packed into one ``[N, hidden]`` batch for
+  the matmuls; attention per sequence over its slot (cached prefix + new tokens).
+- ``decode(slots, tokens, positions)``: one token per running sequence; attention over the
+  slot rows ``[:S]`` of the cache, keys ``[:L]``, masked per row by its length.
+On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from training.deployment.engine.kv_cache import KVCache
+from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
+
+LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class PrefillItem:
+    """New tokens of one sequence: ``token_ids`` go to positions ``start_pos ..`` of ``slot``."""
+
+    slot: int
+    token_ids: list[int]
+    start_pos: int
+
+
+def lean_supported(config) -> str | None:
+    """None if the lean forward can run this transformers config, else the reason it cannot."""
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    return None
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+
+
+class LeanModelRunner:
+    """Fused-weight decoder forward over a :class:`KVCache`; ``weight_shapes`` uses checkpoint names."""
+
+    def __init__(self, path: str, config, num_slots: int, max_model_len: int,
+                 dtype: torch.dtype, device: torch.device):
+        reason = lean_supported(config)
+        if reason:
+            raise ValueError(f"lean forward cannot run this model: {reason}")
+        self.config, self.dtype, self.device = config, dtype, device
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.weight_shapes = checkpoint_shapes(path)
+        self.tied = self.tied and "lm_head.weight" not in self.weight_shapes
+        self._allocate(self.weight_shapes)
+        self.load_weights(load_safetensors(path))
+        inv, scale = _rope_inv_freq(config, self.head_dim)
+        pos = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
+        self.cache = KVCache(self.num_layers, num_slots, self.num_kv_heads, max_model_len,
+                             self.head_dim, dtype, device)
+        self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
+
+    # ----------------------------------------------------------------- weights
+    def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Create the fused tensors and map each checkpoint name to the view it is copied into."""
+        def new(*shape):
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.targets: dict[str, torch.Tensor] = {}
+        self.embed = new(*shapes["model.embed_tokens.weight"])
+        self.targets["model.embed_tokens.weight"] = self.embed
+        self.final_norm = new(self.hidden)
+        self.targets["model.norm.weight"] = self.final_norm
+        if self.tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = new(*shapes["lm_head.weight"])
+            self.targets["lm_head.weight"] = self.lm_head
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            inter = shapes[p + "mlp.gate_proj.weight"][0]
+            L = {"qkv_w": new(qd + 2 * kd, self.hidden), "o_w": new(self.hidden, qd),
+                 "gate_up_w": new(2 * inter, self.hidden), "down_w": new(self.hidden, inter),
+                 "in_norm": new(self.hidden), "post_norm": new(self.hidden)}
+            t = self.targets
+            t[p + "self_attn.q_proj.weight"] = L["qkv_w"][:qd]
+            t[p + "self_attn.k_proj.weight"] = L["qkv_w"][qd:qd + kd]
+            t[p + "self_attn.v_proj.weight"] = L["qkv_w"][qd + kd:]
+            t[p + "self_attn.o_proj.weight"] = L["o_w"]
+            t[p + "mlp.gate_proj.weight"] = L["gate_up_w"][:inter]
+            t[p + "mlp.up_proj.weight"] = L["gate_up_w"][inter:]
+            t[p + "mlp.down_proj.weight"] = L["down_w"]
+            t[p + "input_layernorm.weight"] = L["in_norm"]
+            t[p + "post_attention_layernorm.weight"] = L["post_norm"]
+            if p + "self_attn.q_proj.bias" in shapes:
+                L["qkv_b"] = new(qd + 2 * kd)
+                t[p + "self_attn.q_proj.bias"] = L["qkv_b"][:qd]
+                t[p + "self_attn.k_proj.bias"] = L["qkv_b"][qd:qd + kd]
+                t[p + "self_attn.v_proj.bias"] = L["qkv_b"][qd + kd:]
+            if p + "self_attn.o_proj.bias" in shapes:
+                L["o_b"] = new(self.hidden)
+                t[p + "self_attn.o_proj.bias"] = L["o_b"]
+            if p + "mlp.gate_proj.bias" in shapes:
+                L["gate_up_b"] = new(2 * inter)
+                t[p + "mlp.gate_proj.bias"] = L["gate_up_b"][:inter]
+                t[p + "mlp.up_proj.bias"] = L["gate_up_b"][inter:]
+                L["down_b"] = new(self.hidden)
+                t[p + "mlp.down_proj.bias"] = L["down_b"]
+            if p + "self_attn.q_norm.weight" in shapes:
+                L["q_norm"], L["k_norm"] = new(self.head_dim), new(self.head_dim)
+                t[p + "self_attn.q_norm.weight"] = L["q_norm"]
+                t[p + "self_attn.k_norm.weight"] = L["k_norm"]
+            self.layers.append(L)
+        unknown = sorted(set(shapes) - set(self.targets))
+        if unknown:
+            raise ValueError(f"lean forward does not know checkpoint tensor {unknown[0]}")
+
+    @torch.inference_mode()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy a validated full set into the fused tensors in place (CUDA graphs stay valid)."""
+        for name, target in self.targets.items():
+            target.copy_(tensors[name])
+
+    # ----------------------------------------------------------------- forward pieces
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, d]; cos/sin: [N, 1, d] (rotate-half convention)."""
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def _qkv(self, L: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Fused q/k/v projection, optional per-head q/k norm, RoPE; q [N, H, d], k/v [N, K, d]."""
+        n = h.shape[0]
+        qkv = F.linear(h, L["qkv_w"], L.get("qkv_b"))
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :qd].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, qd:qd + kd].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qd + kd:].view(n, self.num_kv_heads, self.head_dim)
+        if "q_norm" in L:
+            q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _mlp_and_residual(self, L: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attn, L["o_w"], L.get("o_b"))
+        gu = F.linear(self._norm(x, L["post_norm"]), L["gate_up_w"], L.get("gate_up_b"))
+        g, u = gu.chunk(2, dim=-1)
+        return x + F.linear(F.silu(g) * u, L["down_w"], L.get("down_b"))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x, self.final_norm), self.lm_head).float()
+
+    # ----------------------------------------------------------------- entry points
+    @torch.inference_mode()
+    def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
+        """Run the new tokens of each item, write their K/V; return last-position logits [n, V]."""
+        lens = [len(it.token_ids) for it in items]
+        tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
+        positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(items, lens)])
+        positions = positions.to(self.device)
+        x = self.embed[tokens]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        for li, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, self._norm(x, L["in_norm"]), cos, sin)
+            kc, vc = self.cache.k[li], self.cache.v[li]
+            outs = []
+            for it, a, b in zip(items, bounds[:-1], bounds[1:]):
+                s, p, n = it.slot, it.start_pos, b - a
+                kc[s, :, p:p + n] = k[a:b].transpose(0, 1)
+                vc[s, :, p:p + n] = v[a:b].transpose(0, 1)
+                qi = q[a:b].transpose(0, 1).unsqueeze(0)
+                ki, vi = kc[s:s + 1, :, :p + n], vc[s:s + 1, :, :p + n]
+                if p == 0:
+                    o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                else:
+                    mask = (torch.arange(p + n, device=self.device)[None, :]
+                            <= torch.arange(p, p + n, device=self.device)[:, None])
+                    o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            x = self._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
+        return self._logits(x[last])
+
+    def decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       num_rows: int, key_len: int, compact: bool) -> torch.Tensor:
+        """One decode step, tensor ops only (CUDA-graph safe); logits [B, V].
+
+        ``num_rows``: cache rows attended (> every slot used); ``key_len``: keys attended
+        (> every position); ``compact``: slots == arange(B), so rows need no scatter/gather.
+        """
+        b = tokens.shape[0]
+        lens = torch.zeros(num_rows, dtype=torch.long, device=tokens.device)
+        lens[slots] = positions + 1
+        mask = (torch.arange(key_len, device=tokens.device)[None, :] < lens.clamp(min=1)[:, None])
+        mask = mask[:, None, None, :]
+        x = self.embed[tokens]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        kh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        for li, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, self._norm(x, L["in_norm"]), cos, sin)
+            kc, vc = self.cache.k[li], self.cache.v[li]
+            kc[slots, :, positions] = k
+            vc[slots, :, positions] = v
+            # GQA folded into the query axis: the `group` query heads of a kv head attend together
+            if compact:
+                qs = q.view(b, kh, group, d)
+            else:
+                qs = q.new_zeros(num_rows, kh, group, d)
+                qs[slots] = q.view(b, kh, group, d)
+            o = F.scaled_dot_product_attention(qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len],
+                                               attn_mask=mask)
+            o = o if compact else o[slots]
+            x = self._mlp_and_residual(L, x, o.reshape(b, -1))
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Decode one token for each row (``positions[i]`` = where ``tokens[i]`` goes); logits [B, V]."""
+        if self.graphs is not None:
+            out = self.graphs.run(slots, tokens, positions)
+            if out is not None:
+                return out
+        compact = slots == list(range(len(slots)))
+        t = torch.tensor(tokens, device=self.device)
+        p = torch.tensor(positions, device=self.device)
+        s = torch.tensor(slots, device=self.device)
+        return self.decode_forward(t, p, s, max(slots) + 1, max(positions) + 1, compact)
+
+    def release(self, slot: int) -> None:
+        """Nothing to do: a slot's stale K/V is overwritten before it is attended again."""

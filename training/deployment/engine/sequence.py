@@ -1,0 +1,85 @@
+"""One request's state inside the engine, from admission to its :class:`GenerationResult`.
+
+Invariants:
+- ``token_ids = prompt_token_ids + output_token_ids``; ``num_cached`` tokens of it have K/V in
+  the sequence's slot (positions ``0 .. num_cached-1``). After a prefill or a decode step the
+  last token (just sampled) is the only one without K/V: ``num_cached == len(token_ids) - 1``.
+- A sequence holds exactly one KV slot while RUNNING and none while WAITING or FINISHED.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Callable, Optional
+
+import torch
+
+from training.deployment.engine.config import GenerationResult, SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt, its sampled tokens so far, and where its K/V lives."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator,
+                 stop_ids: frozenset[int], session_id: Optional[str] = None,
+                 on_finish: Optional[Callable[[GenerationResult], None]] = None):
+        self.seq_id = next(_ids)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.params = params
+        self.generator = generator
+        self.stop_ids = stop_ids
+        """Token ids that end this sequence (eos unless ignore_eos, plus stop_token_ids)."""
+        self.session_id = session_id
+        self.on_finish = on_finish
+        self.status = SequenceStatus.WAITING
+        self.slot: int = -1
+        self.num_cached = 0
+        self.cached_prompt_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.text = ""
+        self.matched_stop_string = False
+        """True once ``text`` holds the output cut at a matched stop string."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    def append(self, token_id: int, logprob: float) -> None:
+        """Record one sampled token; the K/V of the token before it is now cached."""
+        self.num_cached = len(self.token_ids)
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+    def result(self, weight_version: int) -> GenerationResult:
+        return GenerationResult(
+            prompt_token_ids=list(self.prompt_token_ids),
+            output_token_ids=self.output_token_ids,
+            output_logprobs=list(self.output_logprobs),
+            finish_reason=self.finish_reason or "abort",
+            weight_version=weight_version,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            text=self.text,
+        )

@@ -1,0 +1,275 @@
+"""aiohttp client for the deployment: token-in / token-out sampling with logprobs.
+
+``DeploymentSampler`` talks to any server with the vLLM-style RL fields (the embedded server,
+vLLM, SGLang): it always asks for ``return_token_ids`` and sampled-token ``logprobs`` and
+returns ``Completion`` objects whose ``full_tokens`` are exactly the server's ids.
+
+Failure policy: connection errors and 5xx answers are retried with exponential backoff
+(``backoff_s * 2**attempt``, ``max_retries`` times); a 4xx answer raises
+``DeploymentRequestError`` at once with the server's message and field; a request that
+exceeds ``timeout_s`` raises ``DeploymentRequestError`` (not retried: the server is busy).
+One ``aiohttp.ClientSession`` is created lazily per event loop and shared by every sampler
+made with ``with_defaults``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-multi-turn-session-id"
+
+
+class DeploymentRequestError(RuntimeError):
+    """The deployment refused or failed a request. ``status`` is the HTTP status (None: no answer)."""
+
+    def __init__(self, message: str, *, status: Optional[int] = None, param: Optional[str] = None,
+                 url: str = ""):
+        super().__init__(f"{url}: HTTP {status}: {message}" if status else f"{url}: {message}")
+        self.status = status
+        self.param = param
+        self.server_message = message
+
+
+@dataclass
+class Completion:
+    """One sampled completion: the server's exact token ids and the sampler's logprobs."""
+
+    full_tokens: list[int]
+    """Prompt + output ids, exactly as the server saw and produced them."""
+    prompt_len: int
+    """Number of prompt tokens at the start of ``full_tokens``."""
+    inference_logprobs: list[float]
+    """Sampler logprob of each output token (one per ``output_tokens`` entry)."""
+    finish_reason: str
+    """``stop``, ``length``, ``tool_calls`` (chat with tools) or ``abort``."""
+    text: str
+    """Decoded output (for chat: ``message.content``, the text outside parsed tool-call blocks)."""
+    weight_version: int
+    """Weight version that produced this completion."""
+    message: Optional[dict] = None
+    """Chat only: the OpenAI-style assistant message (``content``, ``tool_calls``)."""
+    cached_tokens: int = 0
+    """Prompt tokens the server reused from its KV cache (per request, shared by its choices)."""
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.full_tokens[self.prompt_len:]
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.full_tokens[:self.prompt_len]
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """Parsed tool calls of a chat completion (empty for plain completions)."""
+        return list((self.message or {}).get("tool_calls") or [])
+
+
+class _HttpClient:
+    """One ClientSession per event loop, created on first use, shared by related samplers."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    def _drop_dead(self) -> None:
+        for loop in [lp for lp in self._sessions if lp.is_closed()]:
+            sess = self._sessions.pop(loop)
+            connector = sess.connector
+            sess.detach()  # its loop is gone: nothing can be awaited; drop sockets without warnings
+            if connector is not None:
+                try:
+                    connector._close()
+                except Exception:  # transports of a closed loop may refuse; they die with it
+                    pass
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        self._drop_dead()
+        sess = self._sessions.get(loop)
+        if sess is None or sess.closed:
+            sess = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                         connector=aiohttp.TCPConnector(limit=0))
+            self._sessions[loop] = sess
+        return sess
+
+    def __del__(self) -> None:
+        try:
+            self._drop_dead()
+        except Exception:
+            pass
+
+    async def close(self) -> None:
+        self._drop_dead()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        sess = self._sessions.pop(loop, None)
+        if sess is not None and not sess.closed:
+            await sess.close()
+
+
+class DeploymentSampler:
+    """Client of one deployment URL. Sampling kwargs: max_tokens, temperature, top_p, stop, seed, ..."""
+
+    def __init__(self, base_url: str, *, api_key: Optional[str] = None, model: Optional[str] = None,
+                 timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 0.5,
+                 sampling_defaults: Optional[dict] = None, _client: Optional[_HttpClient] = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: must start with http:// or https://, got {base_url!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self.api_key = api_key
+        self.model = model
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self._client = _client or _HttpClient(timeout_s)
+
+    def with_defaults(self, **sampling: Any) -> "DeploymentSampler":
+        """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""
+        return DeploymentSampler(self.base_url, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s,
+                                 max_retries=self.max_retries, backoff_s=self.backoff_s,
+                                 sampling_defaults={**self.sampling_defaults, **sampling}, _client=self._client)
+
+    async def close(self) -> None:
+        """Close this event loop's session (other samplers made by ``with_defaults`` share it)."""
+        await self._client.close()
+
+    def _headers(self, session_id: Optional[str]) -> dict[str, str]:
+        headers = {}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if session_id:
+            headers[SESSION_HEADER] = session_id
+        return headers
+
+    async def request(self, method: str, path: str, body: Optional[dict] = None,
+                      session_id: Optional[str] = None) -> dict:
+        """Send one JSON request with the retry policy; return the decoded JSON answer."""
+        url = self.base_url + path
+        last: Optional[BaseException] = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._client.session().request(method, url, json=body,
+                                                          headers=self._headers(session_id)) as resp:
+                    if resp.status < 400:
+                        return await resp.json(content_type=None)
+                    text = await resp.text()
+                    message, param = _error_message(text)
+                    err = DeploymentRequestError(message, status=resp.status, param=param, url=url)
+                    if resp.status < 500:
+                        raise err
+                    last = err
+            except aiohttp.ClientConnectionError as e:
+                last = e
+            except asyncio.TimeoutError as e:
+                raise DeploymentRequestError(f"no answer within {self.timeout_s} s", url=url) from e
+            log.warning("deployment %s attempt %d/%d failed: %s", url, attempt + 1, self.max_retries + 1, last)
+        raise DeploymentRequestError(f"gave up after {self.max_retries + 1} attempts: {last}", url=url,
+                                     status=getattr(last, "status", None)) from last
+
+    def _body(self, n: int, sampling: dict) -> dict:
+        body = {**self.sampling_defaults, **sampling, "n": n, "return_token_ids": True}
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def sample_with_prompt_tokens(self, prompt_ids: list[int], n: int = 1, *,
+                                        session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+        """Sample ``n`` completions of a token-id prompt via /v1/completions."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids: must not be empty")
+        body = self._body(n, sampling)
+        body["prompt"] = list(prompt_ids)
+        if body.get("logprobs") is None:
+            body["logprobs"] = 0  # 0 = the sampled tokens' logprobs, no alternatives
+        out = await self.request("POST", "/v1/completions", body, session_id)
+        cached = _cached(out)
+        result = []
+        for ch in sorted(out["choices"], key=lambda c: c["index"]):
+            prompt = ch.get("prompt_token_ids") or list(prompt_ids)
+            lps = (ch.get("logprobs") or {}).get("token_logprobs")
+            result.append(_completion(prompt, ch, lps, ch.get("text", ""), out, cached))
+        return result
+
+    async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
+                   session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+        """Sample ``n`` chat completions via /v1/chat/completions (template applied by the server)."""
+        body = self._body(n, sampling)
+        body["messages"] = messages
+        body["logprobs"] = True
+        if tools:
+            body["tools"] = tools
+        out = await self.request("POST", "/v1/chat/completions", body, session_id)
+        cached = _cached(out)
+        result = []
+        for ch in sorted(out["choices"], key=lambda c: c["index"]):
+            prompt = ch.get("prompt_token_ids") or out.get("prompt_token_ids")
+            if prompt is None:
+                raise DeploymentRequestError("the server returned no prompt_token_ids (needs return_token_ids)",
+                                             url=self.base_url)
+            content = (ch.get("logprobs") or {}).get("content")
+            lps = None if content is None else [c["logprob"] for c in content]
+            msg = ch.get("message") or {}
+            result.append(_completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg))
+        return result
+
+    async def health(self) -> dict:
+        """GET /health."""
+        return await self.request("GET", "/health")
+
+    async def weight_version(self) -> int:
+        """The weight version the server is serving now."""
+        return int((await self.request("GET", "/weight_version"))["weight_version"])
+
+
+def _error_message(text: str) -> tuple[str, Optional[str]]:
+    import json
+    try:
+        err = json.loads(text).get("error", {})
+        if isinstance(err, dict):
+            return str(err.get("message", text)), err.get("param")
+        return str(err), None
+    except (ValueError, AttributeError):
+        return text[:2000], None
+
+
+def _cached(out: dict) -> int:
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def _completion(prompt: list[int], ch: dict, lps: Optional[list[float]], text: str, out: dict, cached: int,
+                message: Optional[dict] = None) -> Completion:
+    tokens = ch.get("token_ids")
+    if tokens is None:
+        raise DeploymentRequestError("the server returned no token_ids (needs return_token_ids support)")
+    if lps is None or len(lps) != len(tokens):
+        raise DeploymentRequestError(f"the server returned {0 if lps is None else len(lps)} logprobs "
+                                     f"for {len(tokens)} tokens")
+    version = ch.get("weight_version", out.get("weight_version", 0))
+    return Completion(full_tokens=list(prompt) + list(tokens), prompt_len=len(prompt),
+                      inference_logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason") or "stop",
+                      text=text, weight_version=int(version or 0), message=message, cached_tokens=cached)
+
+
+def build_deployment_sampler(setup: Any) -> DeploymentSampler:
+    """The sampler a rollout function uses: ``setup.sampler`` with the recipe's sampling defaults."""
+    return setup.sampler.with_defaults(**setup.sampling_kwargs)

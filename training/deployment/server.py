@@ -1,0 +1,249 @@
+"""aiohttp application over an ``AsyncEngine``: OpenAI-compatible endpoints + weight control.
+
+Endpoints (see README.md for bodies):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request.
+- ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
+- ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
+
+Contract: a bad request gets 400 with the OpenAI error envelope naming the field and never
+disturbs other requests; a refused weight update gets 400 and the old weights stay live;
+every generation response carries ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from aiohttp import web
+
+from training.deployment.engine.config import EngineError, WeightUpdateError
+from training.deployment.protocol import (
+    SESSION_HEADER,
+    ParsedRequest,
+    RequestError,
+    build_chat_response,
+    build_completion_response,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+log = logging.getLogger(__name__)
+
+ENGINE_KEY = web.AppKey("engine", object)
+SETTINGS_KEY = web.AppKey("settings", dict)
+_OPEN_PATHS = ("/health",)
+"""Paths that never require the API key."""
+
+
+def shm_roots() -> list[Path]:
+    """Folders a ``/update_weights_from_shm`` file may live in: /dev/shm, else the temp dir."""
+    shm = Path("/dev/shm")
+    return [shm.resolve()] if shm.is_dir() else [Path(tempfile.gettempdir()).resolve()]
+
+
+def _json_error(status: int, message: str, err_type: str = "invalid_request_error",
+                param: Optional[str] = None) -> web.Response:
+    return web.json_response(error_body(message, err_type, param), status=status)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """API-key check (all paths but /health) and the mapping of errors to JSON responses."""
+    api_key = request.app[SETTINGS_KEY].get("api_key")
+    if api_key and request.path not in _OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error")
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return _json_error(e.status, e.message, e.err_type, e.param)
+    except WeightUpdateError as e:
+        return _json_error(400, f"weight update refused: {e}", "invalid_request_error")
+    except EngineError as e:
+        return _json_error(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # a server bug: log it, answer 500, keep serving
+        log.exception("unhandled error on %s", request.path)
+        return _json_error(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
+
+
+def _engine_error_param(message: str) -> Optional[str]:
+    """The request field an engine message ("prompt_token_ids[3]: ...") is about."""
+    head = message.split(":", 1)[0].split("[", 1)[0].strip()
+    if not head or " " in head:
+        return None
+    return {"prompt_token_ids": "prompt"}.get(head, head)
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from e
+
+
+def _session_id(request: web.Request, choice: int) -> Optional[str]:
+    """Engine session of a choice: the header value for choice 0, ``<value>:<i>`` for the others."""
+    sid = request.headers.get(SESSION_HEADER)
+    if not sid:
+        return None
+    return sid if choice == 0 else f"{sid}:{choice}"
+
+
+async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[Any]]:
+    """Run every (prompt, choice) as its own engine request, concurrently; results[p][i].
+
+    The first error (or a client disconnect) cancels the request's other choices.
+    """
+    engine = request.app[ENGINE_KEY]
+    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i), session_id=_session_id(request, i)))
+              for i in range(req.n)] for prompt in req.prompts]
+    flat = [t for row in tasks for t in row]
+    try:
+        await asyncio.gather(*flat)
+    except BaseException:
+        for t in flat:
+            t.cancel()
+        await asyncio.gather(*flat, return_exceptions=True)
+        raise
+    return [[t.result() for t in row] for row in tasks]
+
+
+async def completions(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req = parse_completion_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    results = await _generate_all(request, req)
+    return web.json_response(build_completion_response(req, results, engine.tokenizer))
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req = parse_chat_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    results = await _generate_all(request, req)
+    return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
+
+
+async def models(request: web.Request) -> web.Response:
+    engine, settings = request.app[ENGINE_KEY], request.app[SETTINGS_KEY]
+    card = {"id": settings["served_names"][0], "object": "model", "created": settings["started"],
+            "owned_by": "training", "root": engine.model_name, "max_model_len": engine.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "weight_version": request.app[ENGINE_KEY].weight_version})
+
+
+async def weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[ENGINE_KEY].weight_version})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE_KEY].stats(), dumps=lambda o: json.dumps(o, default=str))
+
+
+def _update_fields(body: Any) -> tuple[str, int, bool]:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    path, version = body.get("path"), body.get("weight_version")
+    if not isinstance(path, str) or not path:
+        raise RequestError("'path' must be a non-empty string", "path")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RequestError(f"'weight_version' must be an integer, got {version!r}", "weight_version")
+    wait = body.get("wait_for_inflight", True)
+    if not isinstance(wait, bool):
+        raise RequestError("'wait_for_inflight' must be a boolean", "wait_for_inflight")
+    return path, version, wait
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    path, version, wait = _update_fields(await _read_json(request))
+    if not os.path.exists(path):
+        raise RequestError(f"'path' {path!r} does not exist on the server", "path")
+    t0 = time.perf_counter()
+    await engine.update_weights_from_disk(path, version, wait_for_inflight=wait)
+    return web.json_response({"weight_version": engine.weight_version, "load_s": time.perf_counter() - t0})
+
+
+def _load_safetensors(path: str) -> dict:
+    """Read every tensor of a safetensors file (memory-mapped read; never pickle)."""
+    from safetensors.torch import load_file
+    return load_file(path, device="cpu")
+
+
+async def update_weights_from_shm(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    path, version, wait = _update_fields(await _read_json(request))
+    resolved = Path(path).resolve()
+    roots = shm_roots()
+    if not any(resolved.is_relative_to(r) for r in roots):
+        raise RequestError(f"'path' {path!r} is not under {', '.join(map(str, roots))}", "path")
+    if not resolved.is_file() or resolved.suffix != ".safetensors":
+        raise RequestError(f"'path' {path!r} is not an existing .safetensors file", "path")
+    t0 = time.perf_counter()
+    try:
+        tensors = await asyncio.to_thread(_load_safetensors, str(resolved))
+    except Exception as e:
+        raise RequestError(f"could not read safetensors file {path!r}: {e}", "path") from e
+    read_s = time.perf_counter() - t0
+    await engine.update_weights(tensors, version, wait_for_inflight=wait)
+    return web.json_response({"weight_version": engine.weight_version, "read_s": read_s,
+                              "load_s": time.perf_counter() - t0})
+
+
+async def pause(request: web.Request) -> web.Response:
+    await request.app[ENGINE_KEY].pause()
+    return web.json_response({"status": "paused"})
+
+
+async def resume(request: web.Request) -> web.Response:
+    await request.app[ENGINE_KEY].resume()
+    return web.json_response({"status": "running"})
+
+
+def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+               manage_engine: bool = True) -> web.Application:
+    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup."""
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    name = served_model_name or engine.model_name
+    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": tuple(dict.fromkeys([name, engine.model_name])),
+                         "started": int(time.time())}
+    app.add_routes([
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/weight_version", weight_version),
+        web.get("/stats", stats),
+        web.post("/update_weights_from_disk", update_weights_from_disk),
+        web.post("/update_weights_from_shm", update_weights_from_shm),
+        web.post("/pause", pause),
+        web.post("/resume", resume),
+    ])
+    if manage_engine:
+        async def _start(_app: web.Application) -> None:
+            await engine.start()
+
+        async def _stop(_app: web.Application) -> None:
+            await engine.shutdown()
+
+        app.on_startup.append(_start)
+        app.on_cleanup.append(_stop)
+    return app

@@ -1,0 +1,134 @@
+"""Documentation stays true: skills' front matter, relative links, and every ```python block runs.
+
+Scope: ``README.md`` (when it exists) and ``skills/**/*.md``. Each python block is exec'd in a
+fresh namespace whose ``__name__`` is ``"docs_snippet"``, so code under
+``if __name__ == "__main__":`` (anything that would start training) is skipped. A failure
+names the file and the block number (1-based, in file order).
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SKILLS = ROOT / "skills"
+README = ROOT / "README.md"
+
+FENCE_RE = re.compile(r"^```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+"""A fenced block: group 1 the info string's language, group 2 the body."""
+LINK_RE = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+"""An inline markdown link or image; group 1 is the target."""
+
+
+def doc_files() -> list[Path]:
+    """README.md (if present) and every markdown file under skills/, in a stable order."""
+    files = [README] if README.is_file() else []
+    if SKILLS.is_dir():
+        files += sorted(SKILLS.rglob("*.md"))
+    return files
+
+
+def skill_dirs() -> list[Path]:
+    if not SKILLS.is_dir():
+        return []
+    return sorted(p for p in SKILLS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
+def python_blocks(text: str) -> list[str]:
+    """Bodies of the ```python (or ```py) fenced blocks of ``text``, in order."""
+    return [m.group(2) for m in FENCE_RE.finditer(text) if m.group(1).lower() in ("python", "py")]
+
+
+def strip_fences(text: str) -> str:
+    """``text`` without its fenced code blocks (links inside code are not links)."""
+    return FENCE_RE.sub("", text)
+
+
+def relative_links(text: str) -> list[str]:
+    """Link targets that point into the repository (not URLs, not pure #anchors)."""
+    out = []
+    for target in LINK_RE.findall(strip_fences(text)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
+            continue
+        out.append(target.split("#", 1)[0])
+    return out
+
+
+def front_matter(path: Path) -> dict:
+    """The YAML mapping between the leading ``---`` lines of ``path``."""
+    text = path.read_text()
+    m = re.match(r"^---[ \t]*\n(.*?)\n---[ \t]*\n", text, re.DOTALL)
+    assert m, f"{path.relative_to(ROOT)}: must start with YAML front matter between '---' lines"
+    data = yaml.safe_load(m.group(1))
+    assert isinstance(data, dict), f"{path.relative_to(ROOT)}: front matter is not a YAML mapping"
+    return data
+
+
+def snippet_cases() -> list:
+    cases = []
+    for path in doc_files():
+        rel = path.relative_to(ROOT)
+        for i, code in enumerate(python_blocks(path.read_text()), 1):
+            cases.append(pytest.param(path, i, code, id=f"{rel}#{i}"))
+    return cases
+
+
+# ---- the helpers themselves ----------------------------------------------------------------
+
+def test_extractors_find_blocks_and_links():
+    text = ("---\nname: x\n---\nSee [ref](references/a.md#top) and [web](https://x.org) and [here](#h).\n"
+            "```python\nx = 1\n```\n\n```bash\nls\n```\n```python\n# [not](a/link.md)\ny = 2\n```\n")
+    assert python_blocks(text) == ["x = 1\n", "# [not](a/link.md)\ny = 2\n"]
+    assert relative_links(text) == ["references/a.md"]
+
+
+def test_skills_exist_and_have_python_snippets():
+    dirs = skill_dirs()
+    assert dirs, "skills/ has no skill folders"
+    for d in dirs:
+        blocks = [b for f in sorted(d.rglob("*.md")) for b in python_blocks(f.read_text())]
+        assert blocks, f"{d.relative_to(ROOT)}: no ```python example anywhere in the skill"
+
+
+# ---- structure -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("skill", skill_dirs(), ids=lambda p: p.name)
+def test_skill_front_matter_and_references(skill: Path):
+    """SKILL.md names its folder, describes when to use it, and links every reference file."""
+    skill_md = skill / "SKILL.md"
+    assert skill_md.is_file(), f"{skill.relative_to(ROOT)}: missing SKILL.md"
+    meta = front_matter(skill_md)
+    assert meta.get("name") == skill.name, f"{skill_md.relative_to(ROOT)}: name {meta.get('name')!r} != folder {skill.name!r}"
+    desc = meta.get("description")
+    assert isinstance(desc, str) and desc.strip(), f"{skill_md.relative_to(ROOT)}: empty or missing description"
+    refs = sorted((skill / "references").glob("*.md"))
+    assert refs, f"{skill.relative_to(ROOT)}: needs a references/ folder with at least one .md file"
+    linked = {(skill / t).resolve() for t in relative_links(skill_md.read_text())}
+    for ref in refs:
+        assert ref.resolve() in linked, f"{skill_md.relative_to(ROOT)}: does not link {ref.relative_to(ROOT)}"
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path):
+    broken = [t for t in relative_links(path.read_text()) if t and not (path.parent / t).exists()]
+    assert not broken, f"{path.relative_to(ROOT)}: broken relative links {broken}"
+
+
+# ---- snippets --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,index,code", snippet_cases())
+def test_python_snippet_runs(path: Path, index: int, code: str):
+    """Exec one block in a fresh namespace; ``__main__`` guards keep training from starting."""
+    rel = path.relative_to(ROOT)
+    name = f"{rel} python block {index}"
+    try:
+        compiled = compile(code, name, "exec")
+        exec(compiled, {"__name__": "docs_snippet", "__file__": str(path)})
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: a snippet must not exit
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3))
+        pytest.fail(f"{name} failed: {type(e).__name__}: {e}\n{tb}", pytrace=False)

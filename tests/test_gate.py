@@ -30,7 +30,9 @@ def test_gate_never_trains_beyond_bound(O):
             assert admitted == (step - submit <= O)
     m = gate.step_metrics()
     assert m["offpolicy/staleness_max"] <= O
-    assert m["offpolicy/dropped_stale"] == 2 * 6 * (5 - (O + 1))
+    assert m["offpolicy/dropped_stale"] == m["offpolicy/dropped_stale_total"] == 2 * 6 * (5 - (O + 1))
+    assert not gate.admit(0, O + 1, num_samples=3)
+    assert gate.step_metrics()["offpolicy/dropped_stale"] == 3  # per step; the total keeps counting
     assert sum(m[f"offpolicy/staleness_hist_{k}"] for k in range(O + 1)) == 2 * 6 * (O + 1)
 
 

@@ -88,6 +88,9 @@ def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
                     "perf/weight_sync_s", "perf/wait_rollout_s", "perf/trained_tokens_per_s",
                     "perf/overlap_fraction", "offpolicy/staleness_mean", "train/mismatch_kl"):
             assert key in rows[-1], key
+        trained = [json.loads(line) for line in (tmp_path / str(i) / "run" / "rollouts.jsonl").read_text().splitlines()]
+        assert len(trained) == sum(r["rollout/samples"] for r in rows)
+        assert {"step", "reward", "advantage", "submit_version", "text"} <= set(trained[0])
 
 
 @pytest.mark.parametrize("O", [0, 1, 2])

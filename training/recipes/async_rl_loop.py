@@ -205,13 +205,13 @@ class AsyncRLLoop:
                 m.update({
                     "perf/step_time_s": step_s, "perf/wait_rollout_s": t_wait, "perf/train_s": train_s,
                     "perf/weight_sync_s": sync_s, "perf/checkpoint_s": ckpt_s,
-                    "perf/generated_tokens_per_s": m["rollout/samples"] * m["rollout/completion_tokens_mean"]
-                    / max(step_s, 1e-9),
+                    "perf/generated_tokens_per_s": m["rollout/generated_tokens"] / max(step_s, 1e-9),
                     "perf/trained_tokens_per_s": m["train/tokens"] / max(train_s, 1e-9),
                     "perf/overlap_fraction": min(1.0, hidden / max(min(train_s + sync_s, rollout_busy), 1e-9)),
                     "offpolicy/weight_version": float(self.deployed_version),
                 })
                 metrics_log.log(step - 1, m)
+                metrics_log.log_rollouts(step - 1, batch)
                 last = m
         finally:
             producer.cancel()

@@ -60,6 +60,7 @@ class StepCounters:
             "rollout/timeouts": float(self.timeouts), "rollout/invalid": float(self.invalid),
             "rollout/returned_none": float(self.dropped), "rollout/filtered_groups": float(self.filtered_groups),
             "rollout/too_small_groups": float(self.small_groups),
+            "rollout/generated_tokens": float(self.generated_tokens),
         }
 
 

@@ -72,9 +72,11 @@ class SyncRLLoop:
                 m.update({"perf/step_time_s": time.perf_counter() - t0, "perf/wait_rollout_s": t_rollout,
                           "perf/train_s": t_train, "perf/weight_sync_s": sync_s, "perf/checkpoint_s": ckpt_s,
                           "perf/trained_tokens_per_s": m["train/tokens"] / max(t_train, 1e-9),
+                          "perf/generated_tokens_per_s": m["rollout/generated_tokens"] / max(t_rollout, 1e-9),
                           "perf/overlap_fraction": 0.0, "offpolicy/staleness_mean": 0.0,
                           "offpolicy/staleness_max": 0.0, "offpolicy/weight_version": float(step)})
                 metrics_log.log(step - 1, m)
+                metrics_log.log_rollouts(step - 1, batch)
                 last = m
         finally:
             metrics_log.close()

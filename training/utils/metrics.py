@@ -49,6 +49,19 @@ class MetricsLogger:
         if self.console:
             print(self.progress_line(step, metrics), file=sys.stderr, flush=True)
 
+    def log_rollouts(self, step: int, groups: list) -> None:
+        """Append one line per trained sample to ``rollouts.jsonl``: what was trained, and why."""
+        with (self.path.parent / "rollouts.jsonl").open("a") as f:
+            for g in groups:
+                for sample, completion, advantage in zip(g.samples, g.completion_index, g.advantages):
+                    f.write(json.dumps({
+                        "step": step, "row_position": g.position, "completion": completion,
+                        "submit_version": g.submit_version, "reward": sample.reward, "advantage": advantage,
+                        "finish_reason": sample.finish_reason, "tokens": len(sample.tokens),
+                        "trainable_tokens": sample.num_trainable_tokens, "text": sample.text[:2000],
+                        "metadata": g.metadata.get(completion),
+                    }, default=str) + "\n")
+
     def progress_line(self, step: int, m: dict[str, float]) -> str:
         total = self.total_steps
         done = step + 1

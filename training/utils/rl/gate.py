@@ -36,6 +36,7 @@ class OffPolicyGate:
     """Samples dropped so far because they exceeded the bound."""
     staleness_log: list[int] = field(default_factory=list)
     """Staleness (``v - submit_version``) of every sample admitted to the current step."""
+    _dropped_reported: int = 0
 
     def __post_init__(self):
         if self.max_offpolicy_versions < 0:
@@ -70,8 +71,10 @@ class OffPolicyGate:
         metrics: dict[str, float] = {
             "offpolicy/staleness_mean": sum(s) / len(s),
             "offpolicy/staleness_max": float(max(s)),
-            "offpolicy/dropped_stale": float(self.dropped_stale),
+            "offpolicy/dropped_stale": float(self.dropped_stale - self._dropped_reported),
+            "offpolicy/dropped_stale_total": float(self.dropped_stale),
         }
+        self._dropped_reported = self.dropped_stale
         for k in range(self.max_offpolicy_versions + 1):
             metrics[f"offpolicy/staleness_hist_{k}"] = float(sum(1 for x in s if x == k))
         self.staleness_log = []

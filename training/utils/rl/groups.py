@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from training.utils.rl.advantages import group_advantages
-from training.utils.rl.rollout import RolloutFn, RolloutSample, RolloutValidationError, flatten_result
+from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class PromptGroup:
     """Reward of each surviving completion."""
     advantages: list[float] = field(default_factory=list)
     """One advantage per sample (its completion's), set by ``compute_advantages``."""
+    metadata: dict[int, dict] = field(default_factory=dict)
+    """``RolloutRun.metadata`` of each completion that returned a run (written to rollouts.jsonl)."""
     errors: int = 0
     timeouts: int = 0
     invalid: int = 0
@@ -102,6 +104,8 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
         if not samples:
             group.dropped += 1
             continue
+        if isinstance(result, RolloutRun) and result.metadata:
+            group.metadata[k] = result.metadata
         group.completion_rewards[k] = float(samples[0].reward)
         group.samples.extend(samples)
         group.completion_index.extend([k] * len(samples))

@@ -72,7 +72,7 @@ class RolloutRun:
     reward: float
     """The episode's reward, given to every segment."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Free-form facts about the episode (turn labels, timings) that are logged, not trained."""
+    """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained."""
 
     def samples(self) -> list[RolloutSample]:
         """The segments with the run's reward written into each."""

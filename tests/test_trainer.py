@@ -1,6 +1,5 @@
 """PolicyTrainer and ReferenceModel on the tiny model: logprob exactness, gradients, steps, export."""
 
-import math
 import random
 
 import pytest
@@ -250,3 +249,27 @@ def test_resolve_device_and_dtype():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             resolve_device("cuda:0")
+
+
+def test_llama_packed_logprobs_equal_plain(tiny_llama_path):
+    trainer = _trainer(tiny_llama_path, micro_batch_tokens=64, logprob_chunk_tokens=5)
+    sequences = _sequences()
+    got = trainer.logprobs(sequences, temperature=0.9)
+    with torch.no_grad():
+        for seq, lp in zip(sequences, got):
+            assert (torch.tensor(lp) - _plain_logprobs(trainer.model, seq, 0.9)).abs().max().item() < 1e-5
+
+
+def test_master_weights_are_float32_and_autocast_is_opt_in(tiny_model_path):
+    """``dtype="auto"`` keeps float32 parameters; a bf16 compute dtype autocasts the forward only."""
+    from training.trainer import PolicyTrainer
+    from training.utils import TrainerConfig
+
+    seq = [[1, 5, 9, 14, 20, 31]]
+    plain = PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu"))
+    assert plain.dtype == torch.float32 and plain.compute_dtype == torch.float32
+    mixed = PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu", compute_dtype="bfloat16"))
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    a, b = plain.logprobs(seq)[0], mixed.logprobs(seq)[0]
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    assert 0 < diff < 0.1  # bf16 compute: close to, but not bit-equal with, the fp32 forward

@@ -15,6 +15,7 @@ step), so that summing the micro-batch gradients gives the step's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -71,6 +72,13 @@ def combine_metrics(per_micro_batch: list[tuple[dict[str, float], int]]) -> dict
     return combined
 
 
+def _dtypes(cfg: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(parameter dtype, compute dtype): parameters default to float32 master weights, compute
+    to bfloat16 autocast on CUDA."""
+    param = torch.float32 if cfg.dtype == "auto" else resolve_dtype(cfg.dtype, device)
+    return param, resolve_dtype(cfg.compute_dtype, device)
+
+
 class _ScoringModel:
     """What the policy and the reference share: a loaded model and ``logprobs``."""
 
@@ -78,14 +86,22 @@ class _ScoringModel:
     model: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    def autocast(self):
+        """Autocast to ``compute_dtype`` when it differs from the parameter dtype, else a no-op."""
+        if self.compute_dtype == self.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[float]]:
         """Per-token logprobs of each sequence (no gradient, eval mode), packed by
         ``cfg.micro_batch_tokens``; ``result[i][t] = log p(seq[t] | seq[:t])``, ``result[i][0] = 0.0``."""
         _check_sequences(sequences, _vocab_size(self.model))
         self.model.eval()
-        return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
-                               self.cfg.logprob_chunk_tokens, temperature)
+        with self.autocast():
+            return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
+                                   self.cfg.logprob_chunk_tokens, temperature)
 
 
 class ReferenceModel(_ScoringModel):
@@ -98,7 +114,7 @@ class ReferenceModel(_ScoringModel):
     def __init__(self, model_path: str, cfg: TrainerConfig, **load_kwargs: Any):
         self.cfg = cfg
         self.device = resolve_device(cfg.device if cfg.reference_device == "auto" else cfg.reference_device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype = self.compute_dtype = _dtypes(cfg, self.device)[1]  # frozen: no master copy needed
         self.model = load_causal_lm(model_path, self.device, self.dtype, gradient_checkpointing=False, **load_kwargs)
         self.model.requires_grad_(False)
         self.model.eval()
@@ -118,7 +134,7 @@ class PolicyTrainer(_ScoringModel):
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype, self.compute_dtype = _dtypes(cfg, self.device)
         self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
         self.model.eval()
         tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
@@ -146,7 +162,8 @@ class PolicyTrainer(_ScoringModel):
         try:
             for packed in pack_sequences(sequences, self.cfg.micro_batch_tokens):
                 packed = packed.to(self.device)
-                logprobs_N = packed_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
+                with self.autocast():
+                    logprobs_N = packed_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
                 loss, metrics = loss_fn(packed, logprobs_N)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError("loss_fn: must return a scalar tensor as its first value")

@@ -41,7 +41,9 @@ class TrainerConfig:
     device: str = "auto"
     """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: str = "auto"
-    """Parameter dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    """Parameter dtype, the copy AdamW updates: ``auto`` is float32 (bfloat16 weights silently drop small updates)."""
+    compute_dtype: str = "auto"
+    """Autocast dtype of forward passes: ``auto`` is bfloat16 on CUDA and float32 (no autocast) on CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     reference_device: str = "auto"
@@ -58,6 +60,7 @@ class TrainerConfig:
         _check(self.micro_batch_tokens > 0, "micro_batch_tokens", f"must be > 0, got {self.micro_batch_tokens}")
         _check(self.logprob_chunk_tokens > 0, "logprob_chunk_tokens", f"must be > 0, got {self.logprob_chunk_tokens}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        _check(self.compute_dtype in DTYPES, "compute_dtype", f"{self.compute_dtype!r} is not one of {DTYPES}")
         _check_device("device", self.device)
         _check_device("reference_device", self.reference_device)
 

@@ -143,3 +143,27 @@ def test_no_orphan_after_interpreter_exit_or_kill9_of_the_trainer(tiny_model_pat
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _gone(child)
+
+
+def test_push_to_all_replicas_returns_when_every_one_serves_the_new_version(tiny_model_path, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from training.deployment.weight_sync import WeightSyncError, push_weights_to_all
+    deps = [EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, log_file=str(tmp_path / f"s{i}.log")))
+            for i in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda d: d.start(), deps))
+        new = _perturbed(tiny_model_path)
+        out = asyncio.run(push_weights_to_all([d.base_url for d in deps], new.items(), 7))
+        assert set(out["servers"]) == {d.base_url for d in deps} and out["path"] is None
+        greedy = [_greedy(d) for d in deps]
+        assert greedy[0] == greedy[1] and greedy[0][1] == 7
+        bad = dict(new)
+        bad.pop(next(iter(bad)))  # a missing tensor: refused by both, both keep version 7
+        with pytest.raises(WeightSyncError, match="missing"):
+            asyncio.run(push_weights_to_all([d.base_url for d in deps], bad.items(), 8))
+        assert [_greedy(d) for d in deps] == greedy
+    finally:
+        for d in deps:
+            d.stop()

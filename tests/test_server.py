@@ -184,12 +184,14 @@ def test_bad_chat_input_is_400_naming_the_field(server, body, param):
     assert status == 400 and out["error"]["param"] == param, out
 
 
-def test_malformed_json_and_non_object_body(server):
+def test_malformed_json_non_object_body_and_model_names(server, tiny_model_path):
     for raw in ("{not json", "[1, 2]", "3"):
         status, out = call(server, "POST", "/v1/completions", raw=raw)
         assert status == 400 and out["error"]["type"] == "invalid_request_error", out
     status, out = call(server, "POST", "/v1/completions", {"model": "other-model", "prompt": PROMPT})
     assert status == 404 and out["error"]["param"] == "model"
+    for alias in ("tiny", "tiny-qwen3", tiny_model_path):  # served name, folder name, the --model value
+        assert complete(server, model=alias, prompt=PROMPT, max_tokens=1)["model"] == "tiny"
     assert complete(server, prompt=PROMPT, max_tokens=2)["choices"]
 
 

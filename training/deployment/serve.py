@@ -64,7 +64,7 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
                                       seed=args.seed))
     await engine.start()
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

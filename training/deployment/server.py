@@ -223,7 +223,9 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     name = served_model_name or engine.model_name
-    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": tuple(dict.fromkeys([name, engine.model_name])),
+    model_arg = getattr(getattr(engine, "config", None), "model", engine.model_name)  # the --model value
+    aliases = tuple(dict.fromkeys([name, engine.model_name, model_arg]))
+    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases,
                          "started": int(time.time())}
     app.add_routes([
         web.post("/v1/completions", completions),

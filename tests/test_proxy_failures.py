@@ -1,0 +1,173 @@
+"""Proxy behaviour that the tiny model cannot trigger on demand, against a scripted upstream:
+structured tool calls, 5xx retries, over-length ``max_tokens``, missing token detail, closed
+sessions, auth."""
+
+import asyncio
+import json
+
+import openai
+import pytest
+from aiohttp import web
+
+from training.proxy import ProxyServer, make_proxy_rollout_fn, with_tool_status
+from training.proxy.rollout import UpstreamFailedError
+from training.utils.rl.rollout import RolloutSetup
+
+
+class ScriptedUpstream:
+    """An OpenAI-shaped upstream; ``script`` lists the next replies: ok (a tool call), text, 500, 400max, bare."""
+
+    def __init__(self):
+        self.script: list[str] = []
+        self.bodies: list[dict] = []
+        self.runner = None
+
+    async def handle(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        kind = self.script.pop(0) if self.script else "ok"
+        if kind == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=503)
+        if kind == "400max":
+            return web.json_response({"error": {"message": "'max_tokens'=999 plus the prompt exceeds max_model_len",
+                                                "param": "max_tokens"}}, status=400)
+        call = {"id": "call_abc", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": "2+3"})}}
+        message = {"role": "assistant", "content": "5", "tool_calls": []} if kind == "text" else \
+            {"role": "assistant", "content": None, "tool_calls": [call]}
+        choice = {"index": 0, "finish_reason": "stop" if kind == "text" else "tool_calls", "weight_version": 3,
+                  "message": message,
+                  "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}] * 3}}
+        if kind != "bare":
+            choice.update(token_ids=[5, 6, 7], prompt_token_ids=[1, 2, 3, 4])
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 0, "model": "tiny",
+                                  "choices": [choice], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
+                                                                 "total_tokens": 7}, "weight_version": 3})
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def chat(proxy, sid, **kw):
+    c = openai.AsyncOpenAI(base_url=proxy.session_url(sid), api_key=proxy.api_key, max_retries=0)
+    return c.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "2+3"}], **kw)
+
+
+def test_tool_calls_come_back_structured_and_token_fields_stripped():
+    async def go():
+        async with ScriptedUpstream() as up, ProxyServer([up.url], backoff_s=0.01) as proxy:
+            r = await chat(proxy, "t", tools=[{"type": "function", "function": {"name": "calculator"}}],
+                           temperature=0.3)
+            return r, up.bodies[0], proxy.close_session("t")
+
+    r, forwarded, session = asyncio.run(go())
+    [tc] = r.choices[0].message.tool_calls
+    assert (tc.function.name, json.loads(tc.function.arguments), r.choices[0].finish_reason) == \
+        ("calculator", {"expression": "2+3"}, "tool_calls")
+    assert "token_ids" not in (r.choices[0].model_extra or {}) and r.choices[0].logprobs is None
+    assert forwarded["return_token_ids"] is True and forwarded["logprobs"] is True and "model" not in forwarded
+    [c] = session.calls
+    assert (c.prompt_ids, c.output_ids, c.output_logprobs, c.weight_version) == ([1, 2, 3, 4], [5, 6, 7], [-0.5] * 3, 3)
+    assert c.response_message["tool_calls"][0]["function"]["name"] == "calculator"
+
+
+def test_upstream_5xx_is_retried_then_fails_the_sample():
+    async def swallowing_agent(row, ep):
+        c = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        try:
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        except openai.APIStatusError as e:
+            assert e.status_code == 502
+        return "whatever"
+
+    async def go():
+        async with ScriptedUpstream() as up:
+            up.script = ["500", "500", "ok"]  # two failures, then success: within 3 retries
+            async with ProxyServer([up.url], backoff_s=0.01) as proxy:
+                await chat(proxy, "r")
+                assert len(up.bodies) == 3 and len(proxy.sessions["r"].calls) == 1
+            up.script = ["500"] * 10
+
+            class Sampler:
+                base_url, api_key = up.url, None
+            setup = RolloutSetup(sampler=Sampler(), tokenizer=None,
+                                 sampling_kwargs={"temperature": 0.7, "max_tokens": 9})
+            fn = make_proxy_rollout_fn(swallowing_agent, reward_fn=lambda r, a: 1.0,
+                                       proxy_kwargs={"backoff_s": 0.01, "max_retries": 2})(setup)
+            with pytest.raises(UpstreamFailedError, match="failed after 3 attempts: HTTP 503"):
+                await fn({})
+            return up.bodies[-1]
+
+    forwarded = asyncio.run(go())
+    assert forwarded["temperature"] == 0.7 and forwarded["max_tokens"] == 9  # recipe's sampling forced / defaulted
+
+
+def test_over_length_max_tokens_is_dropped_and_recorded():
+    async def go():
+        async with ScriptedUpstream() as up, ProxyServer([up.url]) as proxy:
+            up.script = ["400max", "ok"]
+            await chat(proxy, "o", max_tokens=999)
+            return up.bodies, proxy.close_session("o")
+
+    bodies, session = asyncio.run(go())
+    assert bodies[0]["max_tokens"] == 999 and "max_tokens" not in bodies[1]
+    assert session.calls[0].max_tokens_clamped
+
+
+def test_missing_token_detail_closed_session_auth_and_stream_are_clear_errors():
+    async def go():
+        async with ScriptedUpstream() as up, ProxyServer([up.url]) as proxy:
+            up.script = ["bare"]
+            with pytest.raises(openai.APIStatusError, match="lacks token-level detail") as e:
+                await chat(proxy, "b")
+            assert e.value.status_code == 502
+            proxy.close_session("b")
+            with pytest.raises(openai.APIStatusError, match="is closed") as e:
+                await chat(proxy, "b")
+            assert e.value.status_code == 410
+            with pytest.raises(openai.BadRequestError, match="stream"):
+                await chat(proxy, "s", stream=True)
+            bad = openai.AsyncOpenAI(base_url=proxy.session_url("x"), api_key="wrong", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            anon = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=proxy.api_key, max_retries=0)
+            with pytest.raises(openai.BadRequestError, match="x-multi-turn-session-id"):
+                await anon.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+
+    asyncio.run(go())
+
+
+def test_tool_status_credit_penalises_failed_tool_calls_through_the_proxy():
+    async def agent(row, ep):
+        c = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "2+3"}]
+        r = await c.chat.completions.create(model="m", messages=msgs)
+        msg = r.choices[0].message
+        msgs += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "error: division by zero"}]
+        await c.chat.completions.create(model="m", messages=msgs)
+        return "5"
+
+    async def go():
+        async with ScriptedUpstream() as up:
+            up.script = ["ok", "text"]
+
+            class Sampler:
+                base_url, api_key = up.url, None
+            setup = RolloutSetup(sampler=Sampler(), tokenizer=None, sampling_kwargs={})
+            fn = make_proxy_rollout_fn(agent, reward_fn=lambda r, a: 1.0, mode="transitions",
+                                       credit_fn=with_tool_status(failed_call=-0.5))(setup)
+            return await fn({})
+
+    run = asyncio.run(go())
+    assert run.metadata["credited_rewards"] == [0.5, 1.0]  # the first call's tool call failed; the answer did not

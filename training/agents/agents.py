@@ -1,0 +1,132 @@
+"""Agents: keep the conversation, turn model text into an ``Action``, environment feedback into messages.
+
+Lifecycle (driven by ``training.agents.trajectory.TrajectoryEngine``), one agent per episode:
+
+1. ``agent.messages`` is the conversation so far (starts with the task's messages);
+2. per turn: the engine samples from ``agent.messages`` (token-in/token-out), then
+   ``action = agent.act(text)`` records the assistant reply and parses it;
+3. the environment answers with a ``StepResult``; ``agent.observe(result)`` returns the new
+   messages it appended (tool results, reminders), which the engine renders as template glue;
+4. before the next turn the engine calls ``agent.compact()``: ``None`` keeps the context,
+   a list of messages replaces it (the token prefix breaks: a new segment starts).
+
+Agents: ``ModelAgent`` (one turn, the reply is the answer), ``ToolAgent`` (parses tool calls,
+appends each result as a ``role: tool`` message, malformed calls as an error message).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from training.agents.tool_parsers import ToolParser, format_parse_error, get_tool_parser
+from training.agents.tools import ToolCall
+
+
+@dataclass
+class Action:
+    """What the agent made of one reply."""
+
+    text: str
+    """The reply text (for a tool agent: without the tool-call blocks)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+    """One message per malformed tool call."""
+
+
+@dataclass
+class StepResult:
+    """The environment's answer to one action."""
+
+    observation: dict[str, Any] = field(default_factory=dict)
+    """For tools: ``{"tool_outputs": {call_id: text}, "tool_statuses": {call_id: status}, "parse_errors": [...]}``."""
+    reward: float = 0.0
+    """This step's reward (intermediate reward, plus the final reward on the last step)."""
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    """Facts for logs (``answer``, ``stop_reason``...)."""
+
+
+@dataclass
+class AgentStep:
+    """Record of one turn, for the transcript."""
+
+    turn: int
+    response: str
+    tool_calls: list[dict] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+    statuses: dict[str, str] = field(default_factory=dict)
+    reward: float = 0.0
+    done: bool = False
+
+
+class ConversationAgent:
+    """Base agent: message history and a step record. Subclasses override ``parse``."""
+
+    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None):
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of chat messages")
+        self.messages: list[dict] = copy.deepcopy(messages)
+        self.tools = tools
+        """Tool schemas rendered into the prompt (None = no tools)."""
+        self.steps: list[AgentStep] = []
+
+    def parse(self, text: str, turn: int) -> Action:
+        """The action a reply stands for (base: plain text, no calls)."""
+        return Action(text=text.strip())
+
+    def act(self, text: str) -> Action:
+        """Record the assistant reply (as written) and return its action."""
+        turn = len(self.steps)
+        self.messages.append({"role": "assistant", "content": text})
+        action = self.parse(text, turn)
+        self.steps.append(AgentStep(turn=turn, response=text,
+                                    tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments}
+                                                for c in action.tool_calls],
+                                    parse_errors=list(action.parse_errors)))
+        return action
+
+    def observe(self, result: StepResult) -> list[dict]:
+        """Record the environment's answer; return the messages appended for the next turn."""
+        step = self.steps[-1]
+        step.reward, step.done = result.reward, result.done
+        step.statuses = dict(result.observation.get("tool_statuses", {}))
+        if result.done:
+            return []
+        new = self.feedback_messages(result)
+        self.messages.extend(new)
+        return new
+
+    def feedback_messages(self, result: StepResult) -> list[dict]:
+        """Messages that carry ``result`` to the model (base: a user message with ``observation['text']``)."""
+        text = result.observation.get("text")
+        return [{"role": "user", "content": str(text)}] if text else []
+
+    def compact(self) -> Optional[list[dict]]:
+        """Hook before each next turn: return a new message list to rebuild the context, or None to keep it."""
+        return None
+
+
+class ModelAgent(ConversationAgent):
+    """Single turn: the reply is the answer."""
+
+
+class ToolAgent(ConversationAgent):
+    """Parses tool calls with ``parser``; tool results come back as ``role: tool`` messages in call order."""
+
+    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                 parser: ToolParser | str = "hermes"):
+        super().__init__(messages, tools)
+        self.parser = get_tool_parser(parser) if isinstance(parser, str) else parser
+
+    def parse(self, text: str, turn: int) -> Action:
+        parsed = self.parser.parse(text, id_prefix=f"call_{turn}_")
+        return Action(text=parsed.content, tool_calls=parsed.calls, parse_errors=parsed.errors)
+
+    def feedback_messages(self, result: StepResult) -> list[dict]:
+        obs = result.observation
+        out = [{"role": "tool", "tool_call_id": cid, "content": text}
+               for cid, text in (obs.get("tool_outputs") or {}).items()]
+        out += [{"role": "tool", "content": format_parse_error(e)} for e in obs.get("parse_errors") or []]
+        return out + super().feedback_messages(result)

@@ -1,0 +1,174 @@
+"""Orchestrator: many agent-environment episodes at once, grouped by prompt, for users who drive rollouts.
+
+    orch = Orchestrator(engine, agent_factory, env_factory, group_size=4, max_concurrency=32)
+    async for group in orch.run(rows):           # groups in the order they fill
+        train_on(group.episodes)
+        async with orch.sync_lock.pause():       # no new episode starts during the weight sync
+            await push_weights(...)
+
+Each row is rolled out ``group_size`` times; finished episodes are bucketed by
+``group_key(row)`` (default: the row's position) and a group is yielded as soon as it holds
+``group_size`` results. At most ``max_open_groups`` rows have episodes in flight or waiting for
+their group (bounds memory); at most ``max_concurrency`` episodes run at once. An episode that
+raises is counted in ``group.errors`` (its group is yielded with the episodes that finished).
+
+With ``training.recipes.async_rl_loop`` use ``make_agent_rollout_fn`` instead: the recipe
+already fans out, groups, gates and syncs weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Hashable, Iterable, Optional
+
+from training.agents.rollout_fn import AgentFactory, EnvFactory
+from training.agents.trajectory import Episode, TrajectoryEngine
+
+
+class WeightSyncLock:
+    """Pauses new episodes while weights sync: ``async with lock.episode()`` around each episode,
+    ``async with lock.pause(drain=...)`` around the sync (``drain=True`` also waits for running ones)."""
+
+    def __init__(self):
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0
+        self._pausers = 0
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    @contextlib.asynccontextmanager
+    async def episode(self):
+        await self._open.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def pause(self, drain: bool = False):
+        self._pausers += 1
+        self._open.clear()
+        try:
+            if drain:
+                await self._idle.wait()
+            yield
+        finally:
+            self._pausers -= 1
+            if self._pausers == 0:
+                self._open.set()
+
+
+@dataclass
+class TrajectoryGroup:
+    """Finished episodes of one group key."""
+
+    key: Hashable
+    row: dict
+    episodes: list[Episode] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """``Type: message`` of each episode that raised."""
+
+    def results(self, as_run: bool = True) -> list[Any]:
+        """The episodes as rollout results (``RolloutRun`` / ``RolloutSample``), skipping empty ones."""
+        return [r for r in (e.to_result(as_run) for e in self.episodes) if r is not None]
+
+
+class Orchestrator:
+    """Runs ``group_size`` episodes per row with bounded concurrency and yields full groups."""
+
+    def __init__(self, engine: TrajectoryEngine, agent_factory: AgentFactory, env_factory: EnvFactory, *,
+                 group_size: int = 4, max_concurrency: int = 32, max_open_groups: int = 16,
+                 group_key: Optional[Callable[[dict], Hashable]] = None):
+        for name, value in (("group_size", group_size), ("max_concurrency", max_concurrency),
+                            ("max_open_groups", max_open_groups)):
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        self.engine = engine
+        self.agent_factory = agent_factory
+        self.env_factory = env_factory
+        self.group_size = group_size
+        self.max_concurrency = max_concurrency
+        self.max_open_groups = max_open_groups
+        self.group_key = group_key
+        self.sync_lock = WeightSyncLock()
+        self.peak_open_groups = 0
+        self.peak_running = 0
+        self._running = 0
+
+    async def _episode(self, row: dict, sem: asyncio.Semaphore) -> Episode:
+        async with sem:
+            async with self.sync_lock.episode():
+                self._running += 1
+                self.peak_running = max(self.peak_running, self._running)
+                try:
+                    return await self.engine.collect(self.agent_factory(row), self.env_factory(row))
+                finally:
+                    self._running -= 1
+
+    async def run(self, rows: Iterable[dict]) -> AsyncIterator[TrajectoryGroup]:
+        """Yield each group as soon as it has ``group_size`` finished (or failed) episodes."""
+        sem = asyncio.Semaphore(self.max_concurrency)
+        slots = asyncio.Semaphore(self.max_open_groups)
+        ready: asyncio.Queue = asyncio.Queue()
+        open_groups: dict[Hashable, TrajectoryGroup] = {}
+        tasks: set[asyncio.Task] = set()
+        done_marker = object()
+
+        def on_done(task: asyncio.Task, key: Hashable) -> None:
+            tasks.discard(task)
+            group = open_groups[key]
+            if task.cancelled():
+                group.errors.append("CancelledError: episode cancelled")
+            elif task.exception() is not None:
+                e = task.exception()
+                group.errors.append(f"{type(e).__name__}: {e}")
+            else:
+                group.episodes.append(task.result())
+            if len(group.episodes) + len(group.errors) == self.group_size:
+                del open_groups[key]
+                slots.release()
+                ready.put_nowait(group)
+
+        async def produce() -> None:
+            for i, row in enumerate(rows):
+                await slots.acquire()
+                key = self.group_key(row) if self.group_key else i
+                if key in open_groups:
+                    raise ValueError(f"group_key: {key!r} is already open; keys must be unique among open groups")
+                open_groups[key] = TrajectoryGroup(key=key, row=row)
+                self.peak_open_groups = max(self.peak_open_groups, len(open_groups))
+                for _ in range(self.group_size):
+                    t = asyncio.create_task(self._episode(row, sem))
+                    tasks.add(t)
+                    t.add_done_callback(lambda t, k=key: on_done(t, k))
+
+        producer = asyncio.create_task(produce())
+        producer.add_done_callback(lambda _: ready.put_nowait(done_marker))
+        finished_producing = False
+        try:
+            while True:
+                if finished_producing and not open_groups and ready.empty():
+                    break
+                item = await ready.get()
+                if item is done_marker:
+                    finished_producing = True
+                    if producer.exception() is not None:
+                        raise producer.exception()
+                    continue
+                yield item
+        finally:
+            producer.cancel()
+            for t in list(tasks):
+                t.cancel()
+            await asyncio.gather(producer, *tasks, return_exceptions=True)

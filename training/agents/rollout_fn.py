@@ -1,0 +1,55 @@
+"""Agents inside the normal recipe: ``make_agent_rollout_fn`` -> a ``make_rollout_fn(setup)``.
+
+    from training.agents import make_agent_rollout_fn
+    make_rollout_fn = make_agent_rollout_fn(agent_factory=lambda row: ToolAgent(row["messages"]),
+                                            env_factory=lambda row: ToolEnvironment(row, tools, reward_fn))
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=...)
+
+Each ``rollout_fn(row)`` builds a fresh agent and environment, runs one episode with a
+``TrajectoryEngine`` on the recipe's sampler and returns a ``RolloutRun`` (with the transcript
+in ``metadata``, written to ``rollouts.jsonl``), or a plain ``RolloutSample`` when
+``as_run=False`` and the episode has one segment. An episode that generated nothing returns None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from training.agents.agents import ConversationAgent
+from training.agents.environments import Environment
+from training.agents.trajectory import TrajectoryEngine
+from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
+
+AgentFactory = Callable[[dict], ConversationAgent]
+EnvFactory = Callable[[dict], Environment]
+
+
+def engine_for_setup(setup: RolloutSetup, *, max_total_tokens: Optional[int] = None,
+                     sampling: Optional[dict] = None, chat_template_kwargs: Optional[dict] = None) -> TrajectoryEngine:
+    """A ``TrajectoryEngine`` on the recipe's sampler; the length limit is the smaller of ``max_total_tokens``
+    and ``setup.max_seq_len``."""
+    limits = [x for x in (max_total_tokens, setup.max_seq_len) if x]
+    sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
+    return TrajectoryEngine(sampler, setup.tokenizer, max_total_tokens=min(limits) if limits else None,
+                            sampling=sampling, chat_template_kwargs=chat_template_kwargs)
+
+
+def make_agent_rollout_fn(agent_factory: AgentFactory, env_factory: EnvFactory, *,
+                          max_total_tokens: Optional[int] = None, sampling: Optional[dict[str, Any]] = None,
+                          chat_template_kwargs: Optional[dict] = None,
+                          as_run: bool = True) -> Callable[[RolloutSetup], RolloutFn]:
+    """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``."""
+
+    def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
+        engine = engine_for_setup(setup, max_total_tokens=max_total_tokens, sampling=sampling,
+                                  chat_template_kwargs=chat_template_kwargs)
+
+        async def rollout_fn(row: dict) -> RolloutResult:
+            env = env_factory(row)
+            agent = agent_factory(row)
+            episode = await engine.collect(agent, env)
+            return episode.to_result(as_run=as_run)
+
+        return rollout_fn
+
+    return make_rollout_fn

@@ -1,0 +1,30 @@
+"""Train the tool-calculator example: ``python train.py [key=value ...]`` (``--help`` lists keys).
+
+``base_model=smollm2 max_tokens=96`` trains the real SmolLM2-135M-Instruct instead of the tiny model.
+"""
+
+from pathlib import Path
+
+from rollout import make_rollout_fn
+from training.recipes.async_rl_loop import Config, main
+from training.utils import LossConfig, TrainerConfig
+from training.utils.cli import apply_overrides
+
+HERE = Path(__file__).parent
+
+cfg = apply_overrides(Config(
+    base_model="tiny",
+    log_path="runs/tool_calculator",
+    completions_per_prompt=4,
+    prompt_groups_per_step=4,
+    max_head_offpolicy_versions=1,
+    max_tokens=24,
+    max_steps=20,
+    eval_rows=str(HERE / "eval.jsonl"),
+    eval_interval=10,
+    trainer=TrainerConfig(learning_rate=1e-3),
+    loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
+))
+
+if __name__ == "__main__":
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")

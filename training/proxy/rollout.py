@@ -1,0 +1,200 @@
+"""Recipe side: train an unmodified agent by pointing it at the proxy.
+
+    make_rollout_fn = make_proxy_rollout_fn(agent_fn, reward_fn=reward_fn, mode="stitch")
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=...)
+
+Per rollout: a fresh session id; ``agent_fn(row, endpoint)`` gets an ``AgentEndpoint``
+(``base_url`` = the session's proxy URL, ``api_key``, ``model``) and runs (``async def`` is
+awaited, a plain function runs in a worker thread); ``reward_fn(row, result)`` or
+``reward_fn(row, result, session)`` scores it; the session's calls become a ``RolloutRun``:
+stitched segments (``mode="stitch"``) or one sample per call (``mode="transitions"``), with
+every call's label, reason and weight version in ``metadata``.
+
+Failure policy: the agent raising → the sample fails (``AgentFailedError``, counted by the
+recipe as an error); an upstream call that failed after its retries → the sample fails
+(``UpstreamFailedError``) even if the agent swallowed the error; an over-length call or
+segment → truncated and masked (see ``server`` and ``stitching``); an episode with no
+trainable token → ``None`` (counted as dropped).
+
+The proxy starts lazily on the recipe's event loop at the first rollout (free port on
+127.0.0.1) and stops when that loop shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from training.proxy.records import SessionRecord
+from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer
+from training.proxy.stitching import DRIFT_POLICIES, stitch_calls
+from training.proxy.transitions import CreditFn, build_transitions
+from training.utils.rl.rollout import RolloutRun, RolloutSetup
+
+MODES = ("stitch", "transitions")
+
+
+class AgentFailedError(RuntimeError):
+    """The agent function raised: this completion fails (the recipe counts it)."""
+
+
+class UpstreamFailedError(RuntimeError):
+    """A call of the episode failed upstream after its retries: this completion fails."""
+
+
+@dataclass
+class AgentEndpoint:
+    """What an agent needs to talk to the policy: pass these to ``openai.OpenAI(...)``."""
+
+    base_url: str
+    """The session's own base URL (``http://127.0.0.1:PORT/sessions/ID/v1``)."""
+    api_key: str
+    model: str
+    """Any name works; the proxy serves the policy under it."""
+    session_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+    """Optional: the session header, for clients that prefer ``proxy_base_url`` + header."""
+
+
+class ProxyRolloutFn:
+    """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy."""
+
+    def __init__(self, setup: RolloutSetup, agent_fn: Callable, reward_fn: Callable, *, mode: str,
+                 credit_fn: Optional[CreditFn], agents: Optional[set[str]], strategy: str, on_drift: str,
+                 upstream_urls: Optional[list[str]], max_seq_len: Optional[int], model_name: str,
+                 agent_threads: int, proxy_kwargs: dict[str, Any]):
+        self.agent_fn, self.reward_fn = agent_fn, reward_fn
+        self.mode, self.credit_fn, self.agents, self.on_drift = mode, credit_fn, agents, on_drift
+        self.max_seq_len = max_seq_len if max_seq_len is not None else setup.max_seq_len
+        self.model_name = model_name
+        sampler = setup.sampler
+        urls = upstream_urls or [sampler.base_url]
+        forced = {k: setup.sampling_kwargs[k] for k in ("temperature", "top_p") if k in setup.sampling_kwargs}
+        kw = dict(upstream_api_key=getattr(sampler, "api_key", None), strategy=strategy, forced_params=forced,
+                  default_max_tokens=setup.sampling_kwargs.get("max_tokens"))
+        kw.update(proxy_kwargs)
+        self._make_proxy = lambda: ProxyServer(urls, **kw)
+        self.proxy: Optional[ProxyServer] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._host: Optional[asyncio.Task] = None
+        self._starting: Optional[asyncio.Lock] = None
+        self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
+        self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
+
+    async def ensure_started(self) -> ProxyServer:
+        """Start the proxy on the running loop (once per loop); it stops when the loop shuts down."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._starting, self.proxy, self._host = loop, asyncio.Lock(), None, None
+        async with self._starting:
+            if self.proxy is None:
+                proxy, started = self._make_proxy(), asyncio.Event()
+                self._host = asyncio.create_task(self._serve(proxy, started))
+                await started.wait()
+                if self._host.done():
+                    self._host.result()  # re-raise a start failure
+                self.proxy = proxy
+        return self.proxy
+
+    @staticmethod
+    async def _serve(proxy: ProxyServer, started: asyncio.Event) -> None:
+        try:
+            async with proxy:
+                started.set()
+                await asyncio.Event().wait()  # until cancelled (loop shutdown)
+        finally:
+            started.set()
+
+    async def _run_agent(self, row: dict, endpoint: AgentEndpoint) -> Any:
+        if inspect.iscoroutinefunction(self.agent_fn):
+            return await self.agent_fn(row, endpoint)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.agent_fn, row, endpoint)
+
+    async def _reward(self, row: dict, result: Any, session: SessionRecord) -> float:
+        args = (row, result, session) if self._reward_wants_session else (row, result)
+        value = self.reward_fn(*args)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
+
+    async def __call__(self, row: dict) -> Optional[RolloutRun]:
+        proxy = await self.ensure_started()
+        sid = f"ep-{uuid.uuid4().hex}"
+        proxy.open_session(sid)
+        endpoint = AgentEndpoint(base_url=proxy.session_url(sid), api_key=proxy.api_key or "none",
+                                 model=self.model_name, session_id=sid, headers={SESSION_HEADER: sid})
+        try:
+            result = await self._run_agent(row, endpoint)
+        except Exception as e:
+            session = proxy.close_session(sid)
+            if session.upstream_errors:
+                raise UpstreamFailedError(session.upstream_errors[-1]) from e
+            raise AgentFailedError(f"agent raised {type(e).__name__}: {e}") from e
+        except BaseException:  # cancelled (rollout timeout): later calls of a straggling agent get 410
+            proxy.close_session(sid)
+            raise
+        session = proxy.close_session(sid)
+        return await self.episode_result(row, result, session)
+
+    async def episode_result(self, row: dict, result: Any, session: SessionRecord) -> Optional[RolloutRun]:
+        """Score a finished session and turn it into a ``RolloutRun`` (None when nothing is trainable)."""
+        if session.upstream_errors:
+            raise UpstreamFailedError(f"{len(session.upstream_errors)} upstream failure(s): "
+                                      f"{session.upstream_errors[-1]}")
+        if not session.calls:
+            raise AgentFailedError("the agent made no model call through the proxy: does it use the given base_url?")
+        reward = await self._reward(row, result, session)
+        calls = session.calls_of(self.agents)
+        meta: dict[str, Any] = {"mode": self.mode, "session_id": session.session_id,
+                                "calls": [c.summary() for c in session.calls],
+                                "weight_versions": sorted({c.weight_version for c in calls})}
+        if self.mode == "stitch":
+            res = stitch_calls(calls, reward=reward, on_drift=self.on_drift, max_seq_len=self.max_seq_len)
+            samples = res.samples
+            meta.update(segment_calls=res.segment_calls, drift=res.drift_events, dropped_segments=res.dropped_segments)
+        else:
+            res = build_transitions(calls, reward, self.credit_fn, max_seq_len=self.max_seq_len)
+            samples = res.samples
+            meta.update(sample_calls=res.calls, credited_rewards=res.rewards, sample_weights=res.weights)
+        if not samples:
+            return None
+        return RolloutRun(segments=samples, reward=reward, metadata=meta)
+
+
+def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, reward_fn: Callable[..., Any],
+                          mode: str = "stitch", credit_fn: Optional[CreditFn] = None,
+                          agents: Optional[list[str]] = None, strategy: str = "messages", on_drift: str = "split",
+                          upstream_urls: Optional[list[str]] = None, max_seq_len: Optional[int] = None,
+                          model_name: str = "policy", agent_threads: int = 64,
+                          proxy_kwargs: Optional[dict[str, Any]] = None) -> Callable[[RolloutSetup], ProxyRolloutFn]:
+    """Build ``make_rollout_fn(setup)`` for ``main(...)`` around an unmodified agent.
+
+    ``agents``: train only the calls of these agent names (``x-agent-name`` header or the
+    request's ``user`` field); None trains every call. ``strategy``: ``messages`` or ``tokens``
+    turn matching. ``on_drift``: ``split`` or ``mask`` (stitch mode). ``upstream_urls``: replicas
+    (default: the recipe's deployment). ``credit_fn``: transitions mode only.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+    if on_drift not in DRIFT_POLICIES:
+        raise ValueError(f"on_drift: {on_drift!r} is not one of {DRIFT_POLICIES}")
+    if credit_fn is not None and mode != "transitions":
+        raise ValueError("credit_fn: only used with mode='transitions'")
+    if not callable(agent_fn) or not callable(reward_fn):
+        raise TypeError("agent_fn and reward_fn must be callables")
+    wanted = set(agents) if agents is not None else None
+
+    def make_rollout_fn(setup: RolloutSetup) -> ProxyRolloutFn:
+        return ProxyRolloutFn(setup, agent_fn, reward_fn, mode=mode, credit_fn=credit_fn, agents=wanted,
+                              strategy=strategy, on_drift=on_drift, upstream_urls=upstream_urls,
+                              max_seq_len=max_seq_len, model_name=model_name, agent_threads=agent_threads,
+                              proxy_kwargs=dict(proxy_kwargs or {}))
+    return make_rollout_fn
+
+
+__all__ = ["AGENT_HEADER", "AgentEndpoint", "AgentFailedError", "ProxyRolloutFn", "UpstreamFailedError",
+           "make_proxy_rollout_fn"]

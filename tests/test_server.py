@@ -238,7 +238,10 @@ def test_tool_call_blocks_become_openai_tool_calls():
     assert [c["function"]["name"] for c in calls] == ["calculator", "x"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "2+3"}
     assert calls[1]["function"]["arguments"] == "{}" and calls[0]["type"] == "function" and calls[0]["id"]
-    assert content == "Let me compute.   bad: <tool_call>{not json}</tool_call>"  # text between blocks kept as is
+    assert content.startswith("Let me compute. <tool_call>")  # a malformed block: the whole reply stays visible
+    content, calls = parse_tool_calls(text + " done")
+    assert content == "Let me compute.  done"  # the text outside the block
+    assert len(calls) == 1 and calls[0]["id"] != parse_tool_calls(text)[1][0]["id"]  # ids unique per response
     assert parse_tool_calls("plain answer") == ("plain answer", [])
     from training.deployment.engine.config import SamplingParams
     req = ParsedRequest(prompts=[[1, 2]], n=1, params=SamplingParams(), seed=None, logprobs=0,

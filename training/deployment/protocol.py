@@ -15,7 +15,6 @@ type-checked. ``stream`` and ``echo`` are refused (not implemented).
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,6 @@ MAX_TOP_LOGPROBS = 20
 SESSION_HEADER = "x-multi-turn-session-id"
 """Request header whose value becomes the engine ``session_id`` (KV reuse across turns)."""
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class RequestError(Exception):
@@ -337,25 +335,16 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Split Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks out of ``text``.
 
-    Returns (content outside the parsed blocks, OpenAI ``tool_calls``). A block whose body is
-    not a JSON object with a string ``name`` stays in the content, unparsed.
+    Returns (content, OpenAI ``tool_calls``), parsed by the agents' ``HermesToolParser``. The
+    content is the text outside the blocks; if any block was malformed, it is the whole reply,
+    so nothing the model wrote is hidden from the client. Call ids are unique per response.
     """
-    calls, kept, pos = [], [], 0
-    for m in _TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-    kept.append(text[pos:])
-    return "".join(kept).strip() if calls else text, calls
+    from training.agents.tool_parsers import HermesToolParser, to_openai_tool_calls
+
+    parsed = HermesToolParser().parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
+    if not parsed.calls:
+        return text, []
+    return (text if parsed.errors else parsed.content), to_openai_tool_calls(parsed.calls)
 
 
 def _chat_logprobs(tokenizer: Any, r: GenerationResult, k: int) -> dict:

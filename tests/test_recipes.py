@@ -182,3 +182,26 @@ def test_every_policy_loss_runs_end_to_end(tiny_model_path, server, tmp_path, lo
     last = out["last_metrics"]
     assert out["steps"] == 2 and last["train/optimizer_steps"] == 2
     assert last["train/grad_norm"] > 0
+
+
+def test_deployment_failures_are_retried_once_and_rollout_bugs_are_not(tiny_model_path, server, tmp_path):
+    from training.deployment.sampler import DeploymentRequestError
+
+    attempts = {}
+
+    def factory(setup):
+        inner = Recorder()(setup)
+
+        async def rollout_fn(row):
+            attempts[row["id"]] = attempts.get(row["id"], 0) + 1
+            if row["id"] == 0 and attempts[0] == 1:
+                raise DeploymentRequestError("upstream went away", status=None)  # retried, then succeeds
+            if row["id"] == 1:
+                raise DeploymentRequestError("bad request", status=400)  # the rollout's own fault: not retried
+            return await inner(row)
+        return rollout_fn
+
+    cfg = config(tiny_model_path, server, tmp_path, shuffle_rows=False, max_steps=1, completions_per_prompt=2,
+                 max_rollout_error_fraction=0.9)
+    async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert attempts[0] == 3 and attempts[1] == 2  # row 0: 2 completions + 1 retry; row 1: 2, no retries

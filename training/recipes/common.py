@@ -158,15 +158,21 @@ class RunContext:
         return time.perf_counter() - t0
 
     # ---- rollouts ---------------------------------------------------------------------
-    def retryable_errors(self) -> tuple[type[BaseException], ...]:
-        return (aiohttp.ClientConnectionError, ConnectionError)
+    @staticmethod
+    def is_retryable(error: BaseException) -> bool:
+        """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
+        from training.deployment.sampler import DeploymentRequestError
+
+        if isinstance(error, DeploymentRequestError):
+            return error.status is None or error.status >= 500
+        return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))
 
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
         if self.semaphore is None:
             self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
         row = self.rows[self.cursor.row_index(position)]
         return await run_group(self.rollout_fn, row, position, submit_version, self.cfg.completions_per_prompt,
-                               self.cfg.rollout_timeout_s, self.semaphore, self.vocab_size, self.retryable_errors())
+                               self.cfg.rollout_timeout_s, self.semaphore, self.vocab_size, self.is_retryable)
 
     def accept_group(self, group: PromptGroup) -> bool:
         """Count the group's outcomes; True if it is kept for training (advantages set)."""

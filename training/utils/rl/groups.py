@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from training.utils.rl.advantages import group_advantages
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
@@ -64,10 +64,11 @@ class PromptGroup:
 
 async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_version: int, n: int,
                     timeout_s: float, semaphore: asyncio.Semaphore, vocab_size: Optional[int] = None,
-                    retry_on: tuple[type[BaseException], ...] = ()) -> PromptGroup:
+                    is_retryable: Callable[[BaseException], bool] = lambda e: False) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
-    An exception of a type in ``retry_on`` (a deployment that went away) is retried once.
+    An exception for which ``is_retryable`` is true (a deployment that went away or answered
+    5xx past the sampler's own retries) is retried once; every other failure costs that completion.
     """
     group = PromptGroup(position=position, row=row, submit_version=submit_version)
     t0 = time.perf_counter()
@@ -77,14 +78,12 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
             for attempt in (0, 1):
                 try:
                     return k, await asyncio.wait_for(rollout_fn(row), timeout_s)
-                except retry_on as e:
-                    if attempt == 1:
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
+                    if attempt == 1 or isinstance(e, asyncio.TimeoutError) or not is_retryable(e):
                         return k, e
                     logger.warning("rollout of row %d hit %r; retrying once", position, e)
-                except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
-                    if isinstance(e, asyncio.CancelledError):
-                        raise
-                    return k, e
 
     for k, result in await asyncio.gather(*(one(k) for k in range(n))):
         if isinstance(result, asyncio.TimeoutError):

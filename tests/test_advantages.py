@@ -49,3 +49,12 @@ def test_non_finite_reward_raises(bad):
 
 def test_integer_rewards_accepted():
     assert group_advantages([1, 0]) == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-7)
+
+
+def test_targets_are_normalised_by_the_groups_run_rewards():
+    # runs with returns 0 and 2 (mean 1, unbiased std sqrt(2)); a run's calls credited 0.5 and 2
+    adv = group_advantages([0.0, 2.0], targets=[0.0, 0.5, 2.0])
+    s = math.sqrt(2.0)
+    assert adv == pytest.approx([-1 / s, -0.5 / s, 1 / s], abs=1e-6)
+    assert group_advantages([1.0, 1.0], targets=[0.0, 3.0]) == [0.0, 0.0]  # zero variance: no signal
+    assert group_advantages([0.0, 2.0], scale_by_std=False, targets=[3.0]) == [2.0]

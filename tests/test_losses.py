@@ -480,3 +480,25 @@ def test_optimising_each_loss_raises_the_positive_sequences_logprob(name):
         optimizer.step()
     assert sequence_logprob(0) > start_pos + 0.5, name
     assert sequence_logprob(1) < start_neg - 0.5, name
+
+
+def test_sample_weights_scale_each_sequences_contribution():
+    """A sequence of weight 0 contributes no gradient; weight 2 counts twice."""
+    from training.utils.rl.losses import compute_policy_loss
+    from training.utils.rl.losses.common import LossInputs
+    from training.utils.rl.losses.config import LossConfig
+
+    def run(weights):
+        lp = torch.tensor([-1.0, -1.0, -2.0, -2.0], requires_grad=True)
+        inputs = LossInputs(logprobs_N=lp, old_logprobs_N=lp.detach().clone(), sampler_logprobs_N=lp.detach().clone(),
+                            advantages_N=torch.tensor([1.0, 1.0, -1.0, -1.0]), loss_mask_N=torch.ones(4),
+                            sequence_index_N=torch.tensor([0, 0, 1, 1]), num_sequences=2,
+                            sample_weights_N=None if weights is None else torch.tensor(weights))
+        loss, _ = compute_policy_loss(inputs, LossConfig(policy_loss="importance_sampling", kl_beta=0.0), 4, 2)
+        loss.backward()
+        return lp.grad
+
+    base = run(None)
+    assert torch.equal(run([1.0, 1.0, 1.0, 1.0]), base)
+    g = run([0.0, 0.0, 2.0, 2.0])
+    assert torch.all(g[:2] == 0) and torch.allclose(g[2:], 2 * base[2:])

@@ -150,6 +150,8 @@ def test_transitions_credit_and_agent_selection(server, tiny_model_path):
     def credit(calls, ret):
         return [ret * (i + 1) for i in range(len(calls))]
 
+    setup_hooks = []
+
     async def go():
         from training.deployment.sampler import DeploymentSampler
         sampler = DeploymentSampler(server.base_url)
@@ -157,7 +159,9 @@ def test_transitions_credit_and_agent_selection(server, tiny_model_path):
         make = make_proxy_rollout_fn(agent, reward_fn=lambda row, ans: float(ans == row["a"]), mode="transitions",
                                      credit_fn=credit, agents=["solver"])
         try:
-            return await make(setup)({"q": "2 + 3?", "a": "5"})
+            rollout_fn = make(setup)
+            setup_hooks.extend(setup.weight_sync_hooks)
+            return await rollout_fn({"q": "2 + 3?", "a": "5"})
         finally:
             await sampler.close()
 
@@ -169,6 +173,10 @@ def test_transitions_credit_and_agent_selection(server, tiny_model_path):
     assert run.metadata["sample_calls"] == solver_calls and len(run.segments) == 3
     assert run.metadata["credited_rewards"] == [1.0, 2.0, 3.0] == [s.reward for s in run.segments]
     assert run.metadata["sample_weights"] == pytest.approx([1 / 3] * 3)
+    # the credited rewards and the episode weights reach the recipe: the run keeps segment rewards
+    assert run.segment_rewards and [s.reward for s in run.samples()] == [1.0, 2.0, 3.0]
+    assert [s.weight for s in run.segments] == pytest.approx([1 / 3] * 3)
+    assert len(setup_hooks) == 1  # the proxy pauses around every weight sync
     for seg, c in zip(run.segments, [c for c in calls if c["agent"] == "solver"]):
         validate_sample(seg)
         assert len(seg.tokens) == c["prompt_tokens"] + c["output_tokens"] and sum(seg.loss_mask) == c["output_tokens"]

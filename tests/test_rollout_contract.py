@@ -54,3 +54,15 @@ def test_empty_run_and_none():
     assert flatten_result(None) == []
     with pytest.raises(RolloutValidationError, match="segments"):
         flatten_result(RolloutRun(segments=[], reward=1.0))
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan")])
+def test_bad_sample_weight_is_rejected(weight):
+    with pytest.raises(RolloutValidationError) as e:
+        validate_sample(good(weight=weight))
+    assert e.value.field == "weight"
+
+
+def test_segment_rewards_keep_each_segments_own_reward():
+    run = RolloutRun(segments=[good(reward=0.0), good(reward=5.0)], reward=1.0, segment_rewards=True)
+    assert [s.reward for s in flatten_result(run)] == [0.0, 5.0]

@@ -84,6 +84,16 @@ class ProxyRolloutFn:
         self._starting: Optional[asyncio.Lock] = None
         self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
         self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
+        setup.weight_sync_hooks.append((self.before_weight_sync, self.after_weight_sync))
+
+    async def before_weight_sync(self) -> None:
+        """Hold new agent calls and wait for in-flight ones, so no call straddles two weight versions."""
+        if self.proxy is not None:
+            await self.proxy.pause_and_drain()
+
+    async def after_weight_sync(self) -> None:
+        if self.proxy is not None:
+            self.proxy.resume()
 
     async def ensure_started(self) -> ProxyServer:
         """Start the proxy on the running loop (once per loop); it stops when the loop shuts down."""
@@ -162,7 +172,8 @@ class ProxyRolloutFn:
             meta.update(sample_calls=res.calls, credited_rewards=res.rewards, sample_weights=res.weights)
         if not samples:
             return None
-        return RolloutRun(segments=samples, reward=reward, metadata=meta)
+        # transitions keep each call's credited reward; the run's reward sets the group statistics
+        return RolloutRun(segments=samples, reward=reward, metadata=meta, segment_rewards=self.mode == "transitions")
 
 
 def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, reward_fn: Callable[..., Any],

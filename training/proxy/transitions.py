@@ -13,7 +13,7 @@ A credit function spreads the episode return over the calls:
 
 Rollout-level normalisation: ``episode_weights(n)`` gives each of an episode's ``n`` samples
 the weight ``1 / n`` so that every episode counts once, however many calls it made. The
-recipe does not read per-sample weights yet (see README): they travel in the run's metadata.
+weight is set on each ``RolloutSample.weight``, which scales that sample's loss.
 """
 
 from __future__ import annotations
@@ -120,4 +120,7 @@ def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn:
                                      finish_reason=finish))
         kept_rewards.append(float(r))
         kept_calls.append(c.index)
-    return TransitionResult(samples, kept_rewards, kept_calls, episode_weights(len(samples)))
+    weights = episode_weights(len(samples))
+    for sample, weight in zip(samples, weights):
+        sample.weight = weight
+    return TransitionResult(samples, kept_rewards, kept_calls, weights)

@@ -148,13 +148,21 @@ class RunContext:
         t0 = time.perf_counter()
         mode = self.weight_sync_mode
         directory = str(self.log_path / "weights") if mode == "disk" else None
-        if self.deployment is not None:
-            await self.deployment.push_weights(self.trainer.named_weights(), version, mode=mode, directory=directory)
-        else:
-            from training.deployment.weight_sync import push_weights
+        hooks = self.setup.weight_sync_hooks
+        for before, _ in hooks:
+            await before()
+        try:
+            if self.deployment is not None:
+                await self.deployment.push_weights(self.trainer.named_weights(), version, mode=mode,
+                                                   directory=directory)
+            else:
+                from training.deployment.weight_sync import push_weights
 
-            await push_weights(self.base_url, self.trainer.named_weights(), version, mode=mode,
-                               directory=directory, api_key=self.cfg.deployment.api_key)
+                await push_weights(self.base_url, self.trainer.named_weights(), version, mode=mode,
+                                   directory=directory, api_key=self.cfg.deployment.api_key)
+        finally:
+            for _, after in hooks:
+                await after()
         return time.perf_counter() - t0
 
     # ---- rollouts ---------------------------------------------------------------------

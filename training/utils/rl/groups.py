@@ -57,9 +57,10 @@ class PromptGroup:
         return [self.completion_rewards[k] for k in sorted(self.completion_rewards)]
 
     def compute_advantages(self, scale_by_std: bool = True) -> None:
-        keys = sorted(self.completion_rewards)
-        adv = dict(zip(keys, group_advantages([self.completion_rewards[k] for k in keys], scale_by_std)))
-        self.advantages = [adv[c] for c in self.completion_index]
+        """Each sample's reward normalised by the group's completion rewards (a segment of a
+        ``segment_rewards`` run keeps its own reward; every other sample's is its completion's)."""
+        rewards_G = [self.completion_rewards[k] for k in sorted(self.completion_rewards)]
+        self.advantages = group_advantages(rewards_G, scale_by_std, targets=[s.reward for s in self.samples])
 
 
 async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_version: int, n: int,
@@ -105,7 +106,7 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
             continue
         if isinstance(result, RolloutRun) and result.metadata:
             group.metadata[k] = result.metadata
-        group.completion_rewards[k] = float(samples[0].reward)
+        group.completion_rewards[k] = float(result.reward if isinstance(result, RolloutRun) else samples[0].reward)
         group.samples.extend(samples)
         group.completion_index.extend([k] * len(samples))
     group.rollout_seconds = time.perf_counter() - t0

@@ -43,6 +43,7 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
     if reference is not None and loss_cfg.kl_beta > 0:
         ref_logprobs = reference.logprobs(sequences, temperature=temperature)
 
+    weighted = any(s.weight != 1.0 for s in samples)
     order = list(range(len(samples)))
     rng = random.Random(seed)
     sums: dict[str, float] = {}
@@ -70,6 +71,8 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
                     num_sequences=len(packed.sample_indices),
                     ref_logprobs_N=(packed.gather(pick(ref_logprobs)).to(logprobs_N.device)
                                     if ref_logprobs is not None else None),
+                    sample_weights_N=(packed.gather(pick([s.weight for s in samples])).to(logprobs_N.device)
+                                      if weighted else None),
                 )
                 return compute_policy_loss(inputs, loss_cfg, total_tokens, len(idx))
 

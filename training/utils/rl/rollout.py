@@ -51,6 +51,8 @@ class RolloutSample:
     """Why generation ended: ``stop``, ``length``, ``abort``... (``length`` marks truncation)."""
     text: str = ""
     """Optional decoded text, for logs only: never used to rebuild training data."""
+    weight: float = 1.0
+    """Scales this sample's per-token loss (>= 0), e.g. ``1 / num_calls`` so a long episode split into many samples counts once."""
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -71,13 +73,17 @@ class RolloutRun:
     """The segments in episode order; at least one."""
     reward: float
     """The episode's reward, given to every segment."""
+    segment_rewards: bool = False
+    """Keep each segment's own ``reward`` (per-call credit assignment) instead of writing ``reward`` into all;
+    the group's advantage statistics still come from the runs' ``reward``."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained."""
 
     def samples(self) -> list[RolloutSample]:
-        """The segments with the run's reward written into each."""
-        for seg in self.segments:
-            seg.reward = self.reward
+        """The segments, with the run's reward written into each unless ``segment_rewards``."""
+        if not self.segment_rewards:
+            for seg in self.segments:
+                seg.reward = self.reward
         return list(self.segments)
 
 
@@ -99,6 +105,9 @@ class RolloutSetup:
     """Anything the user passed to ``main(..., rollout_extras=...)``."""
     max_seq_len: Optional[int] = None
     """The longest sequence (prompt + completion) the trainer will accept."""
+    weight_sync_hooks: list[tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = \
+        field(default_factory=list)
+    """``(before, after)`` async callables the recipe awaits around every weight sync (a proxy pauses new calls)."""
 
 
 def _finite(x: float) -> bool:
@@ -135,6 +144,8 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
             raise RolloutValidationError("logprobs", f"logprobs[{i}]={lp!r} is not finite")
     if not _finite(sample.reward):
         raise RolloutValidationError("reward", f"{sample.reward!r} is not a finite number")
+    if not _finite(sample.weight) or sample.weight < 0:
+        raise RolloutValidationError("weight", f"{sample.weight!r} is not a finite number >= 0")
 
 
 def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> list[RolloutSample]:

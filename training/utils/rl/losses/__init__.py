@@ -73,7 +73,8 @@ def compute_policy_loss(
     micro-batches equals the aggregate over the step:
     ``token_mean`` → sum(L·m) / total_tokens; ``sequence_mean`` → sum over sequences of
     (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m). The loss's own aggregation
-    (gspo: ``sequence_mean``) overrides ``cfg.aggregation``.
+    (gspo: ``sequence_mean``) overrides ``cfg.aggregation``. ``inputs.sample_weights_N``, when
+    given, multiplies L_t first (a sample of weight w counts w times).
 
     Metrics (unprefixed floats over this micro-batch's trainable tokens; ``*_max`` are maxima):
     the loss's own (e.g. ``clip_fraction``, ``ratio_mean``, ``ratio_max``), plus always
@@ -101,8 +102,11 @@ def compute_policy_loss(
             f"per_token_loss_N: shape {tuple(output.per_token_loss_N.shape)} != logprobs_N shape "
             f"{tuple(inputs.logprobs_N.shape)}"
         )
+    per_token_loss_N = output.per_token_loss_N
+    if inputs.sample_weights_N is not None:
+        per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
     loss = aggregate(
-        output.per_token_loss_N, inputs, output.aggregation or cfg.aggregation, total_tokens, total_sequences
+        per_token_loss_N, inputs, output.aggregation or cfg.aggregation, total_tokens, total_sequences
     )
     metrics = diagnostic_metrics(inputs, cfg)
     metrics.update(output.metrics)

@@ -52,6 +52,8 @@ class LossInputs:
     """S: the number of sequences in this micro-batch (each sequence lies wholly inside it)."""
     ref_logprobs_N: Optional[torch.Tensor] = None
     """Reference-model logprobs (None when kl_beta == 0)."""
+    sample_weights_N: Optional[torch.Tensor] = None
+    """The sample's ``RolloutSample.weight`` copied to each of its tokens; multiplies L_t before aggregation (None = 1)."""
 
 
 @dataclass
@@ -79,6 +81,8 @@ def validate_inputs(inputs: LossInputs) -> None:
     names = ["old_logprobs_N", "sampler_logprobs_N", "advantages_N", "loss_mask_N", "sequence_index_N"]
     if inputs.ref_logprobs_N is not None:
         names.append("ref_logprobs_N")
+    if inputs.sample_weights_N is not None:
+        names.append("sample_weights_N")
     for name in names:
         t = getattr(inputs, name)
         if not isinstance(t, torch.Tensor):

@@ -101,20 +101,20 @@ class SlowSync(Tool):
 
 
 def test_calls_run_in_parallel_with_deadline_and_failures_become_observations():
-    manager = ToolManager([Boom(), Hang(), SlowSync()], timeout_s=0.5)
-    calls = [ToolCall("a", "hang"), ToolCall("b", "boom"), ToolCall("c", "slow", {"s": 0.3}),
-             ToolCall("d", "slow", {"s": 0.3}), ToolCall("e", "missing"), ToolCall("f", "slow", {"s": "long"}),
+    manager = ToolManager([Boom(), Hang(), SlowSync()], timeout_s=1.0)
+    calls = [ToolCall("a", "hang"), ToolCall("b", "boom"), ToolCall("c", "slow", {"s": 0.8}),
+             ToolCall("d", "slow", {"s": 0.8}), ToolCall("e", "missing"), ToolCall("f", "slow", {"s": "long"}),
              ToolCall("g", "slow", {}), ToolCall("h", "slow", {"s": 0.1, "extra": 1})]
     t0 = time.perf_counter()
     results = asyncio.run(manager.execute_all(calls))
     wall = time.perf_counter() - t0
-    # the hang is cut at its 0.5 s deadline; the two 0.3 s sleeps overlap it: serial would be >= 1.1 s
-    assert 0.45 <= wall < 0.9, wall
+    # the hang is cut at its 1 s deadline; the two 0.8 s sleeps overlap it: serial would be >= 2.6 s
+    assert 0.95 <= wall < 2.2, wall
     assert [r.call_id for r in results] == list("abcdefgh")
     assert [r.status for r in results] == ["timeout", "error", "ok", "ok", "unknown_tool", "bad_arguments",
                                            "bad_arguments", "bad_arguments"]
-    assert "within 0.5 s" in results[0].output and "RuntimeError: kaput" in results[1].output
-    assert results[2].output == '{"slept": 0.3}'
+    assert "within 1 s" in results[0].output and "RuntimeError: kaput" in results[1].output
+    assert results[2].output == '{"slept": 0.8}'
     assert "Available tools: boom, hang, slow" in results[4].output
     assert "'s' must be of type number" in results[5].output and "missing required argument(s): s" in results[6].output
     assert "unexpected argument(s): extra" in results[7].output

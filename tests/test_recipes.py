@@ -205,3 +205,41 @@ def test_deployment_failures_are_retried_once_and_rollout_bugs_are_not(tiny_mode
                  max_rollout_error_fraction=0.9)
     async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
     assert attempts[0] == 3 and attempts[1] == 2  # row 0: 2 completions + 1 retry; row 1: 2, no retries
+
+
+def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_model_path, tmp_path, monkeypatch):
+    """num_replicas=2: both replicas generate, a session sticks to one, and both serve the last version."""
+    from training.deployment.sampler import DeploymentSampler
+
+    seen = {}
+
+    def factory(setup):
+        inner = Recorder()(setup)
+        sampler = setup.sampler
+
+        async def rollout_fn(row):
+            url = sampler.pick_replica(f"row-{row['id']}")
+            seen.setdefault(row["id"], set()).add(url)
+            await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1, max_tokens=2,
+                                                    session_id=f"row-{row['id']}")
+            return await inner(row)
+        return rollout_fn
+
+    cfg = async_rl_loop.Config(base_model=tiny_model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
+                               prompt_groups_per_step=4, max_tokens=4, max_steps=2, export_final_model=False,
+                               loss=LossConfig(kl_beta=0.0), deployment=DeployConfig(num_replicas=2))
+    versions = {}
+    real_sync = async_rl_loop.RunContext.sync_weights
+
+    async def sync_and_check(ctx, version):
+        out = await real_sync(ctx, version)
+        for url in ctx.base_urls:  # the barrier: every replica already serves the new version
+            versions.setdefault(url, []).append(await DeploymentSampler(url).weight_version())
+        return out
+
+    monkeypatch.setattr(async_rl_loop.RunContext, "sync_weights", sync_and_check)
+    async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert len(versions) == 2 and all(v == [1, 2] for v in versions.values())
+    assert all(len(urls) == 1 for urls in seen.values())  # affinity: one replica per session
+    assert len({u for urls in seen.values() for u in urls}) == 2  # and both replicas got sessions
+    assert (tmp_path / "run" / "deployment-0.log").exists() and (tmp_path / "run" / "deployment-1.log").exists()

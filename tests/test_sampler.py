@@ -203,3 +203,18 @@ def test_constructor_validates_arguments():
     with pytest.raises(ValueError, match="max_retries"):
         DeploymentSampler("http://x", max_retries=-1)
     assert DeploymentSampler("http://h:1/v1/").base_url == "http://h:1"
+
+
+def test_replica_choice_is_sticky_per_session_and_least_loaded_otherwise():
+    from training.deployment.sampler import DeploymentSampler
+
+    s = DeploymentSampler(["http://127.0.0.1:1/v1", "http://127.0.0.1:2"])
+    assert s.base_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    picks = {sid: s.pick_replica(sid) for sid in (f"session-{i}" for i in range(40))}
+    assert all(s.pick_replica(sid) == url for sid, url in picks.items())
+    assert set(picks.values()) == set(s.base_urls)
+    s._client.in_flight.update({"http://127.0.0.1:1": 3, "http://127.0.0.1:2": 1})
+    assert s.pick_replica(None) == "http://127.0.0.1:2"
+    assert s.with_defaults(max_tokens=2).base_urls == s.base_urls
+    with pytest.raises(ValueError, match="base_url"):
+        DeploymentSampler(["http://ok:1", "ftp://bad"])

@@ -15,9 +15,10 @@ made with ``with_defaults``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import aiohttp
 
@@ -72,12 +73,19 @@ class Completion:
         return list((self.message or {}).get("tool_calls") or [])
 
 
+def _normalise_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
 class _HttpClient:
     """One ClientSession per event loop, created on first use, shared by related samplers."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self.in_flight: dict[str, int] = {}
+        """Requests in flight per replica URL (shared by related samplers: the load balancer's view)."""
 
     def _drop_dead(self) -> None:
         for loop in [lp for lp in self._sessions if lp.is_closed()]:
@@ -118,20 +126,31 @@ class _HttpClient:
 
 
 class DeploymentSampler:
-    """Client of one deployment URL. Sampling kwargs: max_tokens, temperature, top_p, stop, seed, ..."""
+    """Client of one deployment, or of several replicas of it. Sampling kwargs: max_tokens, temperature,
+    top_p, stop, seed, ...
 
-    def __init__(self, base_url: str, *, api_key: Optional[str] = None, model: Optional[str] = None,
+    With several URLs a request with a session id always goes to the same replica (a stable hash
+    of the id, so its KV cache is reused there); any other request goes to the replica with the
+    fewest requests in flight.
+    """
+
+    def __init__(self, base_url: Union[str, Sequence[str]], *, api_key: Optional[str] = None, model: Optional[str] = None,
                  timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 0.5,
                  sampling_defaults: Optional[dict] = None, _client: Optional[_HttpClient] = None):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url: must start with http:// or https://, got {base_url!r}")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one URL")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_url: must start with http:// or https://, got {url!r}")
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        self.base_urls = [_normalise_url(u) for u in urls]
+        """Every replica, in the order given."""
+        self.base_url = self.base_urls[0]
+        """The first replica (the only one, in the common case)."""
         self.api_key = api_key
         self.model = model
         self.timeout_s = timeout_s
@@ -142,7 +161,7 @@ class DeploymentSampler:
 
     def with_defaults(self, **sampling: Any) -> "DeploymentSampler":
         """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""
-        return DeploymentSampler(self.base_url, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s,
+        return type(self)(self.base_urls, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s,
                                  max_retries=self.max_retries, backoff_s=self.backoff_s,
                                  sampling_defaults={**self.sampling_defaults, **sampling}, _client=self._client)
 
@@ -158,10 +177,30 @@ class DeploymentSampler:
             headers[SESSION_HEADER] = session_id
         return headers
 
+    def pick_replica(self, session_id: Optional[str]) -> str:
+        """The replica for one request: the session's own (stable hash), else the least loaded."""
+        if len(self.base_urls) == 1:
+            return self.base_url
+        if session_id:
+            digest = hashlib.sha256(session_id.encode()).digest()
+            return self.base_urls[int.from_bytes(digest[:8], "big") % len(self.base_urls)]
+        return min(self.base_urls, key=lambda u: self._client.in_flight.get(u, 0))
+
     async def request(self, method: str, path: str, body: Optional[dict] = None,
-                      session_id: Optional[str] = None) -> dict:
-        """Send one JSON request with the retry policy; return the decoded JSON answer."""
-        url = self.base_url + path
+                      session_id: Optional[str] = None, base_url: Optional[str] = None) -> dict:
+        """Send one JSON request with the retry policy; return the decoded JSON answer.
+
+        ``base_url`` pins the replica; by default ``pick_replica`` chooses it.
+        """
+        base = base_url or self.pick_replica(session_id)
+        in_flight = self._client.in_flight
+        in_flight[base] = in_flight.get(base, 0) + 1
+        try:
+            return await self._request(method, base + path, body, session_id)
+        finally:
+            in_flight[base] -= 1
+
+    async def _request(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
         last: Optional[BaseException] = None
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -232,12 +271,13 @@ class DeploymentSampler:
         return result
 
     async def health(self) -> dict:
-        """GET /health."""
-        return await self.request("GET", "/health")
+        """GET /health of the first replica."""
+        return await self.request("GET", "/health", base_url=self.base_url)
 
     async def weight_version(self) -> int:
-        """The weight version the server is serving now."""
-        return int((await self.request("GET", "/weight_version"))["weight_version"])
+        """The weight version served now (the oldest one when replicas differ)."""
+        versions = await asyncio.gather(*(self.request("GET", "/weight_version", base_url=u) for u in self.base_urls))
+        return min(int(v["weight_version"]) for v in versions)
 
 
 def _error_message(text: str) -> tuple[str, Optional[str]]:

@@ -72,7 +72,7 @@ class ProxyRolloutFn:
         self.max_seq_len = max_seq_len if max_seq_len is not None else setup.max_seq_len
         self.model_name = model_name
         sampler = setup.sampler
-        urls = upstream_urls or [sampler.base_url]
+        urls = upstream_urls or list(getattr(sampler, "base_urls", [sampler.base_url]))
         forced = {k: setup.sampling_kwargs[k] for k in ("temperature", "top_p") if k in setup.sampling_kwargs}
         kw = dict(upstream_api_key=getattr(sampler, "api_key", None), strategy=strategy, forced_params=forced,
                   default_max_tokens=setup.sampling_kwargs.get("max_tokens"))

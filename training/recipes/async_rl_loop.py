@@ -158,7 +158,7 @@ class AsyncRLLoop:
     async def run(self) -> dict[str, Any]:
         ctx, cfg = self.ctx, self.ctx.cfg
         metrics_log = ctx.open_metrics()
-        if ctx.start_step > 0 or ctx.deployment is None:
+        if ctx.start_step > 0 or not ctx.deployments:
             await ctx.sync_weights(ctx.start_step)  # a resumed run, or a server we did not start
         producer = asyncio.create_task(self.produce())
         last: dict[str, float] = {}

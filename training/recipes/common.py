@@ -110,21 +110,26 @@ class RunContext:
             logger.info("resumed from %s at step %d", ckpt, self.start_step)
 
     def start_deployment(self) -> None:
-        """Start the embedded server (or attach to ``deployment.base_url``) and build the sampler."""
+        """Start the embedded server(s) (or attach to ``deployment.base_url``) and build the sampler."""
         from training.deployment.sampler import DeploymentSampler
 
         dcfg = self.cfg.deployment
+        self.deployments = []
+        """The embedded servers this run started (empty when attached to external ones)."""
         if dcfg.base_url is None:
             from training.deployment.launcher import EmbeddedDeployment
 
-            log_file = dcfg.log_file or str(self.log_path / "deployment.log")
-            self.deployment = self.exit_stack.enter_context(
-                EmbeddedDeployment(self.model_path, dcfg, log_file=log_file))
-            self.base_url = self.deployment.base_url
+            for i in range(dcfg.num_replicas):
+                name = "deployment.log" if dcfg.num_replicas == 1 else f"deployment-{i}.log"
+                log_file = dcfg.log_file or str(self.log_path / name)
+                if dcfg.log_file and dcfg.num_replicas > 1:
+                    log_file = f"{dcfg.log_file}.{i}"
+                self.deployments.append(self.exit_stack.enter_context(
+                    EmbeddedDeployment(self.model_path, dcfg, log_file=log_file)))
+            self.base_urls = [d.base_url for d in self.deployments]
         else:
-            self.deployment = None
-            self.base_url = dcfg.base_url
-        self.sampler = DeploymentSampler(self.base_url, api_key=dcfg.api_key, timeout_s=dcfg.request_timeout_s)
+            self.base_urls = [dcfg.base_url] if isinstance(dcfg.base_url, str) else list(dcfg.base_url)
+        self.sampler = DeploymentSampler(self.base_urls, api_key=dcfg.api_key, timeout_s=dcfg.request_timeout_s)
         sampling = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature, **self.cfg.sampling_kwargs}
         self.setup = RolloutSetup(sampler=self.sampler, tokenizer=self.tokenizer, sampling_kwargs=sampling,
                                   extras=self.rollout_extras, max_seq_len=dcfg.max_model_len)
@@ -142,8 +147,8 @@ class RunContext:
     async def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to the deployment as ``version``; return seconds taken.
 
-        The embedded deployment keeps the pushed file so that a restarted server comes back
-        with the newest weights.
+        Every replica gets the weights before this returns. An embedded deployment keeps the
+        pushed file so that a restarted server comes back with the newest weights.
         """
         t0 = time.perf_counter()
         mode = self.weight_sync_mode
@@ -151,15 +156,17 @@ class RunContext:
         hooks = self.setup.weight_sync_hooks
         for before, _ in hooks:
             await before()
-        try:
-            if self.deployment is not None:
-                await self.deployment.push_weights(self.trainer.named_weights(), version, mode=mode,
-                                                   directory=directory)
+        try:  # returns once every replica serves the new version
+            if self.deployments:
+                await asyncio.gather(*(
+                    d.push_weights(self.trainer.named_weights(), version, mode=mode,
+                                   directory=None if directory is None else f"{directory}/{i}")
+                    for i, d in enumerate(self.deployments)))
             else:
-                from training.deployment.weight_sync import push_weights
+                from training.deployment.weight_sync import push_weights_to_all
 
-                await push_weights(self.base_url, self.trainer.named_weights(), version, mode=mode,
-                                   directory=directory, api_key=self.cfg.deployment.api_key)
+                await push_weights_to_all(self.base_urls, self.trainer.named_weights(), version, mode=mode,
+                                          directory=directory, api_key=self.cfg.deployment.api_key)
         finally:
             for _, after in hooks:
                 await after()

@@ -43,7 +43,7 @@ class SyncRLLoop:
         ctx, cfg = self.ctx, self.ctx.cfg
         metrics_log = ctx.open_metrics()
         step, last = ctx.start_step, {}
-        if step > 0 or ctx.deployment is None:
+        if step > 0 or not ctx.deployments:
             await ctx.sync_weights(step)  # a resumed run, or a server we did not start
         if ctx.eval_due(step):
             metrics_log.log(step, await ctx.evaluate())

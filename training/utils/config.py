@@ -7,7 +7,7 @@ message that names the field and says what is allowed. Each field's docstring is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,8 +73,10 @@ class DeployConfig:
     process on 127.0.0.1 and stops it at exit; with a URL it talks to that server instead.
     """
 
-    base_url: Optional[str] = None
-    """URL of an external OpenAI-compatible server (``http://host:port``); None = embedded."""
+    base_url: Optional[Union[str, list[str]]] = None
+    """URL of an external OpenAI-compatible server (``http://host:port``), or a list of replicas; None = embedded."""
+    num_replicas: int = 1
+    """Embedded servers to start (each its own process and port); requests are balanced with session affinity."""
     host: str = "127.0.0.1"
     """Interface the embedded server binds to."""
     port: int = 0
@@ -111,9 +113,13 @@ class DeployConfig:
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        _check(self.num_replicas >= 1, "num_replicas", f"must be >= 1, got {self.num_replicas}")
         if self.base_url is not None:
-            _check(self.base_url.startswith(("http://", "https://")), "base_url",
-                   f"must start with http:// or https://, got {self.base_url!r}")
+            urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+            _check(len(urls) > 0, "base_url", "an empty list; give at least one URL or None")
+            for url in urls:
+                _check(isinstance(url, str) and url.startswith(("http://", "https://")), "base_url",
+                       f"must start with http:// or https://, got {url!r}")
 
 
 @dataclass

@@ -119,3 +119,12 @@ def test_rolling_mean_is_trailing_window_mean():
     assert rolling_mean([4.0], 10) == [4.0]
     with pytest.raises(ValueError, match="window"):
         rolling_mean([1.0], 0)
+
+
+def test_step_time_panel_holds_durations_not_rates():
+    from training.plot import _panels
+
+    series = {k: ([0], [1.0]) for k in ("perf/step_time_s", "perf/train_s", "perf/trained_tokens_per_s",
+                                        "perf/generated_tokens_per_s")}
+    (title, keys), = _panels(series)
+    assert title == "step time (s)" and keys == ["perf/step_time_s", "perf/train_s"]

@@ -114,7 +114,7 @@ def _panels(series: dict[str, Series]) -> list[tuple[str, list[str]]]:
     stale_keys = [k for k in ("offpolicy/staleness_mean", "offpolicy/staleness_max") if k in series]
     if stale_keys:
         panels.append(("staleness (weight versions)", stale_keys))
-    perf_keys = sorted(k for k in series if k.startswith("perf/") and k.endswith("_s"))
+    perf_keys = sorted(k for k in series if k.startswith("perf/") and k.endswith("_s") and not k.endswith("_per_s"))
     if perf_keys:
         panels.append(("step time (s)", perf_keys))
     if "train/loss" in series:

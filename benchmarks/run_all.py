@@ -1,0 +1,69 @@
+"""Run every benchmark script and rewrite BENCHMARKS.md from their JSON lines.
+
+    python -m benchmarks.run_all [--only async_overlap,exactness] [--quick] [--from-json benchmarks/results.json]
+
+Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
+never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
+``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
+running anything. Benchmarks are not tests: CI never runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.report import render
+
+SCRIPTS = ["async_overlap", "engine_throughput", "trainer_throughput", "weight_sync", "exactness"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(name: str, quick: bool, timeout_s: float) -> dict:
+    """Run one script; its JSON line, or ``{"figure", "error"}`` when it failed."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else [])
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"figure": name, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"figure": name, "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
+    result = json.loads(lines[-1])
+    print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SCRIPTS), help="comma-separated subset of " + ",".join(SCRIPTS))
+    p.add_argument("--quick", action="store_true", help="pass --quick to every script (a smoke run, not figures)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per script")
+    p.add_argument("--from-json", help="rebuild BENCHMARKS.md from a saved results file, run nothing")
+    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    a = p.parse_args()
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+    else:
+        names = [n for n in a.only.split(",") if n]
+        unknown = sorted(set(names) - set(SCRIPTS))
+        if unknown:
+            raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
+        t0 = time.perf_counter()
+        results = [run_script(n, a.quick, a.timeout) for n in names]
+        saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
+                 "total_s": round(time.perf_counter() - t0), "results": results}
+        (ROOT / "benchmarks" / "results.json").write_text(json.dumps(saved, indent=1) + "\n")
+    Path(a.out).write_text(render(saved))
+    print(f"wrote {a.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -243,3 +243,23 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
     assert all(len(urls) == 1 for urls in seen.values())  # affinity: one replica per session
     assert len({u for urls in seen.values() for u in urls}) == 2  # and both replicas got sessions
     assert (tmp_path / "run" / "deployment-0.log").exists() and (tmp_path / "run" / "deployment-1.log").exists()
+
+
+def test_ppo_step_applies_sample_weights(tiny_model_path):
+    """A step whose samples all weigh 0 moves nothing; weight 1 does (weights reach the loss)."""
+    from training.trainer import PolicyTrainer
+    from training.utils.rl.groups import PromptGroup
+    from training.utils.rl.ppo import train_on_groups
+
+    def group(weight):
+        samples = [RolloutSample(tokens=[1, 10, 20, 30 + k], logprobs=[0.0, 0.0, -2.0, -2.0], loss_mask=[0, 0, 1, 1],
+                                 reward=float(k), weight=weight) for k in range(2)]
+        g = PromptGroup(position=0, row={}, submit_version=0, samples=samples, completion_index=[0, 1],
+                        completion_rewards={0: 0.0, 1: 1.0})
+        g.compute_advantages()
+        return g
+
+    trainer = PolicyTrainer(tiny_model_path, TrainerConfig(learning_rate=1e-2))
+    zero = train_on_groups(trainer, [group(0.0)], LossConfig(kl_beta=0.0))
+    one = train_on_groups(trainer, [group(1.0)], LossConfig(kl_beta=0.0))
+    assert zero["train/grad_norm"] == 0.0 and one["train/grad_norm"] > 0.0

@@ -52,29 +52,31 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
     for epoch in range(ppo_epochs):
         if epoch > 0:
             rng.shuffle(order)
-        for mb in range(ppo_mini_batches):
-            idx = order[mb::ppo_mini_batches]
+        for k in range(ppo_mini_batches):
+            idx = order[k::ppo_mini_batches]
             if not idx:
                 continue
             mb_samples = [samples[i] for i in idx]
             total_tokens = sum(s.num_trainable_tokens for s in mb_samples)
+            # per-sample lists in the order of this mini-batch's sequences (what packed.gather indexes)
+            lists = {"old": [old_logprobs[i] for i in idx], "sampler": [s.logprobs for s in mb_samples],
+                  "adv": [advantages[i] for i in idx], "mask": [s.loss_mask for s in mb_samples],
+                  "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
+                  "weight": [s.weight for s in mb_samples] if weighted else None}
 
-            def loss_fn(packed, logprobs_N, idx=idx, total_tokens=total_tokens):
-                pick = lambda values: [values[idx[j]] for j in range(len(idx))]  # noqa: E731
+            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=len(idx)):
                 inputs = LossInputs(
                     logprobs_N=logprobs_N,
-                    old_logprobs_N=packed.gather(pick(old_logprobs)).to(logprobs_N.device),
-                    sampler_logprobs_N=packed.gather(pick([s.logprobs for s in samples])).to(logprobs_N.device),
-                    advantages_N=packed.gather(pick(advantages)).to(logprobs_N.device),
-                    loss_mask_N=packed.gather(pick([s.loss_mask for s in samples])).to(logprobs_N.device),
-                    sequence_index_N=packed.sequence_index_N.to(logprobs_N.device),
+                    old_logprobs_N=packed.gather(lists["old"]),
+                    sampler_logprobs_N=packed.gather(lists["sampler"]),
+                    advantages_N=packed.gather(lists["adv"]),
+                    loss_mask_N=packed.gather(lists["mask"]),
+                    sequence_index_N=packed.sequence_index_N,
                     num_sequences=len(packed.sample_indices),
-                    ref_logprobs_N=(packed.gather(pick(ref_logprobs)).to(logprobs_N.device)
-                                    if ref_logprobs is not None else None),
-                    sample_weights_N=(packed.gather(pick([s.weight for s in samples])).to(logprobs_N.device)
-                                      if weighted else None),
+                    ref_logprobs_N=None if lists["ref"] is None else packed.gather(lists["ref"]),
+                    sample_weights_N=None if lists["weight"] is None else packed.gather(lists["weight"]),
                 )
-                return compute_policy_loss(inputs, loss_cfg, total_tokens, len(idx))
+                return compute_policy_loss(inputs, loss_cfg, total_tokens, num_sequences)
 
             metrics = trainer.forward_backward([sequences[i] for i in idx], loss_fn, temperature=temperature)
             _merge(sums, metrics, float(total_tokens), weights)

@@ -17,9 +17,13 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", ["single_turn_token_in", "multi_turn_message_in"])
-def test_example_pair_runs(name, tmp_path):
-    metrics = run_example(name, tmp_path / "run", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2")
+@pytest.mark.parametrize("name, extra", [
+    ("single_turn_token_in", ()),
+    ("multi_turn_message_in", ()),
+    ("arithmetic_smollm2", ("base_model=tiny", "completions_per_prompt=2", "dynamic_filter_fn=null")),
+])
+def test_example_pair_runs(name, extra, tmp_path):
+    metrics = run_example(name, tmp_path / "run", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2", *extra)
     trained = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in trained] == [0, 1]
     assert all(m["rollout/errors"] == 0 and m["rollout/invalid"] == 0 for m in trained)

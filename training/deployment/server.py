@@ -5,6 +5,8 @@ Endpoints (see README.md for bodies):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request.
 - ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
 - ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
+- ``POST /init_weight_update_group``, ``POST /update_weights_from_distributed``: the torch.distributed
+  path (the trainer broadcasts tensors; see ``dist_weights.py``, ``dist_weights_receiver.py``).
 
 Contract: a bad request gets 400 with the OpenAI error envelope naming the field and never
 disturbs other requests; a refused weight update gets 400 and the old weights stay live;
@@ -25,7 +27,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import EngineError, WeightUpdateError
+from training.deployment.engine.config import EngineError, PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import (
     SESSION_HEADER,
     ParsedRequest,
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", object)
 SETTINGS_KEY = web.AppKey("settings", dict)
+DIST_KEY = web.AppKey("dist_weights", dict)
+"""The torch.distributed weight-update state: ``group`` (or None) and ``busy`` (a join or update runs)."""
 _OPEN_PATHS = ("/health",)
 """Paths that never require the API key."""
 
@@ -207,6 +211,75 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
                               "load_s": time.perf_counter() - t0})
 
 
+async def init_weight_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's weight-update group (rank >= 1); replaces any previous group."""
+    from training.deployment.dist_weights_receiver import WeightUpdateGroup, parse_group_body
+
+    spec = parse_group_body(await _read_json(request))
+    device = request.app[ENGINE_KEY].engine.device
+    if spec.backend == "nccl" and device.type != "cuda":
+        raise RequestError(f"'backend' nccl needs the engine on CUDA; this engine runs on {device}: use gloo",
+                           "backend")
+    state = request.app[DIST_KEY]
+    if state["busy"]:
+        raise RequestError("a weight-update group join or update is in progress", status=409)
+    state["busy"] = True
+    try:
+        if state["group"] is not None:
+            state["group"].close()
+            state["group"] = None
+        group = WeightUpdateGroup(spec)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(group.join)  # blocks until every rank joined; the loop keeps serving
+        except Exception as e:
+            group.close()
+            raise RequestError(f"could not join the weight-update group at {spec.master_addr}:"
+                               f"{spec.master_port} as rank {spec.rank}/{spec.world_size}: {e}", "master_addr",
+                               status=503) from e
+        state["group"] = group
+    finally:
+        state["busy"] = False
+    return web.json_response({"status": "joined", "rank": spec.rank, "world_size": spec.world_size,
+                              "backend": spec.backend, "join_s": time.perf_counter() - t0})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """Validate the metadata, wait for the trainer's go, receive the tensors into the engine."""
+    from training.deployment.dist_weights_receiver import parse_update_body
+
+    engine, state = request.app[ENGINE_KEY], request.app[DIST_KEY]
+    runner = engine.engine.runner
+    plan = parse_update_body(await _read_json(request), runner.weight_shapes, runner.tied)
+    group = state["group"]
+    if group is None:
+        raise RequestError("no weight-update group: POST /init_weight_update_group first")
+    if state["busy"]:
+        raise RequestError("a weight-update group join or update is in progress", status=409)
+    state["busy"] = True
+    try:
+        try:
+            go = await asyncio.to_thread(group.accept_and_wait_go, plan.update_id)
+        except Exception as e:
+            raise RequestError(f"lost the trainer before the transfer started (old weights kept): {e}",
+                               status=503) from e
+        if not go:
+            raise RequestError("the trainer aborted this update (another server refused it); old weights kept",
+                               status=409)
+        t0, stats = time.perf_counter(), {}
+        loader = group.make_loader(plan, runner.targets, stats)
+        try:
+            await engine.update_weights_streamed(loader, plan.weight_version,
+                                                 wait_for_inflight=plan.wait_for_inflight)
+        except PartialWeightUpdateError as e:
+            return _json_error(500, f"weight update failed half-way; weights are a mix, weight_version is "
+                                    f"{engine.weight_version}: {e}", "internal_error")
+    finally:
+        state["busy"] = False
+    return web.json_response({"weight_version": engine.weight_version, "load_s": time.perf_counter() - t0,
+                              **stats})
+
+
 async def pause(request: web.Request) -> web.Response:
     await request.app[ENGINE_KEY].pause()
     return web.json_response({"status": "paused"})
@@ -227,6 +300,7 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
     aliases = tuple(dict.fromkeys([name, engine.model_name, model_arg]))
     app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases,
                          "started": int(time.time())}
+    app[DIST_KEY] = {"group": None, "busy": False}
     app.add_routes([
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
@@ -236,9 +310,16 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
         web.get("/stats", stats),
         web.post("/update_weights_from_disk", update_weights_from_disk),
         web.post("/update_weights_from_shm", update_weights_from_shm),
+        web.post("/init_weight_update_group", init_weight_update_group),
+        web.post("/update_weights_from_distributed", update_weights_from_distributed),
         web.post("/pause", pause),
         web.post("/resume", resume),
     ])
+    async def _close_group(_app: web.Application) -> None:
+        if _app[DIST_KEY]["group"] is not None:
+            _app[DIST_KEY]["group"].close()
+
+    app.on_cleanup.append(_close_group)
     if manage_engine:
         async def _start(_app: web.Application) -> None:
             await engine.start()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -191,12 +191,26 @@ class AsyncEngine:
         """
         runner = self.engine.runner
         checked = await asyncio.to_thread(validate_update, tensors, runner.weight_shapes, runner.tied)
+        await self._queue_update(checked, weight_version, wait_for_inflight, None)
+
+    async def update_weights_streamed(self, load: Callable[[], None], weight_version: int, *,
+                                      wait_for_inflight: bool = True) -> None:
+        """Run ``load()`` on the engine thread when a full update would be swapped in (same pause rules).
+
+        ``load`` copies an already validated full set into ``runner.targets`` piece by piece (the
+        torch.distributed path receives one tensor at a time). If it raises
+        ``PartialWeightUpdateError`` the engine's version becomes -1 (the weights are a mix).
+        """
+        await self._queue_update({}, weight_version, wait_for_inflight, load)
+
+    async def _queue_update(self, tensors: Mapping[str, torch.Tensor], weight_version: int,
+                            wait_for_inflight: bool, load: Optional[Callable[[], None]]) -> None:
         fut = asyncio.get_running_loop().create_future()
         with self._cond:
             if self._stopping or self._thread is None:
                 raise RuntimeError("engine is not running: call start() first")
-            self._updates.append(PendingUpdate(checked, int(weight_version), wait_for_inflight,
-                                               self._deliver_update(fut)))
+            self._updates.append(PendingUpdate(tensors, int(weight_version), wait_for_inflight,
+                                               self._deliver_update(fut), load))
             self._cond.notify_all()
         await fut
 

@@ -20,6 +20,13 @@ class WeightUpdateError(ValueError):
     """A refused weight update (missing, mismatched or extra tensor, named); the old weights stay live."""
 
 
+class PartialWeightUpdateError(RuntimeError):
+    """A streamed weight update failed after some tensors were overwritten: the live weights are a mix.
+
+    The engine then reports ``weight_version = -1`` (unknown) until a later full update succeeds.
+    """
+
+
 @dataclass
 class EngineConfig:
     """How the engine loads the model and sizes its KV cache."""

@@ -8,7 +8,8 @@ thread and hands requests in between steps.
 
 Weight updates are applied between steps: ``wait_for_inflight`` stops admission until the
 running set is empty (no sequence mixes two weight sets); otherwise at the next step boundary.
-Either way every parked session is dropped (its K/V came from the old weights).
+Either way every parked session is dropped (its K/V came from the old weights). A streamed
+update that fails half-way leaves ``weight_version = -1`` (the weights are a mix).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import EngineConfig, GenerationResult, SamplingParams, validate_request
+from training.deployment.engine.config import (EngineConfig, GenerationResult, PartialWeightUpdateError,
+                                              SamplingParams, validate_request)
 from training.deployment.engine.model_runner import LeanModelRunner, lean_supported
 from training.deployment.engine.sampling import sample
 from training.deployment.engine.scheduler import Scheduler
@@ -33,12 +35,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PendingUpdate:
-    """A validated weight set waiting for its moment; ``done(exc)`` is called once applied or failed."""
+    """A validated weight set waiting for its moment; ``done(exc)`` is called once applied or failed.
+
+    ``load``, when given, replaces ``runner.load_weights(tensors)``: it runs on the engine thread at
+    the same moment (streamed updates that receive and copy one tensor at a time).
+    """
 
     tensors: Mapping[str, torch.Tensor]
     weight_version: int
     wait_for_inflight: bool
     done: Callable[[Optional[BaseException]], None]
+    load: Optional[Callable[[], None]] = None
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
@@ -180,9 +187,15 @@ class LLMEngine:
                 return
             self.pending_updates.pop(0)
             try:
-                self.runner.load_weights(upd.tensors)
-            except BaseException as exc:  # validated before; a failure here is a bug or OOM
+                if upd.load is not None:
+                    upd.load()
+                else:
+                    self.runner.load_weights(upd.tensors)
+            except BaseException as exc:  # validated before; a failure here is a bug, OOM or a lost peer
                 log.exception("weight update failed while copying")
+                if isinstance(exc, PartialWeightUpdateError):  # some tensors are new: no known version
+                    self.scheduler.slots.drop_parked()
+                    self.weight_version = -1
                 upd.done(exc)
                 continue
             self.scheduler.slots.drop_parked()

@@ -40,6 +40,11 @@ class HFModelRunner:
         self._targets = {n: state[n] for n in self.weight_shapes}
         self._caches: dict[int, object] = {}
 
+    @property
+    def targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name → the parameter tensor a new value is copied into (in place)."""
+        return self._targets
+
     @torch.inference_mode()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a validated full set into the model's parameters in place (running caches are kept)."""

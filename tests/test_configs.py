@@ -52,3 +52,14 @@ def test_custom_loss_callable_is_accepted():
 
     assert LossConfig(policy_loss=my_loss).policy_loss is my_loss
     assert Config(base_model="m", loss=LossConfig(policy_loss=my_loss)).to_dict()["loss"]["policy_loss"] == "my_loss"
+
+
+def test_deploy_engine_is_validated_and_lists_the_allowed_ones():
+    assert DeployConfig().engine == "embedded"
+    assert DeployConfig(engine="vllm", engine_args=["--seed", "1"], engine_env={"A": "1"}).engine == "vllm"
+    with pytest.raises(ValueError, match=r"^engine: 'tgi' is not one of \('embedded', 'vllm', 'sglang'\)"):
+        DeployConfig(engine="tgi")
+    with pytest.raises(ValueError, match="^engine_args:"):
+        DeployConfig(engine="vllm", engine_args="--seed 1")
+    with pytest.raises(ValueError, match="^engine_env:"):
+        DeployConfig(engine="vllm", engine_env={"A": 1})

@@ -292,3 +292,38 @@ class EmbeddedDeployment:
                 return f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
+
+
+def make_deployment(model: str, cfg: DeployConfig, *, log_file: Optional[str] = None,
+                    base_url: Optional[str] = None) -> Any:
+    """The deployment object for ``cfg.engine``, not started yet (use it as a context manager).
+
+    ``embedded``: ``EmbeddedDeployment`` (launch only); ``vllm``: ``VLLMDeployment``; ``sglang``:
+    ``SGLangDeployment``. The last two launch a server, or attach to ``base_url`` (one URL).
+    All have ``base_url`` and ``async push_weights(named_weights, weight_version, mode=, directory=)``.
+    """
+    if cfg.engine == "embedded":
+        if base_url is not None:
+            raise ValueError("base_url: the embedded engine launches its own server; attach with a "
+                             "DeploymentSampler and weight_sync.push_weights_to_all instead")
+        return EmbeddedDeployment(model, cfg, log_file=log_file)
+    if cfg.engine == "vllm":
+        from training.deployment.vllm import VLLMDeployment
+
+        return VLLMDeployment(model, cfg, log_file=log_file, base_url=base_url)
+    if cfg.engine == "sglang":
+        from training.deployment.sglang import SGLangDeployment
+
+        return SGLangDeployment(model, cfg, log_file=log_file, base_url=base_url)
+    raise ValueError(f"engine: {cfg.engine!r} is not one of ('embedded', 'vllm', 'sglang')")
+
+
+def make_sampler(base_urls: list[str], cfg: DeployConfig, tokenizer: Any = None) -> Any:
+    """The ``DeploymentSampler`` for ``cfg.engine`` (SGLang's samples through its native /generate)."""
+    from training.deployment.sampler import DeploymentSampler
+
+    if cfg.engine == "sglang":
+        from training.deployment.sglang import SGLangSampler
+
+        return SGLangSampler(base_urls, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, tokenizer=tokenizer)
+    return DeploymentSampler(base_urls, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)

@@ -86,6 +86,8 @@ class _HttpClient:
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self.in_flight: dict[str, int] = {}
         """Requests in flight per replica URL (shared by related samplers: the load balancer's view)."""
+        self.noted_weight_version = 0
+        """The newest weight version known to be served everywhere (``note_weight_version``)."""
 
     def _drop_dead(self) -> None:
         for loop in [lp for lp in self._sessions if lp.is_closed()]:
@@ -169,6 +171,17 @@ class DeploymentSampler:
         """Close this event loop's session (other samplers made by ``with_defaults`` share it)."""
         await self._client.close()
 
+    def note_weight_version(self, version: int) -> None:
+        """Record that every replica now serves ``version`` (call after a weight sync has returned).
+
+        A server whose answers carry no ``weight_version`` (vLLM's and SGLang's OpenAI APIs) gets
+        its completions labelled with the version noted when the request was *sent*. A sync only
+        moves versions forward, so that label is never newer than the weights that produced any
+        of the completion's tokens (it may be older: conservative for the off-policy gate).
+        Shared with every sampler made by ``with_defaults``.
+        """
+        self._client.noted_weight_version = int(version)
+
     def _headers(self, session_id: Optional[str]) -> dict[str, str]:
         headers = {}
         if self.api_key:
@@ -239,13 +252,14 @@ class DeploymentSampler:
         body["prompt"] = list(prompt_ids)
         if body.get("logprobs") is None:
             body["logprobs"] = 0  # 0 = the sampled tokens' logprobs, no alternatives
+        sent_under = self._client.noted_weight_version
         out = await self.request("POST", "/v1/completions", body, session_id)
         cached = _cached(out)
         result = []
         for ch in sorted(out["choices"], key=lambda c: c["index"]):
             prompt = ch.get("prompt_token_ids") or list(prompt_ids)
             lps = (ch.get("logprobs") or {}).get("token_logprobs")
-            result.append(_completion(prompt, ch, lps, ch.get("text", ""), out, cached))
+            result.append(_completion(prompt, ch, lps, ch.get("text", ""), out, cached, sent_under=sent_under))
         return result
 
     async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
@@ -256,6 +270,7 @@ class DeploymentSampler:
         body["logprobs"] = True
         if tools:
             body["tools"] = tools
+        sent_under = self._client.noted_weight_version
         out = await self.request("POST", "/v1/chat/completions", body, session_id)
         cached = _cached(out)
         result = []
@@ -267,7 +282,8 @@ class DeploymentSampler:
             content = (ch.get("logprobs") or {}).get("content")
             lps = None if content is None else [c["logprob"] for c in content]
             msg = ch.get("message") or {}
-            result.append(_completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg))
+            result.append(_completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg,
+                                      sent_under=sent_under))
         return result
 
     async def health(self) -> dict:
@@ -297,17 +313,19 @@ def _cached(out: dict) -> int:
 
 
 def _completion(prompt: list[int], ch: dict, lps: Optional[list[float]], text: str, out: dict, cached: int,
-                message: Optional[dict] = None) -> Completion:
+                message: Optional[dict] = None, sent_under: int = 0) -> Completion:
+    """One choice as a ``Completion``; ``sent_under`` labels it when the server reports no version."""
     tokens = ch.get("token_ids")
     if tokens is None:
         raise DeploymentRequestError("the server returned no token_ids (needs return_token_ids support)")
     if lps is None or len(lps) != len(tokens):
         raise DeploymentRequestError(f"the server returned {0 if lps is None else len(lps)} logprobs "
                                      f"for {len(tokens)} tokens")
-    version = ch.get("weight_version", out.get("weight_version", 0))
+    version = ch.get("weight_version", out.get("weight_version"))
     return Completion(full_tokens=list(prompt) + list(tokens), prompt_len=len(prompt),
                       inference_logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason") or "stop",
-                      text=text, weight_version=int(version or 0), message=message, cached_tokens=cached)
+                      text=text, weight_version=sent_under if version is None else int(version), message=message,
+                      cached_tokens=cached)
 
 
 def build_deployment_sampler(setup: Any) -> DeploymentSampler:

@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("embedded", "vllm", "sglang")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -71,6 +72,8 @@ class DeployConfig:
 
     With ``base_url=None`` (the default) the recipe starts the embedded server as a child
     process on 127.0.0.1 and stops it at exit; with a URL it talks to that server instead.
+    ``engine`` chooses the server: the embedded one, vLLM or SGLang (launched the same way, or
+    attached by URL); see training/deployment/README.md, "vLLM and SGLang".
     """
 
     base_url: Optional[Union[str, list[str]]] = None
@@ -101,8 +104,24 @@ class DeployConfig:
     """How many times the launcher restarts an embedded server that died."""
     log_file: Optional[str] = None
     """Where the embedded server's log goes; default ``<log_path>/deployment.log``."""
+    engine: str = "embedded"
+    """Inference engine: ``embedded`` (this package's server), ``vllm`` or ``sglang``. With ``base_url``
+    set, ``vllm`` / ``sglang`` attach to that server (weight sync through the engine's own endpoints)."""
+    engine_python: Optional[str] = None
+    """Python that launches a ``vllm`` / ``sglang`` server; None = ``.venv-vllm/bin/python`` of this
+    repository for vLLM when it exists (``scripts/setup_vllm.sh``), else the current interpreter."""
+    engine_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for a launched ``vllm`` / ``sglang`` server."""
+    engine_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for a launched ``vllm`` / ``sglang`` server (e.g. ``VLLM_CPU_KVCACHE_SPACE``)."""
 
     def __post_init__(self):
+        _check(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
+        _check(isinstance(self.engine_args, (list, tuple)) and all(isinstance(a, str) for a in self.engine_args),
+               "engine_args", f"must be a list of strings, got {self.engine_args!r}")
+        _check(isinstance(self.engine_env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in self.engine_env.items()),
+               "engine_env", f"must map strings to strings, got {self.engine_env!r}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _check(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")

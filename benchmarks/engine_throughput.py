@@ -10,7 +10,10 @@ send them to ``/v1/completions`` of an ``EmbeddedDeployment`` (a child process, 
 Baselines, measured in the same run on the same requests:
 (a) ``transformers`` ``generate`` on static batches of C requests in arrival order, left-padded,
     each batch decoding to its longest requested length (only requested tokens count);
-(b) the same server with one request at a time (the first ``--sequential-requests`` requests).
+(b) the same server with one request at a time (the first ``--sequential-requests`` requests);
+(c) vLLM's CPU build (``scripts/setup_vllm.sh`` makes its venv; fp32, eager) serving the same
+    model and the same requests, when its venv exists. vLLM's CPU attention does not support
+    head_dim 16, so the tiny model has no vLLM row.
 Figure: generated tokens/s, median of ``--repeats`` runs; ratios engine / (a) and engine / (b).
 """
 
@@ -55,21 +58,23 @@ async def _serve_clients(sampler, reqs: list[tuple[list[int], int]], clients: in
     return generated / (time.perf_counter() - t0)
 
 
-def bench_server(path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list) -> tuple[dict, list]:
-    """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat)."""
-    from training.deployment.launcher import EmbeddedDeployment
+def bench_server(path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list,
+                 engine: str = "embedded") -> tuple[dict, list]:
+    """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
+    from training.deployment.launcher import make_deployment
     from training.deployment.sampler import DeploymentSampler
     from training.utils import DeployConfig
 
     max_c = max(reqs_by_c)
-    with EmbeddedDeployment(path, DeployConfig(max_batch_size=max_c, max_model_len=256)) as dep:
+    cfg = DeployConfig(engine=engine, max_batch_size=max_c, max_model_len=256, startup_timeout_s=600)
+    with make_deployment(path, cfg) as dep:
         async def run() -> tuple[dict, list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)
             try:
                 await _serve_clients(sampler, reqs_by_c[min(reqs_by_c)][:4], 4)  # warm-up
                 per_c = {c: [await _serve_clients(sampler, reqs, c) for _ in range(repeats)]
                          for c, reqs in reqs_by_c.items()}
-                seq = [await _serve_clients(sampler, sequential, 1) for _ in range(repeats)]
+                seq = [await _serve_clients(sampler, sequential, 1) for _ in range(repeats)] if sequential else []
                 return per_c, seq
             finally:
                 await sampler.close()
@@ -94,7 +99,16 @@ def bench_generate(path: str, reqs: list[tuple[list[int], int]], batch: int, mod
     return sum(m for _, m in reqs) / (time.perf_counter() - t0)
 
 
-def bench_model(name: str, concurrency: list[int], per_client: int, repeats: int, n_sequential: int) -> list[dict]:
+def vllm_available() -> bool:
+    from pathlib import Path
+
+    from training.deployment.vllm import default_vllm_python
+
+    return Path(default_vllm_python()).exists()
+
+
+def bench_model(name: str, concurrency: list[int], per_client: int, repeats: int, n_sequential: int,
+                with_vllm: bool) -> list[dict]:
     """Rows for one model: per concurrency, engine vs generate and engine vs sequential."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,6 +118,7 @@ def bench_model(name: str, concurrency: list[int], per_client: int, repeats: int
     reqs_by_c = {c: workload(c * per_client, lengths, vocab, seed=c) for c in concurrency}
     sequential = reqs_by_c[min(concurrency)][:n_sequential]
     per_c, seq = bench_server(path, reqs_by_c, repeats, sequential)
+    vllm_per_c = bench_server(path, reqs_by_c, repeats, [], engine="vllm")[0] if with_vllm else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     bench_generate(path, reqs_by_c[min(concurrency)][:2], 2, model)  # warm-up
     rows = []
@@ -114,6 +129,8 @@ def bench_model(name: str, concurrency: list[int], per_client: int, repeats: int
         label = f"{name}: server, {c} clients ({len(reqs_by_c[c])} requests)"
         rows.append(row(label, eng, "generated tok/s", f"generate, static batches of {c}", gen))
         rows.append(row(label, eng, "generated tok/s", "same server, one request at a time", seq_tps))
+        if c in vllm_per_c:
+            rows.append(row(label, eng, "generated tok/s", "vLLM CPU build, same requests", median(vllm_per_c[c])))
     return rows
 
 
@@ -123,16 +140,21 @@ def main() -> None:
     p.add_argument("--concurrency", default="8,32,64")
     p.add_argument("--per-client", type=int, default=0, help="requests per client (0: tiny 2, SmolLM2 1)")
     p.add_argument("--sequential-requests", type=int, default=8)
+    p.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
+                   help="baseline (c); auto: when the venv of scripts/setup_vllm.sh exists")
     a = p.parse_args()
     started = time.perf_counter()
     models, conc = a.models.split(","), [int(c) for c in a.concurrency.split(",")]
     if a.quick:
         models, conc, a.sequential_requests = ["tiny"], [8], 4
+    with_vllm = a.vllm == "yes" or (a.vllm == "auto" and not a.quick and vllm_available())
     rows = []
     for m in models:
         per_client = a.per_client or (2 if m == "tiny" else 1)
-        rows += bench_model(m, conc, per_client, a.repeats, a.sequential_requests)
-    notes = ("vLLM CPU baseline (c): not measured in this run. GPU rows: not measured (no GPU lent to this task).")
+        rows += bench_model(m, conc, per_client, a.repeats, a.sequential_requests, with_vllm and m != "tiny")
+    notes = ("vLLM CPU baseline (c): " + ("measured for SmolLM2 (no tiny row: vLLM's CPU attention rejects head_dim 16)."
+                                          if with_vllm else "not measured in this run (no venv from scripts/setup_vllm.sh).")
+             + " GPU rows: not measured (no GPU lent to this task).")
     emit("engine_throughput", rows, headline=0, notes=notes, started=started, repeats=a.repeats)
 
 

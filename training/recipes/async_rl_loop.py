@@ -25,6 +25,7 @@ import time
 from typing import Any, Optional
 
 from training.recipes.common import RolloutFnFactory, RunContext, batch_metrics
+from training.trainer import distributed as dist_utils
 from training.recipes.config import Config
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
@@ -237,14 +238,33 @@ async def _amain(ctx: RunContext, loop_cls) -> dict[str, Any]:
 
 def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
                rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Build the run context, run ``loop_cls`` to the end, always stop the deployment."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = RunContext(cfg, rows, rollout_fn_factory, rollout_extras)
+    """Build the run context, run ``loop_cls`` to the end, always stop the deployment.
+
+    Under ``torchrun`` (see ``training/trainer/distributed.py``) every rank builds the sharded
+    trainer; rank 0 runs the loop and releases the other ranks when it ends (also on errors);
+    the others follow it and return ``{"steps": <rank 0's steps>, "last_metrics": {},
+    "final_model": None}``.
+    """
+    started = dist_utils.init_distributed(cfg.trainer.device)
+    main_rank = dist_utils.is_main_rank()
+    level = logging.INFO if main_rank else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    steps = 0
     try:
-        ctx.build_trainer()
-        return asyncio.run(_amain(ctx, loop_cls))
+        ctx = RunContext(cfg, rows, rollout_fn_factory, rollout_extras)
+        try:
+            ctx.build_trainer()
+            if not main_rank:
+                return {"steps": ctx.follow(), "last_metrics": {}, "final_model": None}
+            result = asyncio.run(_amain(ctx, loop_cls))
+            steps = result["steps"]
+            return result
+        finally:
+            ctx.close()
+            dist_utils.stop_followers(steps)
     finally:
-        ctx.close()
+        if started:
+            dist_utils.shutdown_distributed()
 
 
 def main(cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,

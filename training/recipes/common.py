@@ -3,11 +3,17 @@
 ``RunContext`` owns the long-lived parts of a run (trainer, reference model, deployment,
 sampler, rollout function, data cursor, metrics) and the operations on them; the recipes
 own only the order in which they happen.
+
+Under ``torchrun`` every rank builds the same ``RunContext`` and trainer (sharded with FSDP2);
+rank 0 runs the recipe and is the only one to start the deployment, roll out, log and write
+metrics; the other ranks run ``RunContext.follow``, taking part in each training step, weight
+gather, checkpoint and export that rank 0 announces (``training/trainer/distributed.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -20,11 +26,13 @@ import torch
 
 from training.models import resolve_model
 from training.recipes.config import Config
+from training.trainer.distributed import Command, follow, lead
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.metrics import MetricsLogger
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
+from training.utils.rl.ppo import receive_and_train
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 logger = logging.getLogger("training.recipe")
@@ -110,26 +118,29 @@ class RunContext:
             logger.info("resumed from %s at step %d", ckpt, self.start_step)
 
     def start_deployment(self) -> None:
-        """Start the embedded server(s) (or attach to ``deployment.base_url``) and build the sampler."""
-        from training.deployment.sampler import DeploymentSampler
+        """Start the server(s) of ``deployment.engine`` (or attach to ``deployment.base_url``), build the sampler."""
+        from training.deployment.launcher import make_deployment, make_sampler
 
         dcfg = self.cfg.deployment
         self.deployments = []
-        """The embedded servers this run started (empty when attached to external ones)."""
+        """The servers this run started (empty when attached to external ones)."""
+        self.attached_deployments = []
+        """vLLM / SGLang adapters of external servers (weight sync through their own endpoints)."""
         if dcfg.base_url is None:
-            from training.deployment.launcher import EmbeddedDeployment
-
             for i in range(dcfg.num_replicas):
                 name = "deployment.log" if dcfg.num_replicas == 1 else f"deployment-{i}.log"
                 log_file = dcfg.log_file or str(self.log_path / name)
                 if dcfg.log_file and dcfg.num_replicas > 1:
                     log_file = f"{dcfg.log_file}.{i}"
                 self.deployments.append(self.exit_stack.enter_context(
-                    EmbeddedDeployment(self.model_path, dcfg, log_file=log_file)))
+                    make_deployment(self.model_path, dcfg, log_file=log_file)))
             self.base_urls = [d.base_url for d in self.deployments]
         else:
             self.base_urls = [dcfg.base_url] if isinstance(dcfg.base_url, str) else list(dcfg.base_url)
-        self.sampler = DeploymentSampler(self.base_urls, api_key=dcfg.api_key, timeout_s=dcfg.request_timeout_s)
+            if dcfg.engine != "embedded":
+                self.attached_deployments = [self.exit_stack.enter_context(
+                    make_deployment(self.model_path, dcfg, base_url=u)) for u in self.base_urls]
+        self.sampler = make_sampler(self.base_urls, dcfg, tokenizer=self.tokenizer)
         sampling = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature, **self.cfg.sampling_kwargs}
         self.setup = RolloutSetup(sampler=self.sampler, tokenizer=self.tokenizer, sampling_kwargs=sampling,
                                   extras=self.rollout_extras, max_seq_len=dcfg.max_model_len)
@@ -157,16 +168,18 @@ class RunContext:
         for before, _ in hooks:
             await before()
         try:  # returns once every replica serves the new version
-            if self.deployments:
+            targets = self.deployments or getattr(self, "attached_deployments", [])
+            if targets:
                 await asyncio.gather(*(
                     d.push_weights(self.trainer.named_weights(), version, mode=mode,
                                    directory=None if directory is None else f"{directory}/{i}")
-                    for i, d in enumerate(self.deployments)))
+                    for i, d in enumerate(targets)))
             else:
                 from training.deployment.weight_sync import push_weights_to_all
 
                 await push_weights_to_all(self.base_urls, self.trainer.named_weights(), version, mode=mode,
                                           directory=directory, api_key=self.cfg.deployment.api_key)
+            self.sampler.note_weight_version(version)  # labels completions of servers that report none
         finally:
             for _, after in hooks:
                 await after()
@@ -246,10 +259,26 @@ class RunContext:
         return i > 0 and (step_done % i == 0 or step_done == self.total_steps)
 
     def save_checkpoint(self, step_done: int) -> float:
+        """Write a DCP checkpoint (under torchrun: rank 0 calls this, the other ranks follow)."""
         t0 = time.perf_counter()
         state = {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
-        save_checkpoint(self.log_path / "checkpoints", step_done, self.trainer.model, self.trainer.optimizer, state)
+        with lead(Command.CHECKPOINT, step_done):
+            save_checkpoint(self.log_path / "checkpoints", step_done, self.trainer.model, self.trainer.optimizer, state)
         return time.perf_counter() - t0
+
+    def follow(self) -> int:
+        """Non-zero ranks under torchrun: take part in what rank 0 announces until it stops.
+
+        Returns the argument of rank 0's STOP (the steps it completed). Never starts the
+        deployment, rolls out, or writes metrics.
+        """
+        return follow({
+            Command.TRAIN: lambda _: receive_and_train(self.trainer, self.cfg.loss, reference=self.reference),
+            Command.WEIGHTS: lambda _: collections.deque(self.trainer.named_weights(), maxlen=0),
+            Command.CHECKPOINT: lambda step: save_checkpoint(self.log_path / "checkpoints", step, self.trainer.model,
+                                                             self.trainer.optimizer, None),
+            Command.EXPORT: lambda _: self.trainer.save_pretrained(self.log_path / "final"),
+        })
 
     def open_metrics(self) -> MetricsLogger:
         self.metrics = MetricsLogger(self.log_path, self.total_steps, self.cfg.wandb, self.cfg.to_dict())

@@ -1,4 +1,7 @@
-"""The policy trainer: model loading, sequence packing, chunked logprobs, optimizer steps."""
+"""The policy trainer: model loading, sequence packing, chunked logprobs, optimizer steps.
+
+Under ``torchrun`` the same classes shard themselves with FSDP2 (see ``distributed.py``).
+"""
 
 from training.trainer.logprobs import packed_logprobs, score_sequences
 from training.trainer.model import load_causal_lm, resolve_device, resolve_dtype

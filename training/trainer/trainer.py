@@ -1,4 +1,4 @@
-"""The policy trainer (one process, CPU or one GPU) and the frozen reference model.
+"""The policy trainer (one process, or sharded with FSDP2 under ``torchrun``) and the frozen reference model.
 
 A training step, as the recipe drives it::
 
@@ -11,6 +11,13 @@ A training step, as the recipe drives it::
 ``loss_fn(packed, logprobs_N) -> (loss, metrics)`` sees one packed micro-batch at a time and
 divides by step-wide denominators itself (e.g. the number of trainable tokens of the whole
 step), so that summing the micro-batch gradients gives the step's gradient.
+
+Under ``torchrun`` (see ``distributed.py``) both models are sharded with FSDP2 and every
+method is a collective that all ranks call with the SAME arguments (rank 0 leads, the others
+follow). Each rank runs a token-balanced share of the sequences; the gradient is the SUM
+over ranks (FSDP's divide factor is 1), so for the loss ``L = sum_mb loss_fn(mb)`` with
+step-wide denominators, ``grad = sum_ranks sum_(mb of rank) d loss_fn(mb) / d theta``: the
+same gradient as one process on the same batch (up to float summation order).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
-from training.trainer.logprobs import packed_logprobs, score_sequences
+from training.trainer import distributed as dist_utils
+from training.trainer.distributed import Command, fsdp_logprobs, full_tensor, lead, plan_micro_batches
+from training.trainer.logprobs import score_sequences
 from training.trainer.model import load_causal_lm, resolve_device, resolve_dtype
-from training.trainer.packing import PackedBatch, pack_sequences
+from training.trainer.packing import PackedBatch
 from training.utils.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -72,6 +81,17 @@ def combine_metrics(per_micro_batch: list[tuple[dict[str, float], int]]) -> dict
     return combined
 
 
+def _export_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``transformers``' save steps: drop keys ignored on save, one name per tied tensor, undo renames."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state_dict.pop(key, None)
+    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+    return revert_weight_conversion(model, state_dict)
+
+
 def _dtypes(cfg: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(parameter dtype, compute dtype): parameters default to float32 master weights, compute
     to bfloat16 autocast on CUDA."""
@@ -99,9 +119,29 @@ class _ScoringModel:
         ``cfg.micro_batch_tokens``; ``result[i][t] = log p(seq[t] | seq[:t])``, ``result[i][0] = 0.0``."""
         _check_sequences(sequences, _vocab_size(self.model))
         self.model.eval()
-        with self.autocast():
-            return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
-                                   self.cfg.logprob_chunk_tokens, temperature)
+        if not dist_utils.is_distributed():
+            with self.autocast():
+                return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
+                                       self.cfg.logprob_chunk_tokens, temperature)
+        return self._sharded_logprobs(sequences, temperature)
+
+    @torch.no_grad()
+    def _sharded_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float) -> list[list[float]]:
+        """Each rank scores its share into a flat ``[sum of lengths]`` buffer, zeros elsewhere; a
+        sum over ranks gives every rank all the logprobs (exact: each value is added to zeros)."""
+        starts = [0]
+        for seq in sequences:
+            starts.append(starts[-1] + len(seq))
+        flat = torch.zeros(starts[-1], dtype=torch.float32)
+        for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens):
+            with self.autocast():
+                logprobs_N = fsdp_logprobs(self.model, packed.to(self.device), self.cfg.logprob_chunk_tokens,
+                                           temperature).float().cpu()
+            if is_real:
+                for i, logprobs_T in zip(packed.sample_indices, packed.split(logprobs_N)):
+                    flat[starts[i]:starts[i + 1]] = logprobs_T
+        dist_utils.all_reduce_sum_(flat)
+        return [flat[starts[i]:starts[i + 1]].tolist() for i in range(len(sequences))]
 
 
 class ReferenceModel(_ScoringModel):
@@ -115,9 +155,12 @@ class ReferenceModel(_ScoringModel):
         self.cfg = cfg
         self.device = resolve_device(cfg.device if cfg.reference_device == "auto" else cfg.reference_device)
         self.dtype = self.compute_dtype = _dtypes(cfg, self.device)[1]  # frozen: no master copy needed
+        self.device = dist_utils.device_for_rank(self.device)
         self.model = load_causal_lm(model_path, self.device, self.dtype, gradient_checkpointing=False, **load_kwargs)
         self.model.requires_grad_(False)
         self.model.eval()
+        if dist_utils.is_distributed():
+            dist_utils.shard_model(self.model, self.device)
 
 
 class PolicyTrainer(_ScoringModel):
@@ -133,10 +176,12 @@ class PolicyTrainer(_ScoringModel):
 
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = dist_utils.device_for_rank(resolve_device(cfg.device))
         self.dtype, self.compute_dtype = _dtypes(cfg, self.device)
         self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
         self.model.eval()
+        if dist_utils.is_distributed():
+            dist_utils.shard_model(self.model, self.device)  # before the optimizer: it must hold the sharded parameters
         tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, **tokenizer_kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -153,17 +198,23 @@ class PolicyTrainer(_ScoringModel):
         """Pack ``sequences``, and per micro-batch: logprobs with gradient, ``loss_fn``, backward.
 
         Gradients accumulate in ``.grad`` until ``optim_step``. Returns the micro-batch metrics
-        combined by ``combine_metrics`` plus ``loss``, the sum of the micro-batch losses.
+        combined by ``combine_metrics`` plus ``loss``, the sum of the micro-batch losses. Under
+        torchrun each rank packs its share of ``sequences`` (``packed.sample_indices`` still index
+        the full list, so ``loss_fn`` is unchanged), padding micro-batches contribute
+        ``0 * sum(logprobs)``, and the metrics are combined over ranks the same way.
         """
         _check_sequences(sequences, _vocab_size(self.model))
         self.model.train()
         per_micro_batch: list[tuple[dict[str, float], int]] = []
         total_loss = 0.0
         try:
-            for packed in pack_sequences(sequences, self.cfg.micro_batch_tokens):
+            for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens):
                 packed = packed.to(self.device)
                 with self.autocast():
-                    logprobs_N = packed_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
+                    logprobs_N = fsdp_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
+                if not is_real:  # keeps this rank in step with the others' forwards and backwards
+                    (logprobs_N.sum() * 0.0).backward()
+                    continue
                 loss, metrics = loss_fn(packed, logprobs_N)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError("loss_fn: must return a scalar tensor as its first value")
@@ -174,7 +225,7 @@ class PolicyTrainer(_ScoringModel):
             self.model.eval()
         combined = combine_metrics(per_micro_batch)
         combined["loss"] = total_loss
-        return combined
+        return dist_utils.reduce_metrics(combined, float(sum(n for _, n in per_micro_batch)), sum_keys=("loss",))
 
     def optim_step(self) -> dict[str, float]:
         """Clip the global grad norm to ``cfg.grad_clip_norm`` (0 = no clipping), step AdamW, zero grads.
@@ -184,8 +235,8 @@ class PolicyTrainer(_ScoringModel):
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm > 0 else math.inf
-        if params:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if params:  # under FSDP2 the grads are DTensor shards and the norm is a global one
+            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         else:
             grad_norm = 0.0
         if math.isfinite(grad_norm):
@@ -213,22 +264,54 @@ class PolicyTrainer(_ScoringModel):
         keep one name per tied tensor (a tied ``lm_head`` is not emitted when the checkpoint does
         not store it), and undo load-time renames/conversions. Tensors are on the trainer's
         device and share storage with the live parameters where no conversion applies.
-        """
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        state_dict = self.model.state_dict()
-        for key in getattr(self.model, "_keys_to_ignore_on_save", None) or ():
-            state_dict.pop(key, None)
-        state_dict = remove_tied_weights_from_state_dict(state_dict, self.model)
-        state_dict = revert_weight_conversion(self.model, state_dict)
-        for name, tensor in state_dict.items():
-            yield name, tensor.detach()
+        Under torchrun every rank must iterate it (rank 0 announces the pass to the others):
+        each FSDP2 parameter is gathered whole (``full_tensor``) one at a time, so the extra
+        memory is about one tensor; non-zero ranks discard what they get. A consumer that stops
+        early still completes the gathers, keeping the ranks in step.
+        """
+        if not dist_utils.is_sharded(self.model):
+            for name, tensor in _export_state_dict(self.model, self.model.state_dict()).items():
+                yield name, tensor.detach()
+            return
+        with lead(Command.WEIGHTS):
+            state_dict = self.model.state_dict()
+            # pick names on shape-only stand-ins: the same answer on every rank, no collective
+            meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
+            source = {id(v): k for k, v in meta.items()}
+            names = []
+            for name, tensor in _export_state_dict(self.model, meta).items():
+                if source.get(id(tensor)) is None:
+                    raise NotImplementedError(f"named_weights: {name!r} is converted on save (e.g. fused experts); "
+                                              "not supported for FSDP-sharded models yet")
+                names.append((name, source[id(tensor)]))
+            done = 0
+            try:
+                for name, key in names:
+                    whole = full_tensor(state_dict[key]).detach()
+                    done += 1
+                    yield name, whole
+            finally:
+                for _, key in names[done:]:  # the consumer stopped early: finish the gathers in step
+                    full_tensor(state_dict[key])
 
     def save_pretrained(self, out_dir: Union[str, Path]) -> Path:
-        """Write model (safetensors) + tokenizer as a plain Hugging Face folder; returns its path."""
+        """Write model (safetensors) + tokenizer as a plain Hugging Face folder; returns its path.
+
+        Under torchrun every rank calls it; the full weights are gathered to rank 0's CPU, which
+        alone writes the folder.
+        """
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
+        if not dist_utils.is_distributed():
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+            return out
+        with lead(Command.EXPORT):
+            state_dict = {name: tensor.cpu() for name, tensor in self.named_weights()
+                          if dist_utils.is_main_rank()}
+            if dist_utils.is_main_rank():
+                out.mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(out, state_dict=state_dict)
+                self.tokenizer.save_pretrained(out)
         return out

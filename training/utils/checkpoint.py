@@ -7,6 +7,12 @@ Layout under ``<log_path>/checkpoints``::
 
 A checkpoint is written into ``step_XXXXXX.tmp`` and renamed once complete, and ``latest`` is
 replaced atomically after that, so a crash mid-write leaves the previous checkpoint usable.
+
+Under ``torchrun`` both functions are collectives (every rank calls them with the same path):
+``get_state_dict`` gives each rank its FSDP2 shards and DCP writes one ``.distcp`` file per
+rank; rank 0 alone writes ``recipe_state.json``, renames folders and prunes old ones. DCP
+reshards on load, so a checkpoint written by N ranks loads into M ranks, or into a plain
+single-process model (and the other way round).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from training.trainer.distributed import barrier, is_main_rank
+
 RECIPE_STATE = "recipe_state.json"
 
 
@@ -33,19 +41,29 @@ def _quiet():
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, recipe_state: dict, keep_last: int = 2) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep_last``."""
+                    optimizer: torch.optim.Optimizer, recipe_state: Optional[dict], keep_last: int = 2) -> Path:
+    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep_last``.
+
+    ``recipe_state`` is required on rank 0 and ignored on the other ranks.
+    """
+    main = is_main_rank()
+    if main and recipe_state is None:
+        raise ValueError("recipe_state: required on rank 0")
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()  # nobody writes into tmp before rank 0 has cleared it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     ctx = _quiet()
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     finally:
         ctx.__exit__(None, None, None)
+    if not main:
+        return final  # dcp.save returns on every rank once the metadata is written
     (tmp / RECIPE_STATE).write_text(json.dumps(recipe_state))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -68,7 +86,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Load model and optimizer state in place from ``path``; return the recipe state."""
+    """Load model and optimizer state in place from ``path``; return the recipe state.
+
+    Works whatever world size wrote the checkpoint (DCP reshards to this model's layout).
+    """
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

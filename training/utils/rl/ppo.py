@@ -9,13 +9,26 @@
 
 With one epoch and one mini-batch the ratio r = exp(l - l_old) is 1 everywhere, so clipping
 is inert: it only matters when ``ppo_epochs * ppo_mini_batches > 1``.
+
+Under ``torchrun`` rank 0 calls ``train_on_groups``: it announces a TRAIN command, sends the
+step's ``StepBatch`` to the other ranks as tensors (``StepBatch.broadcast``) and the PPO
+settings with it; every rank then runs ``train_on_batch`` on the whole batch, and the
+trainer splits each call's sequences over the ranks (see ``training/trainer/distributed.py``).
+The loss of every micro-batch is divided by the mini-batch's global trainable-token (or
+sequence) count, so the gradients summed over micro-batches and ranks equal the one-process
+gradient.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from training.trainer import distributed as dist_utils
+from training.trainer.distributed import Command, broadcast_tensor, lead
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss
 from training.utils.rl.losses.common import LossInputs
@@ -31,20 +44,98 @@ def _merge(into: dict[str, float], metrics: dict[str, float], weight: float, wei
             weights[k] = weights.get(k, 0.0) + weight
 
 
+@dataclass
+class StepBatch:
+    """One step's training data, sample by sample (what rank 0 sends to the other ranks).
+
+    ``tokens[i]``, ``sampler_logprobs[i]`` and ``loss_masks[i]`` are parallel per-token lists
+    (as in ``RolloutSample``); ``advantages[i]`` and ``weights[i]`` are per sample.
+    """
+
+    tokens: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    loss_masks: list[list[int]]
+    advantages: list[float]
+    weights: list[float]
+
+    @classmethod
+    def from_groups(cls, groups: list[PromptGroup]) -> "StepBatch":
+        samples = [s for g in groups for s in g.samples]
+        return cls(tokens=[s.tokens for s in samples], sampler_logprobs=[s.logprobs for s in samples],
+                   loss_masks=[s.loss_mask for s in samples], advantages=[a for g in groups for a in g.advantages],
+                   weights=[s.weight for s in samples])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def num_trainable_tokens(self, i: int) -> int:
+        return sum(self.loss_masks[i])
+
+    @staticmethod
+    def broadcast(batch: Optional["StepBatch"]) -> "StepBatch":
+        """Rank 0's batch on every rank (others pass None), as flat tensors: lengths ``[S]``, then
+        tokens / sampler logprobs / masks ``[sum of lengths]``, then advantages / weights ``[S]``.
+        Float values travel as float64, so every rank sees exactly rank 0's numbers."""
+        main = dist_utils.is_main_rank()
+        if main:
+            lengths_S = torch.tensor([len(t) for t in batch.tokens], dtype=torch.int64)
+            flat = [torch.tensor([x for seq in lists for x in seq], dtype=dtype) for lists, dtype in
+                    ((batch.tokens, torch.int64), (batch.sampler_logprobs, torch.float64),
+                     (batch.loss_masks, torch.int64))]
+            per_sample = [torch.tensor(v, dtype=torch.float64) for v in (batch.advantages, batch.weights)]
+        lengths = broadcast_tensor(lengths_S if main else None, torch.int64).tolist()
+        tokens_N, logprobs_N, masks_N = (broadcast_tensor(flat[k] if main else None, dtype) for k, dtype in
+                                         enumerate((torch.int64, torch.float64, torch.int64)))
+        advantages_S, weights_S = (broadcast_tensor(per_sample[k] if main else None, torch.float64) for k in range(2))
+        if main:
+            return batch
+
+        def split(values_N: torch.Tensor) -> list[list]:
+            return [piece.tolist() for piece in torch.split(values_N, lengths)]
+
+        return StepBatch(tokens=split(tokens_N), sampler_logprobs=split(logprobs_N), loss_masks=split(masks_N),
+                         advantages=advantages_S.tolist(), weights=weights_S.tolist())
+
+
 def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *, reference=None,
                     ppo_epochs: int = 1, ppo_mini_batches: int = 1, temperature: float = 1.0,
                     seed: int = 0) -> dict[str, float]:
-    """Run the PPO inner loop on ``groups`` (advantages already set); return ``train/*`` metrics."""
-    samples = [s for g in groups for s in g.samples]
-    advantages = [a for g in groups for a in g.advantages]
-    sequences = [s.tokens for s in samples]
+    """Run the PPO inner loop on ``groups`` (advantages already set); return ``train/*`` metrics.
+
+    Under torchrun (rank 0 only) it first hands the batch and the PPO settings to the other
+    ranks, which run ``receive_and_train`` at the same time.
+    """
+    batch = StepBatch.from_groups(groups)
+    with lead(Command.TRAIN):
+        if dist_utils.is_distributed():
+            StepBatch.broadcast(batch)
+            broadcast_tensor(torch.tensor([ppo_epochs, ppo_mini_batches, seed, temperature], dtype=torch.float64),
+                             torch.float64)
+        return train_on_batch(trainer, batch, loss_cfg, reference=reference, ppo_epochs=ppo_epochs,
+                              ppo_mini_batches=ppo_mini_batches, temperature=temperature, seed=seed)
+
+
+def receive_and_train(trainer, loss_cfg: LossConfig, *, reference=None) -> dict[str, float]:
+    """A non-zero rank's side of ``train_on_groups``: receive the batch and settings, train on it."""
+    batch = StepBatch.broadcast(None)
+    epochs, mini_batches, seed, temperature = broadcast_tensor(None, torch.float64).tolist()
+    return train_on_batch(trainer, batch, loss_cfg, reference=reference, ppo_epochs=int(epochs),
+                          ppo_mini_batches=int(mini_batches), temperature=temperature, seed=int(seed))
+
+
+def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference=None,
+                   ppo_epochs: int = 1, ppo_mini_batches: int = 1, temperature: float = 1.0,
+                   seed: int = 0) -> dict[str, float]:
+    """The PPO inner loop on one ``StepBatch`` (see the module docstring); ``train/*`` metrics."""
+    n = len(batch)
+    sequences = batch.tokens
     old_logprobs = trainer.logprobs(sequences, temperature=temperature)
     ref_logprobs: Optional[list] = None
     if reference is not None and loss_cfg.kl_beta > 0:
         ref_logprobs = reference.logprobs(sequences, temperature=temperature)
 
-    weighted = any(s.weight != 1.0 for s in samples)
-    order = list(range(len(samples)))
+    weighted = any(w != 1.0 for w in batch.weights)
+    order = list(range(n))
     rng = random.Random(seed)
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -56,13 +147,12 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
             idx = order[k::ppo_mini_batches]
             if not idx:
                 continue
-            mb_samples = [samples[i] for i in idx]
-            total_tokens = sum(s.num_trainable_tokens for s in mb_samples)
+            total_tokens = sum(batch.num_trainable_tokens(i) for i in idx)
             # per-sample lists in the order of this mini-batch's sequences (what packed.gather indexes)
-            lists = {"old": [old_logprobs[i] for i in idx], "sampler": [s.logprobs for s in mb_samples],
-                  "adv": [advantages[i] for i in idx], "mask": [s.loss_mask for s in mb_samples],
-                  "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
-                  "weight": [s.weight for s in mb_samples] if weighted else None}
+            lists = {"old": [old_logprobs[i] for i in idx], "sampler": [batch.sampler_logprobs[i] for i in idx],
+                     "adv": [batch.advantages[i] for i in idx], "mask": [batch.loss_masks[i] for i in idx],
+                     "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
+                     "weight": [batch.weights[i] for i in idx] if weighted else None}
 
             def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=len(idx)):
                 inputs = LossInputs(
@@ -86,8 +176,8 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
 
     out = {f"train/{k}": (v if k.endswith("_max") else v / max(weights.get(k, 1.0), 1e-12)) for k, v in sums.items()}
     out["train/learning_rate"] = optim_metrics.get("learning_rate", 0.0)
-    out["train/optimizer_steps"] = float(ppo_epochs * min(ppo_mini_batches, len(samples)))
-    out["train/samples"] = float(len(samples))
-    out["train/trainable_tokens"] = float(sum(s.num_trainable_tokens for s in samples))
-    out["train/tokens"] = float(sum(len(s.tokens) for s in samples))
+    out["train/optimizer_steps"] = float(ppo_epochs * min(ppo_mini_batches, n))
+    out["train/samples"] = float(n)
+    out["train/trainable_tokens"] = float(sum(batch.num_trainable_tokens(i) for i in range(n)))
+    out["train/tokens"] = float(sum(len(t) for t in sequences))
     return out

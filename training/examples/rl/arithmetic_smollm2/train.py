@@ -26,7 +26,7 @@ cfg = apply_overrides(Config(
     eval_rows=str(HERE / "eval.jsonl"),
     eval_interval=8,
     dynamic_filter_fn=lambda samples: len({s.reward for s in samples}) > 1,  # drop zero-advantage groups
-    trainer=TrainerConfig(learning_rate=1e-5),
+    trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
 ))
 

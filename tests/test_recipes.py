@@ -263,3 +263,28 @@ def test_ppo_step_applies_sample_weights(tiny_model_path):
     zero = train_on_groups(trainer, [group(0.0)], LossConfig(kl_beta=0.0))
     one = train_on_groups(trainer, [group(1.0)], LossConfig(kl_beta=0.0))
     assert zero["train/grad_norm"] == 0.0 and one["train/grad_norm"] > 0.0
+
+
+def test_distributed_weight_sync_through_the_recipe(tiny_model_path, tmp_path):
+    """weight_sync="distributed": the recipe streams weights over its own gloo group to an attached server."""
+    import urllib.request
+
+    log = tmp_path / "server.log"
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=8), log_file=str(log)) as dep:
+        recorder = Recorder()
+        cfg = config(tiny_model_path, dep, tmp_path, synchronous_training=True, max_steps=3,
+                     deployment=DeployConfig(base_url=dep.base_url, weight_sync="distributed",
+                                             weight_sync_master_addr="127.0.0.1"))
+        assert async_rl_loop.main(cfg, rollout_fn_factory=recorder, rows=ROWS)["steps"] == 3
+        with urllib.request.urlopen(f"{dep.base_url}/weight_version", timeout=10) as resp:
+            served = json.loads(resp.read())["weight_version"]
+    # the initial push is version 0; each of the 3 steps pushes the next one
+    assert served == 3
+    assert sorted(set(recorder.versions)) == [0, 1, 2]
+
+
+def test_distributed_weight_sync_config_is_checked():
+    with pytest.raises(ValueError, match="weight_sync_master_addr"):
+        DeployConfig(base_url="http://10.0.0.2:8000", weight_sync="distributed")
+    with pytest.raises(ValueError, match="weight_sync"):
+        DeployConfig(weight_sync="distributed", weight_sync_master_addr="10.0.0.1")  # embedded: use shm

@@ -95,6 +95,7 @@ class RunContext:
         self.counters = StepCounters()
         self.semaphore: Optional[asyncio.Semaphore] = None
         self.exit_stack = contextlib.ExitStack()
+        self._dist_sender = None
 
     # ---- set-up -------------------------------------------------------------------------
     def build_trainer(self) -> None:
@@ -168,8 +169,10 @@ class RunContext:
         for before, _ in hooks:
             await before()
         try:  # returns once every replica serves the new version
-            targets = self.deployments or getattr(self, "attached_deployments", [])
-            if targets:
+            targets = self.deployments or self.attached_deployments
+            if mode == "distributed":
+                await self.distributed_sender().push(self.trainer.named_weights(), version)
+            elif targets:
                 await asyncio.gather(*(
                     d.push_weights(self.trainer.named_weights(), version, mode=mode,
                                    directory=None if directory is None else f"{directory}/{i}")
@@ -184,6 +187,18 @@ class RunContext:
             for _, after in hooks:
                 await after()
         return time.perf_counter() - t0
+
+    def distributed_sender(self):
+        """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
+        if self._dist_sender is None:
+            from training.deployment.dist_weights import DistributedWeightSender
+
+            d = self.cfg.deployment
+            self._dist_sender = DistributedWeightSender(
+                self.base_urls, d.weight_sync_master_addr, d.weight_sync_master_port, d.weight_sync_backend,
+                api_key=d.api_key, timeout_s=d.request_timeout_s)
+            self.exit_stack.callback(self._dist_sender.close)
+        return self._dist_sender
 
     # ---- rollouts ---------------------------------------------------------------------
     @staticmethod

@@ -12,6 +12,7 @@ from typing import Optional, Union
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("embedded", "vllm", "sglang")
+WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -95,7 +96,15 @@ class DeployConfig:
     dtype: str = "auto"
     """Engine dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     weight_sync: str = "auto"
-    """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when embedded)."""
+    """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when
+    embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to this
+    package's servers attached by ``base_url`` on other hosts; see training/deployment/dist_weights.py)."""
+    weight_sync_master_addr: Optional[str] = None
+    """With ``weight_sync="distributed"``: the trainer's address as the servers reach it (it hosts the group's store)."""
+    weight_sync_master_port: int = 0
+    """With ``weight_sync="distributed"``: the store's port; 0 picks a free one."""
+    weight_sync_backend: str = "gloo"
+    """With ``weight_sync="distributed"``: ``gloo`` (CPU tensors) or ``nccl`` (both ends on GPUs)."""
     startup_timeout_s: float = 300.0
     """How long to wait for the server's /health after start."""
     request_timeout_s: float = 600.0
@@ -127,8 +136,18 @@ class DeployConfig:
         _check(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
         _check_device("device", self.device)
-        _check(self.weight_sync in ("auto", "shm", "disk"), "weight_sync",
-               f"{self.weight_sync!r} is not one of ('auto', 'shm', 'disk')")
+        _check(self.weight_sync in WEIGHT_SYNC_MODES, "weight_sync",
+               f"{self.weight_sync!r} is not one of {WEIGHT_SYNC_MODES}")
+        _check(self.weight_sync_backend in ("gloo", "nccl"), "weight_sync_backend",
+               f"{self.weight_sync_backend!r} is not one of ('gloo', 'nccl')")
+        _check(0 <= self.weight_sync_master_port < 65536, "weight_sync_master_port",
+               f"must be in [0, 65535], got {self.weight_sync_master_port}")
+        if self.weight_sync == "distributed":
+            _check(self.base_url is not None and self.engine == "embedded", "weight_sync",
+                   "'distributed' needs servers of this package attached by base_url (same-host embedded "
+                   "servers use shm; vLLM / SGLang sync through their own endpoints)")
+            _check(bool(self.weight_sync_master_addr), "weight_sync_master_addr",
+                   "required with weight_sync='distributed': the trainer's address as the servers reach it")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")

@@ -120,7 +120,7 @@ def render(saved: dict) -> str:
             out += [r["notes"], ""]
         worse = [row for row in r["rows"] if is_worse(row)]
         if worse:
-            out += [f"**Worse than its baseline:** " + "; ".join(f"{w['name']} vs {w['baseline']} "
+            out += ["**Worse than its baseline:** " + "; ".join(f"{w['name']} vs {w['baseline']} "
                                                                    f"(ratio {_fmt(w['ratio'])})" for w in worse)
                     + ". " + WHY.get(name, ""), ""]
         out += [f"({r['seconds']} s, {r['repeats']} repetitions per figure)", ""]

@@ -14,7 +14,6 @@ type-checked. ``stream`` and ``echo`` are refused (not implemented).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
-from training.deployment.vllm import ServerProcessDeployment
+from training.deployment.server_process import ServerProcessDeployment
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)

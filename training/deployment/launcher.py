@@ -50,6 +50,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def http_request(method: str, url: str, body: Optional[dict] = None, *, api_key: Optional[str] = None,
+                 timeout: float = 10.0) -> tuple[int, str]:
+    """A blocking JSON request for control calls: (status, text); status 0 when the server is unreachable."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        return 0, str(e)
+
+
 class EmbeddedDeployment:
     """A supervised ``training.deployment.serve`` child process (context manager)."""
 
@@ -227,18 +244,7 @@ class EmbeddedDeployment:
                                    f"log {self.log_path}:\n{self.log_tail()}")
 
     def _http(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0) -> tuple[int, str]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            return 0, str(e)
+        return http_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout)
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None

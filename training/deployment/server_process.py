@@ -17,13 +17,11 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from training.deployment.launcher import DeploymentStartError, free_port
+from training.deployment.launcher import DeploymentStartError, free_port, http_request
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)
@@ -210,18 +208,7 @@ class ServerProcessDeployment:
                                    f"log {self.log_path}:\n{self.log_tail()}")
 
     def _http(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0) -> tuple[int, str]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            return 0, str(e)
+        return http_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout)
 
     async def _post(self, session: Any, path: str, body: Optional[dict] = None,
                     params: Optional[dict] = None) -> Any:

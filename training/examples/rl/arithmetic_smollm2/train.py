@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
-from training.utils import LossConfig, TrainerConfig
+from training.utils import DeployConfig, LossConfig, TrainerConfig
 from training.utils.cli import apply_overrides
 
 HERE = Path(__file__).parent
@@ -28,6 +28,7 @@ cfg = apply_overrides(Config(
     dynamic_filter_fn=lambda samples: len({s.reward for s in samples}) > 1,  # drop zero-advantage groups
     trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
+    deployment=DeployConfig(max_model_len=512),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
 ))
 
 if __name__ == "__main__":

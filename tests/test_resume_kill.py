@@ -34,6 +34,10 @@ def test_killed_run_resumes_after_its_last_checkpoint(tmp_path):
     steps = [r["step"] for r in rows if "train/loss" in r]
     resumed = steps[len(steps) - (6 - state["step"]):]
     assert resumed == list(range(state["step"], 6))  # the rerun starts right after the checkpoint
+    assert len(steps) == len(set(steps))  # rows the killed run wrote for redone steps were set aside
+    replaced = log_path / "metrics.replaced.jsonl"
+    if replaced.exists():
+        assert all(json.loads(line)["step"] >= state["step"] for line in replaced.read_text().splitlines())
     assert "resumed from" in done.stderr
     final_state = json.loads((log_path / "checkpoints" / "step_000006" / "recipe_state.json").read_text())
     assert final_state["cursor"]["done_floor"] == 12  # 6 steps x 2 rows: each row trained once

@@ -296,7 +296,8 @@ class RunContext:
         })
 
     def open_metrics(self) -> MetricsLogger:
-        self.metrics = MetricsLogger(self.log_path, self.total_steps, self.cfg.wandb, self.cfg.to_dict())
+        self.metrics = MetricsLogger(self.log_path, self.total_steps, self.cfg.wandb, self.cfg.to_dict(),
+                                     resume_step=self.start_step)
         return self.metrics
 
     def finish(self) -> Optional[Path]:

@@ -18,13 +18,49 @@ from training.utils.config import WandBConfig
 logger = logging.getLogger(__name__)
 
 
+def set_aside_steps_from(path: Path, first_step: int) -> int:
+    """Move the rows of ``path`` (a .jsonl with a ``step`` per row) whose step is >= ``first_step``
+    to ``<stem>.replaced.jsonl`` next to it; return how many moved.
+
+    A run resumed from the checkpoint after step ``first_step - 1`` trains those steps again, so
+    their old rows would show up twice in the curves. They are kept aside, not deleted.
+    """
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            step = None  # a torn last line of a killed run: set aside too
+        (keep if isinstance(step, int) and step < first_step else moved).append(line)
+    if moved:
+        with path.with_name(f"{path.stem}.replaced.jsonl").open("a") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+    return len(moved)
+
+
 class MetricsLogger:
-    """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console and wandb."""
+    """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console and wandb.
+
+    ``resume_step > 0`` (a run resumed at that step): rows of steps >= ``resume_step`` that a
+    killed run had already written to ``metrics.jsonl`` and ``rollouts.jsonl`` are moved to
+    ``*.replaced.jsonl``, since those steps are trained again.
+    """
 
     def __init__(self, log_path: str | Path, total_steps: Optional[int], wandb_cfg: Optional[WandBConfig] = None,
-                 run_config: Optional[dict] = None, console: bool = True):
+                 run_config: Optional[dict] = None, console: bool = True, resume_step: int = 0):
         self.path = Path(log_path) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step > 0:
+            for path in (self.path, self.path.parent / "rollouts.jsonl"):
+                moved = set_aside_steps_from(path, resume_step)
+                if moved:
+                    logger.info("resumed at step %d: %d rows of %s set aside in %s", resume_step, moved,
+                                path.name, f"{path.stem}.replaced.jsonl")
         self.total_steps = total_steps
         self.console = console
         self.t0 = time.perf_counter()

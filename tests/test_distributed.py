@@ -73,7 +73,10 @@ RECIPE_SCRIPT = textwrap.dedent('''
     from training.utils.rl.rollout import RolloutSample
 
     model_path, base_url, log_path, max_steps, out = sys.argv[1:6]
-    FAIL = sys.argv[6:] == ["fail"]
+    FAIL = "fail" in sys.argv[6:]
+    # "dist-sync": weights reach the server over a torch.distributed group of their own
+    DEPLOY = (DeployConfig(base_url=base_url, weight_sync="distributed", weight_sync_master_addr="127.0.0.1")
+              if "dist-sync" in sys.argv[6:] else DeployConfig(base_url=base_url))
     ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(32)]
 
 
@@ -100,7 +103,7 @@ RECIPE_SCRIPT = textwrap.dedent('''
                  max_tokens=1, max_steps=int(max_steps), synchronous_training=True, max_head_offpolicy_versions=0,
                  shuffle_rows=False, ppo_mini_batches=2, dcp_save_interval=2, export_final_model=True,
                  trainer=TrainerConfig(learning_rate=1e-2, micro_batch_tokens=16, device="cpu"),
-                 loss=LossConfig(kl_beta=0.05), deployment=DeployConfig(base_url=base_url))
+                 loss=LossConfig(kl_beta=0.05), deployment=DEPLOY)
     result = main(cfg, rollout_fn_factory=make_rollout_fn, rows=ROWS)
     with open(os.path.join(out, f"result_{os.environ.get('RANK', 'single')}.json"), "w") as f:
         json.dump({"steps": result["steps"], "final_model": result["final_model"]}, f)
@@ -255,3 +258,34 @@ def test_followers_exit_cleanly_when_rank_0_fails(tiny_model_path, server, tmp_p
     assert done.returncode != 0 and "RolloutFailureError" in done.stderr
     assert json.loads((tmp_path / "result_1.json").read_text())["steps"] == 0  # rank 1 was sent STOP
     assert not (tmp_path / "result_0.json").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_path, tmp_path):
+    """weight_sync="distributed" under torchrun: FSDP2 gathers each tensor as it is broadcast; the
+    server ends on the last version with exactly the weights of the exported final model."""
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    from training.deployment.launcher import EmbeddedDeployment
+    from training.utils import DeployConfig
+
+    script = tmp_path / "train.py"
+    script.write_text(RECIPE_SCRIPT)
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=8), log_file=str(tmp_path / "srv.log")) as dep:
+        _run(_torchrun(script, tiny_model_path, dep.base_url, tmp_path / "run", 2, tmp_path, "dist-sync"), tmp_path)
+        prompt = [1, 12, 23, 201]
+        body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 5,
+                           "ignore_eos": True, "logprobs": 0, "return_token_ids": True}).encode()
+        req = urllib.request.Request(dep.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            choice = json.loads(resp.read())["choices"][0]
+    assert choice["weight_version"] == 2
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(final(ids).logits[0], dim=-1)[len(prompt) - 1:-1]
+    ref = logp.gather(1, torch.tensor(choice["token_ids"])[:, None])[:, 0]
+    assert (ref - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() < 1e-5

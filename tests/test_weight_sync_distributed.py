@@ -169,6 +169,35 @@ def test_push_reaches_both_servers_and_matches_transformers(servers, sender, loo
     assert not dist.is_initialized()  # the default group was never touched
 
 
+def test_specs_let_a_lazy_iterator_stream_one_tensor_at_a_time(servers, sender, loop, tiny_model_path):
+    """With ``specs`` the sender takes each tensor from the iterator only when it broadcasts it:
+    a generator that makes a fresh full tensor per step (as FSDP2's gather does) never has two alive."""
+    import gc
+    import weakref
+
+    new = perturbed(tiny_model_path, seed=4)
+    live, most_alive = [], 0
+
+    def gathered():
+        nonlocal most_alive
+        for name, t in new.items():
+            gc.collect()
+            most_alive = max(most_alive, sum(r() is not None for r in live))
+            whole = t.clone()  # a fresh tensor per step, like a gathered DTensor
+            live.append(weakref.ref(whole))
+            yield name, whole
+            del whole
+
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in new.items()]
+    out = loop.run_until_complete(sender.push(gathered(), 7, specs=specs))
+    assert out["num_tensors"] == len(new) and len(live) == len(new)
+    assert most_alive == 0  # every earlier tensor was released before the next one was made
+    model = hf_model(tiny_model_path, new)
+    for d in servers:
+        assert out["servers"][d.base_url]["weight_version"] == 7
+        assert max_logprob_error(model, d.base_url) < 1e-5
+
+
 def test_bfloat16_weights_go_through_a_one_tensor_buffer(servers, sender, loop, tiny_model_path):
     new = {k: v.to(torch.bfloat16) for k, v in perturbed(tiny_model_path, seed=2).items()}
     out = loop.run_until_complete(sender.push(new.items(), 2))
@@ -317,3 +346,22 @@ def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(serv
     assert greedy(url)[1] == -1  # still serving, but says the weights are no known version
     asyncio.run(push_weights(url, tensors.items(), 51, api_key=API_KEY))  # a full update repairs it
     assert greedy(url)[1] == 51
+
+
+def test_a_tensor_that_does_not_match_its_spec_stops_the_push(servers, tiny_model_path):
+    """Runs last, on server 1 with a group of its own: the stream yields the wrong tensor third."""
+    url = servers[1].base_url
+    tensors = perturbed(tiny_model_path, seed=11)
+    names = list(tensors)
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    swapped = [(n, tensors[n]) for n in names[:2]] + [(names[3], tensors[names[3]])] + \
+              [(n, tensors[n]) for n in names[3:]]
+
+    async def go():
+        async with DistributedWeightSender([url], "127.0.0.1", 0, api_key=API_KEY, timeout_s=30) as s:
+            await s.push(iter(swapped), 60, specs=specs)
+    with pytest.raises(WeightSyncError, match=f"expected '{names[2]}'"):
+        asyncio.run(go())
+    assert call(url, "GET", "/health")[1]["weight_version"] == -1  # a partial update is not a version
+    asyncio.run(push_weights(url, tensors.items(), 61, api_key=API_KEY))  # a full update repairs it
+    assert greedy(url)[1] == 61

@@ -143,6 +143,20 @@ def unique_weights(named_weights: Iterable[tuple[str, torch.Tensor]]) -> list[tu
     return items
 
 
+def check_specs(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple]]:
+    """``specs`` as a list, checked like ``unique_weights`` checks tensors (names unique, dtypes sendable)."""
+    specs = [(n, d, tuple(shape)) for n, d, shape in specs]
+    if not specs:
+        raise ValueError("specs: no tensors given")
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"specs: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})}")
+    for n, d, _ in specs:
+        if d not in DTYPE_NAMES:
+            raise ValueError(f"specs: {n}: dtype {d} is not one of {sorted(DTYPES)}")
+    return specs
+
+
 def _materialize(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The full tensor on the comm device (a DTensor is gathered: every trainer rank must call this)."""
     if hasattr(t, "full_tensor"):
@@ -263,7 +277,8 @@ class DistributedWeightSender:
         self.store = None
 
     async def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], weight_version: int, *,
-                   wait_for_inflight: bool = True) -> dict:
+                   wait_for_inflight: bool = True,
+                   specs: Optional[Sequence[tuple[str, torch.dtype, tuple[int, ...]]]] = None) -> dict:
         """Send metadata, then broadcast each tensor; return once every server reports ``weight_version``.
 
         Returns ``{"bytes", "num_tensors", "broadcast_s", "total_s", "peak_tensor_bytes", "servers"}``;
@@ -271,14 +286,25 @@ class DistributedWeightSender:
         (nothing is staged for a contiguous tensor already on the comm device).
         Raises ``WeightSyncError`` naming the server that refused or failed; when a server refuses the
         metadata no tensor moves and every server keeps its old weights.
+
+        ``specs``: ``(name, dtype, shape)`` of what ``named_weights`` will yield, in order (tied
+        tensors already left out), e.g. ``PolicyTrainer.weight_specs()``. Given, the metadata is
+        sent from it and ``named_weights`` is consumed lazily during the broadcast, one tensor at
+        a time: a generator that gathers each tensor (FSDP2's ``PolicyTrainer.named_weights()``)
+        then never holds more than one. A yielded tensor that does not match its spec stops the
+        broadcast with ``WeightSyncError`` (the servers then report version -1 until a full update).
         """
         async with self._lock:
             await self.connect()
             t0 = time.perf_counter()
-            items = unique_weights(named_weights)
+            if specs is None:
+                stream = unique_weights(named_weights)
+                specs = [(n, t.dtype, tuple(t.shape)) for n, t in stream]
+            else:
+                stream, specs = named_weights, check_specs(specs)
             uid = f"v{weight_version}-{uuid.uuid4().hex[:12]}"
-            body = {"names": [n for n, _ in items], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in items],
-                    "shapes": [list(t.shape) for _, t in items], "weight_version": weight_version,
+            body = {"names": [n for n, _, _ in specs], "dtypes": [DTYPE_NAMES[d] for _, d, _ in specs],
+                    "shapes": [list(shape) for _, _, shape in specs], "weight_version": weight_version,
                     "wait_for_inflight": wait_for_inflight, "update_id": uid}
             async with self._session() as session:
                 tasks = [asyncio.ensure_future(self._post(session, f"{u}/update_weights_from_distributed", body))
@@ -296,7 +322,7 @@ class DistributedWeightSender:
                 self.store.set(go_key(uid), b"go")
                 t1 = time.perf_counter()
                 try:
-                    sent, peak = await asyncio.to_thread(self._broadcast_all, items)
+                    sent, peak = await asyncio.to_thread(self._broadcast_all, stream, specs)
                 except Exception as e:
                     failed = await _failed_servers(tasks, grace_s=5.0)
                     for t in tasks:
@@ -310,18 +336,27 @@ class DistributedWeightSender:
                     if a.get("weight_version") != weight_version:
                         raise WeightSyncError(f"{u}: reports weight_version {a.get('weight_version')} "
                                               f"after loading {weight_version}")
-            return {"bytes": sent, "num_tensors": len(items), "broadcast_s": t2 - t1,
+            return {"bytes": sent, "num_tensors": len(specs), "broadcast_s": t2 - t1,
                     "total_s": time.perf_counter() - t0, "peak_tensor_bytes": peak,
                     "servers": dict(zip(self.base_urls, answers))}
 
-    def _broadcast_all(self, items: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    def _broadcast_all(self, stream: Iterable[tuple[str, torch.Tensor]],
+                       specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[int, int]:
+        """Broadcast the tensors of ``stream`` in order, each checked against its spec first."""
         sent = peak = 0
-        for _, t in items:
-            buf = _materialize(t, self.device)
+        it = iter(stream)
+        for name, dtype, shape in specs:
+            got = next(it, None)
+            if got is None or got[0] != name or got[1].dtype != dtype or tuple(got[1].shape) != tuple(shape):
+                found = "nothing" if got is None else f"{got[0]!r} {got[1].dtype} {tuple(got[1].shape)}"
+                raise WeightSyncError(f"named_weights: expected {name!r} {dtype} {tuple(shape)} (specs), got {found}")
+            buf = _materialize(got[1], self.device)
             broadcast_from_trainer(self.pg, buf)
             nbytes = buf.numel() * buf.element_size()
             sent, peak = sent + nbytes, max(peak, nbytes)
-            del buf
+            del buf, got
+        if next(it, None) is not None:
+            raise WeightSyncError("named_weights: yielded more tensors than its specs list")
         return sent, peak
 
 

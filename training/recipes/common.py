@@ -171,7 +171,8 @@ class RunContext:
         try:  # returns once every replica serves the new version
             targets = self.deployments or self.attached_deployments
             if mode == "distributed":
-                await self.distributed_sender().push(self.trainer.named_weights(), version)
+                await self.distributed_sender().push(self.trainer.named_weights(), version,
+                                                     specs=self.trainer.weight_specs())
             elif targets:
                 await asyncio.gather(*(
                     d.push_weights(self.trainer.named_weights(), version, mode=mode,

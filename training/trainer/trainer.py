@@ -276,15 +276,7 @@ class PolicyTrainer(_ScoringModel):
             return
         with lead(Command.WEIGHTS):
             state_dict = self.model.state_dict()
-            # pick names on shape-only stand-ins: the same answer on every rank, no collective
-            meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
-            source = {id(v): k for k, v in meta.items()}
-            names = []
-            for name, tensor in _export_state_dict(self.model, meta).items():
-                if source.get(id(tensor)) is None:
-                    raise NotImplementedError(f"named_weights: {name!r} is converted on save (e.g. fused experts); "
-                                              "not supported for FSDP-sharded models yet")
-                names.append((name, source[id(tensor)]))
+            names = [(name, key) for name, key, _, _ in self._sharded_export_names(state_dict)]
             done = 0
             try:
                 for name, key in names:
@@ -294,6 +286,26 @@ class PolicyTrainer(_ScoringModel):
             finally:
                 for _, key in names[done:]:  # the consumer stopped early: finish the gathers in step
                     full_tensor(state_dict[key])
+
+    def _sharded_export_names(self, state_dict: dict) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+        """(export name, state_dict key, dtype, full shape) per tensor ``named_weights`` yields for an
+        FSDP2 model, picked on shape-only stand-ins: the same answer on every rank, no collective."""
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
+        source = {id(v): k for k, v in meta.items()}
+        out = []
+        for name, tensor in _export_state_dict(self.model, meta).items():
+            if source.get(id(tensor)) is None:
+                raise NotImplementedError(f"named_weights: {name!r} is converted on save (e.g. fused experts); "
+                                          "not supported for FSDP-sharded models yet")
+            out.append((name, source[id(tensor)], tensor.dtype, tuple(tensor.shape)))
+        return out
+
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of each tensor ``named_weights()`` yields, in the same order,
+        without gathering anything (a local call on every rank: no collective)."""
+        if not dist_utils.is_sharded(self.model):
+            return [(name, t.dtype, tuple(t.shape)) for name, t in self.named_weights()]
+        return [(name, dtype, shape) for name, _, dtype, shape in self._sharded_export_names(self.model.state_dict())]
 
     def save_pretrained(self, out_dir: Union[str, Path]) -> Path:
         """Write model (safetensors) + tokenizer as a plain Hugging Face folder; returns its path.

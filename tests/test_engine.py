@@ -374,3 +374,17 @@ def test_cuda_graph_padded_decode_math_matches_eager_decode(tiny_model_path):
     eager = runner.decode(slots, tokens, positions)
     assert padded.shape == eager.shape == (3, eng.vocab_size)
     assert torch.allclose(padded, eager, atol=1e-5)
+
+
+def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
+    import torch
+
+    from training.deployment.engine.kv_cache import KVCache, available_memory_bytes
+
+    assert available_memory_bytes(torch.device("cpu")) > 0
+    with pytest.raises(MemoryError, match="max_batch_size.*max_model_len"):
+        KVCache(num_layers=64, num_slots=4096, num_kv_heads=8, max_model_len=131072, head_dim=128,
+                dtype=torch.float32, device=torch.device("cpu"))  # ~1 PiB: refused before allocating
+    small = KVCache(num_layers=2, num_slots=3, num_kv_heads=1, max_model_len=8, head_dim=4,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    assert small.k[0].shape == (4, 1, 8, 4)

@@ -13,18 +13,50 @@ when a running sequence needs a slot; ``drop_parked()`` frees them all (after a 
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> Optional[int]:
+    """Free memory the cache could use: CUDA's free bytes, or MemAvailable on Linux; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
 
 class KVCache:
-    """Per-layer K and V tensors for every slot (plus one scratch slot)."""
+    """Per-layer K and V tensors for every slot (plus one scratch slot).
+
+    The whole cache is allocated up front: 2 × layers × (slots + 1) × kv_heads × max_model_len ×
+    head_dim × element size. A cache that needs more than 90 % of the memory available raises
+    ``MemoryError`` naming the two settings that size it, instead of being killed later.
+    """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_model_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         shape = (num_slots + 1, num_kv_heads, max_model_len, head_dim)
+        nbytes = 2 * num_layers * (num_slots + 1) * num_kv_heads * max_model_len * head_dim * dtype.itemsize
+        available = available_memory_bytes(torch.device(device))
+        gib = 1024 ** 3
+        if available is not None and nbytes > 0.9 * available:
+            raise MemoryError(f"KV cache needs {nbytes / gib:.1f} GiB ({num_slots} slots × {max_model_len} tokens × "
+                              f"{num_layers} layers) but {available / gib:.1f} GiB is available on {device}: lower "
+                              f"max_batch_size (slots) or max_model_len (deployment.max_batch_size / "
+                              f"deployment.max_model_len)")
+        logger.info("KV cache: %.2f GiB for %d slots × %d tokens", nbytes / gib, num_slots, max_model_len)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots

@@ -26,7 +26,8 @@ UNIT_SCRIPT = textwrap.dedent('''
     from training.utils.rl.ppo import StepBatch
 
     model_path, out = sys.argv[1], Path(sys.argv[2])
-    D.init_distributed("cpu")
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cuda": NCCL, one GPU per rank
+    D.init_distributed(device)
     r = D.rank()
     # 1. a step's batch reaches every rank intact (rank 0 holds it, the others pass None)
     batch = StepBatch(tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]], sampler_logprobs=[[0.0, -0.5, -1.25], [0.0, -1 / 3],
@@ -38,7 +39,7 @@ UNIT_SCRIPT = textwrap.dedent('''
                                 **({"only_rank1": 5.0} if r == 1 else {})}, weight=float(r + 1), sum_keys=("loss",))
     (out / f"unit_{r}.json").write_text(json.dumps({"batch": got.__dict__, "metrics": metrics}))
     # 3. one FSDP step; the full state before saving; a sharded DCP checkpoint
-    t = PolicyTrainer(model_path, TrainerConfig(learning_rate=1e-2, micro_batch_tokens=8, device="cpu"))
+    t = PolicyTrainer(model_path, TrainerConfig(learning_rate=1e-2, micro_batch_tokens=8, device=device))
     seqs = [[1, 5 + i, 7, 9 + i, 11, 13][: 2 + i % 5] for i in range(7)]
     total = sum(len(s) for s in seqs)
     lp = t.logprobs(seqs)
@@ -191,6 +192,30 @@ def test_two_rank_step_matches_one_process_and_its_checkpoint_loads_in_one(tiny_
         for key, value in state.items():
             assert torch.equal(optim_sd["state"][fqn][key], value), (fqn, key)
     assert [g["lr"] for g in optim_sd["param_groups"]] == [g["lr"] for g in expected["optim"]["param_groups"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with 2 ranks needs 2 CUDA GPUs")
+def test_two_ranks_on_nccl_broadcast_exactly_and_checkpoint_for_one(tiny_model_path, tmp_path):
+    """The same script on GPUs (cpu:gloo,cuda:nccl): the batch arrives intact, and the 2-rank checkpoint
+    loads into one CPU process with exactly the state gathered before saving. By hand:
+    ``torchrun --nproc-per-node 2 unit.py MODEL OUT cuda`` (the script is ``UNIT_SCRIPT``)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from training.trainer import PolicyTrainer
+    from training.utils.checkpoint import load_checkpoint
+
+    script = tmp_path / "unit.py"
+    script.write_text(UNIT_SCRIPT)
+    _run(_torchrun(script, tiny_model_path, tmp_path, "cuda"), tmp_path)
+    units = [json.loads((tmp_path / f"unit_{r}.json").read_text()) for r in (0, 1)]
+    assert units[0]["batch"] == units[1]["batch"] and units[0]["batch"]["weights"] == [1.0, 0.5, 2.0]
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True, map_location="cpu")
+    fresh = PolicyTrainer(tiny_model_path, TrainerConfig(learning_rate=1e-2, micro_batch_tokens=8, device="cpu"))
+    assert load_checkpoint(tmp_path / "ckpt" / "step_000001", fresh.model, fresh.optimizer) == {"step": 1}
+    model_sd, _ = get_state_dict(fresh.model, fresh.optimizer)
+    for k, v in expected["model"].items():
+        assert torch.equal(model_sd[k], v), k
 
 
 @pytest.fixture(scope="module")

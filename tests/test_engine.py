@@ -162,6 +162,23 @@ def test_stop_token_ids_and_stop_strings_end_output(tiny_model_path):
     assert len(by_str.output_token_ids) < len(full.output_token_ids)
 
 
+def test_a_stop_string_late_in_a_long_output_is_found(tiny_model_path):
+    """The stop check decodes only the newest tokens; a match 150+ tokens in is still cut exactly."""
+    def sampled(**kw):  # seeded sampling: varied text, the same tokens on both calls
+        return SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True, **kw)
+
+    async def body(eng):
+        full = await eng.generate(PROMPTS[1], sampled())
+        k = next(i for i in range(len(full.text) - 20, 0, -1) if full.text.find(full.text[i:i + 6]) == i)
+        stop_str = full.text[k:k + 6]  # the latest 6 characters that occur there first
+        return full, stop_str, await eng.generate(PROMPTS[1], sampled(stop=[stop_str]))
+
+    full, stop_str, by_str = run_engine(tiny_model_path, body)
+    assert by_str.finish_reason == "stop"
+    assert by_str.text == full.text[:full.text.find(stop_str)]
+    assert len(by_str.output_token_ids) > 100
+
+
 def test_eos_stops_unless_ignore_eos(tiny_model_path):
     async def body(eng):
         full = await eng.generate(PROMPTS[0], greedy(10))

@@ -153,7 +153,7 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
         if token in seq.stop_ids:
             return "stop"
-        if seq.params.stop:
+        if seq.params.stop and self._tail_has_stop(seq):
             text = self._decode(seq.output_token_ids)
             cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
             if cut >= 0:
@@ -163,6 +163,17 @@ class LLMEngine:
         if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
+
+    def _tail_has_stop(self, seq: Sequence) -> bool:
+        """Whether a stop string occurs in the text of the last few output tokens.
+
+        Checked after every token, so a new match ends in the newest token and spans at most
+        ``4 × len(stop)`` tokens (a character may take up to 4 byte tokens): decoding that tail
+        keeps the check O(len(stop)) per token instead of re-decoding the whole output.
+        """
+        window = 4 * max(len(s) for s in seq.params.stop) + 4
+        tail = self._decode(seq.output_token_ids[-window:])
+        return any(s in tail for s in seq.params.stop)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

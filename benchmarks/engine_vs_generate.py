@@ -1,6 +1,6 @@
 """Throughput of the engine vs transformers ``generate`` under concurrent load (CPU, fp32).
 
-    python benchmarks/engine_vs_generate.py [--model tiny|smol|PATH] [--requests 32] [--hf-batch 32]
+    python -m benchmarks.engine_vs_generate [--model tiny|smol|PATH] [--requests 32] [--hf-batch 32]
 
 N requests of mixed prompt (8..64) and output (16..64) lengths, eos ignored. The engine gets
 them all at once through ``AsyncEngine.generate`` (continuous batching); ``generate`` runs them in
@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.engine_throughput import bench_generate as static_batches_tps
+from benchmarks.engine_throughput import workload
 
 
 def smol_shaped_model() -> str:
@@ -41,11 +43,6 @@ def smol_shaped_model() -> str:
     return str(path)
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [([rng.randrange(3, 500) for _ in range(rng.randint(8, 64))], rng.randint(16, 64)) for _ in range(n)]
-
-
 def bench_engine(path: str, reqs, max_batch_size: int) -> float:
     from training.deployment.engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -65,25 +62,12 @@ def bench_engine(path: str, reqs, max_batch_size: int) -> float:
 
 
 def bench_generate(path: str, reqs, batch: int) -> float:
+    """``engine_throughput.bench_generate`` on a freshly loaded model, after a warm-up batch."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    pad = 0
-
-    def run(chunk):
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(m for _, m in chunk),
-                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None,
-                           pad_token_id=pad)
-
-    run(reqs[:2])  # warm-up
-    t0 = time.perf_counter()
-    for i in range(0, len(reqs), batch):
-        run(reqs[i:i + batch])
-    return sum(m for _, m in reqs) / (time.perf_counter() - t0)
+    static_batches_tps(path, reqs[:2], 2, model)  # warm-up
+    return static_batches_tps(path, reqs, batch, model)
 
 
 def main() -> None:
@@ -97,7 +81,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     from training.models.build_tiny import ensure_tiny_model
     path = {"tiny": ensure_tiny_model, "smol": smol_shaped_model}.get(a.model, lambda: a.model)()
-    reqs = workload(a.requests)
+    from transformers import AutoConfig
+
+    reqs = workload(a.requests, (16, 64), AutoConfig.from_pretrained(path).vocab_size)
     engine_tps = bench_engine(path, reqs, max_batch_size=max(a.requests, 1))
     hf_tps = bench_generate(path, reqs, a.hf_batch)
     print(json.dumps({"model": Path(path).name, "requests": a.requests, "threads": torch.get_num_threads(),

@@ -195,12 +195,9 @@ class AsyncRLLoop:
                 self.training = False
                 self.changed.set()
                 hidden = self.busy.read() - busy_train0
-                for g in batch:
-                    ctx.cursor.mark_done(g.position)
                 step += 1
-                if ctx.eval_due(step):
-                    m.update(await ctx.evaluate())
-                ckpt_s = ctx.save_checkpoint(step) if ctx.checkpoint_due(step) else 0.0
+                evals, ckpt_s = await ctx.finish_step(batch, step)
+                m.update(evals)
                 step_s = time.perf_counter() - t_step
                 rollout_busy = self.busy.read() - busy0
                 m.update({

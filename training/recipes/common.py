@@ -270,6 +270,17 @@ class RunContext:
         return {"eval/reward_mean": sum(rewards) / len(rewards),
                 "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards)}
 
+    async def finish_step(self, groups: list[PromptGroup], step_done: int) -> tuple[dict[str, float], float]:
+        """After a trained step: mark its rows done, evaluate and checkpoint when due.
+
+        Returns the ``eval/*`` metrics (empty when no eval was due) and the checkpoint's seconds.
+        """
+        for g in groups:
+            self.cursor.mark_done(g.position)
+        evals = await self.evaluate() if self.eval_due(step_done) else {}
+        ckpt_s = self.save_checkpoint(step_done) if self.checkpoint_due(step_done) else 0.0
+        return evals, ckpt_s
+
     def checkpoint_due(self, step_done: int) -> bool:
         i = self.cfg.dcp_save_interval
         return i > 0 and (step_done % i == 0 or step_done == self.total_steps)

@@ -63,12 +63,9 @@ class SyncRLLoop:
                     temperature=cfg.temperature, seed=cfg.seed + step))
                 t_train = time.perf_counter() - t1
                 sync_s = await ctx.sync_weights(step + 1)
-                for g in batch:
-                    ctx.cursor.mark_done(g.position)
                 step += 1
-                if ctx.eval_due(step):
-                    m.update(await ctx.evaluate())
-                ckpt_s = ctx.save_checkpoint(step) if ctx.checkpoint_due(step) else 0.0
+                evals, ckpt_s = await ctx.finish_step(batch, step)
+                m.update(evals)
                 m.update({"perf/step_time_s": time.perf_counter() - t0, "perf/wait_rollout_s": t_rollout,
                           "perf/train_s": t_train, "perf/weight_sync_s": sync_s, "perf/checkpoint_s": ckpt_s,
                           "perf/trained_tokens_per_s": m["train/tokens"] / max(t_train, 1e-9),

@@ -126,34 +126,30 @@ def unique_weights(named_weights: Iterable[tuple[str, torch.Tensor]]) -> list[tu
 
     Raises ValueError for a dtype outside ``DTYPES``, a duplicate name, or an empty set.
     """
-    items, seen_tensors, seen_names = [], set(), set()
+    items, seen_tensors = [], set()
     for name, t in named_weights:
         key = id(t) if hasattr(t, "full_tensor") else (t.data_ptr(), t.storage_offset(), tuple(t.shape))
         if key in seen_tensors:  # tied tensors (lm_head = embedding) travel once
             continue
-        if name in seen_names:
-            raise ValueError(f"named_weights: duplicate tensor name {name!r}")
-        if t.dtype not in DTYPE_NAMES:
-            raise ValueError(f"named_weights: {name}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
         seen_tensors.add(key)
-        seen_names.add(name)
         items.append((name, t))
-    if not items:
-        raise ValueError("named_weights: no tensors given")
+    check_specs([(n, t.dtype, tuple(t.shape)) for n, t in items], what="named_weights")
     return items
 
 
-def check_specs(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple]]:
-    """``specs`` as a list, checked like ``unique_weights`` checks tensors (names unique, dtypes sendable)."""
+def check_specs(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                what: str = "specs") -> list[tuple[str, torch.dtype, tuple]]:
+    """``specs`` as a list, checked: at least one, names unique, dtypes in ``DTYPES`` (errors name ``what``)."""
     specs = [(n, d, tuple(shape)) for n, d, shape in specs]
     if not specs:
-        raise ValueError("specs: no tensors given")
-    names = [n for n, _, _ in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"specs: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})}")
+        raise ValueError(f"{what}: no tensors given")
+    seen = set()
     for n, d, _ in specs:
+        if n in seen:
+            raise ValueError(f"{what}: duplicate tensor name {n!r}")
         if d not in DTYPE_NAMES:
-            raise ValueError(f"specs: {n}: dtype {d} is not one of {sorted(DTYPES)}")
+            raise ValueError(f"{what}: {n}: dtype {d} is not one of {sorted(DTYPES)}")
+        seen.add(n)
     return specs
 
 

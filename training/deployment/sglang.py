@@ -143,7 +143,7 @@ class SGLangSampler(DeploymentSampler):
     async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
                    session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
         """Render ``messages`` with the chat template (needs ``tokenizer``) and sample from the ids."""
-        from training.deployment.protocol import parse_tool_calls
+        from training.deployment.responses import parse_tool_calls
 
         if self.tokenizer is None:
             raise ValueError("tokenizer: SGLangSampler.chat renders the chat template locally; "

@@ -64,7 +64,9 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
                                       seed=args.seed))
     await engine.start()
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                           handler_cancellation=True)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,17 +27,18 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import EngineError, PartialWeightUpdateError, WeightUpdateError
+from training.deployment.engine.config import (EngineError, PartialWeightUpdateError, SequenceFailedError,
+                                              WeightUpdateError)
 from training.deployment.protocol import (
     SESSION_HEADER,
     ParsedRequest,
     RequestError,
-    build_chat_response,
-    build_completion_response,
     error_body,
     parse_chat_request,
     parse_completion_request,
 )
+from training.deployment.responses import build_chat_response, build_completion_response
+from training.deployment.streaming import DONE, ChunkStream, sse
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
         return _json_error(400, f"weight update refused: {e}", "invalid_request_error")
     except EngineError as e:
         return _json_error(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+    except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
+        log.error("request failed in the engine: %s", e)
+        return _json_error(500, f"generation failed: {e}", "internal_error")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -128,16 +132,69 @@ async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[A
     return [[t.result() for t in row] for row in tasks]
 
 
-async def completions(request: web.Request) -> web.Response:
+async def _stream(request: web.Request, req: ParsedRequest, chat: bool) -> web.StreamResponse:
+    """Answer with server-sent events; every (prompt, choice) streams from its own engine request.
+
+    A client that goes away (a failed write, or aiohttp cancelling the handler) cancels the
+    consumers, which aborts their sequences at the engine's next step.
+    """
+    engine = request.app[ENGINE_KEY]
+    chunks = ChunkStream(req, chat, engine.tokenizer)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def consume(p: int, i: int) -> None:
+        try:
+            async for delta in engine.generate_stream(req.prompts[p], req.params_for(i),
+                                                      session_id=_session_id(request, i)):
+                queue.put_nowait((p, i, delta))
+        except Exception as e:  # reported in the stream; the other choices are cancelled
+            queue.put_nowait((p, i, e))
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    tasks = [asyncio.ensure_future(consume(p, i)) for p in range(len(req.prompts)) for i in range(req.n)]
+    try:
+        for chunk in chunks.opening():
+            await resp.write(sse(chunk))
+        running = len(tasks)
+        while running:
+            p, i, item = await queue.get()
+            if isinstance(item, Exception):
+                log.error("streamed request failed: %s: %s", type(item).__name__, item)
+                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}",
+                                                "internal_error")))
+                break
+            for chunk in chunks.update(p, i, item):
+                await resp.write(sse(chunk))
+            running -= item.result is not None
+        else:
+            for chunk in chunks.closing():
+                await resp.write(sse(chunk))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away: stop its sequences
+        log.info("client disconnected from a streamed request")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     req = parse_completion_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, chat=False)
     results = await _generate_all(request, req)
     return web.json_response(build_completion_response(req, results, engine.tokenizer))
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     req = parse_chat_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, chat=True)
     results = await _generate_all(request, req)
     return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
 
@@ -292,7 +349,12 @@ async def resume(request: web.Request) -> web.Response:
 
 def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
                manage_engine: bool = True) -> web.Application:
-    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup."""
+    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
+
+    Serve it with ``handler_cancellation=True`` (``web.AppRunner`` / ``web.run_app``, as serve.py
+    does) so that a non-streamed request whose client disconnects is aborted; streamed requests
+    notice a disconnect on their next write either way.
+    """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     name = served_model_name or engine.model_name

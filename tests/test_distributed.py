@@ -20,7 +20,8 @@ UNIT_SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from training.trainer import PolicyTrainer, distributed as D
+    from training.trainer import PolicyTrainer
+    from training.utils import dist as D
     from training.utils import TrainerConfig
     from training.utils.checkpoint import save_checkpoint
     from training.utils.rl.ppo import StepBatch
@@ -133,7 +134,7 @@ def test_split_for_ranks_balances_tokens_and_covers_every_sequence():
 
 
 def test_single_process_is_untouched():
-    from training.trainer import distributed as D
+    from training.utils import dist as D
 
     assert not D.is_distributed() and D.is_main_rank() and D.world_size() == 1
     assert D.init_distributed("cpu") is False  # no WORLD_SIZE: nothing starts

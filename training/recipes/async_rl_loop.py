@@ -25,7 +25,7 @@ import time
 from typing import Any, Optional
 
 from training.recipes.common import RolloutFnFactory, RunContext, batch_metrics
-from training.trainer import distributed as dist_utils
+from training.utils import dist as dist_utils
 from training.recipes.config import Config
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate

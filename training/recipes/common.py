@@ -26,7 +26,7 @@ import torch
 
 from training.models import resolve_model
 from training.recipes.config import Config
-from training.trainer.distributed import Command, follow, lead
+from training.utils.dist import Command, follow, lead
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.metrics import MetricsLogger

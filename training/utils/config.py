@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+from training.utils.device import DEVICES, DTYPES, is_device_name
+
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 
@@ -21,7 +21,7 @@ def _check(cond: bool, name: str, message: str) -> None:
 
 
 def _check_device(name: str, value: str) -> None:
-    _check(value in DEVICES or value.startswith("cuda:"), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
+    _check(is_device_name(value), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
 
 
 @dataclass

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from training.trainer import distributed as dist_utils
-from training.trainer.distributed import Command, broadcast_tensor, lead
+from training.utils import dist as dist_utils
+from training.utils.dist import Command, broadcast_tensor, lead
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss
 from training.utils.rl.losses.common import LossInputs

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from training.deployment.fields import HONOURED, METADATA, UNSUPPORTED
-from training.deployment.launcher import EmbeddedDeployment
-from training.utils.config import DeployConfig
+from training.deployment.embedded import EmbeddedDeployment
+from training.utils.config import DeployConfig, EngineConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 CHAT = [{"role": "user", "content": "what is 2 + 3"}]
@@ -22,8 +22,8 @@ CHAT = [{"role": "user", "content": "what is 2 + 3"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(max_model_len=256, max_batch_size=16, device="cpu", dtype="float32", startup_timeout_s=120,
-                       log_file=str(tmp_path_factory.mktemp("fields") / "server.log"))
+    cfg = DeployConfig(startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("fields") / "server.log"),
+                       engine_config=EngineConfig(max_model_len=256, max_batch_size=16, device="cpu", dtype="float32"))
     with EmbeddedDeployment(tiny_model_path, cfg) as dep:
         yield dep
 

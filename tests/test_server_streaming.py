@@ -14,11 +14,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from training.deployment.engine.config import GenerationDelta, GenerationResult, SamplingParams
-from training.deployment.launcher import EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.protocol import ParsedRequest
 from training.deployment.responses import build_chat_response
 from training.deployment.streaming import ChunkStream, IncrementalText
-from training.utils.config import DeployConfig
+from training.utils.config import DeployConfig, EngineConfig
 
 openai = pytest.importorskip("openai")
 
@@ -32,8 +32,9 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=8, device="cpu", dtype="float32",
-                       startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("stream") / "server.log"))
+    cfg = DeployConfig(startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("stream") / "server.log"),
+                       engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=8, device="cpu",
+                                                  dtype="float32"))
     with EmbeddedDeployment(tiny_model_path, cfg) as dep:
         yield dep
 
@@ -101,7 +102,8 @@ def test_streamed_chat_equals_the_whole_response(client, tools):
     assert final.usage.completion_tokens == whole.usage.completion_tokens
     for want in whole.choices:
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == want.index]
-        assert mine[0].delta.role == "assistant" and extra(mine[0], "prompt_token_ids") == extra(want, "prompt_token_ids")
+        assert mine[0].delta.role == "assistant"
+        assert extra(mine[0], "prompt_token_ids") == extra(want, "prompt_token_ids")
         assert sum((extra(c, "token_ids") or [] for c in mine), []) == extra(want, "token_ids")
         got = final.choices[want.index]
         assert got.message.content == want.message.content
@@ -155,7 +157,7 @@ def test_tool_calls_stream_in_the_openai_chat_format(tokenizer, script):
                         return_token_ids=True, model="tiny", tools=TOOLS, parse_tool_calls=True, stream=True)
     chunks = ChunkStream(req, chat=True, tokenizer=tokenizer)
     raw = chunks.opening()
-    for i, t in enumerate(ids[:-1]):
+    for t in ids[:-1]:
         raw += chunks.update(0, 0, GenerationDelta([t], [-0.5], None))
     raw += chunks.update(0, 0, GenerationDelta(ids[-1:], [-0.5], None, result=result))
     state = ChatCompletionStreamState()

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from training.deployment.engine.config import GenerationResult
 from training.deployment.protocol import ParsedRequest
+from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 
 
 def token_text(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
@@ -97,12 +98,10 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Split Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks out of ``text``.
 
-    Returns (content, OpenAI ``tool_calls``), parsed by the agents' ``HermesToolParser``. The
+    Returns (content, OpenAI ``tool_calls``), parsed by ``HermesToolParser``. The
     content is the text outside the blocks; if any block was malformed, it is the whole reply,
     so nothing the model wrote is hidden from the client. Call ids are unique per response.
     """
-    from training.agents.tool_parsers import HermesToolParser, to_openai_tool_calls
-
     parsed = HermesToolParser().parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
     if not parsed.calls:
         return text, []
@@ -123,8 +122,9 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
         logprobs = None
         if req.logprobs is not None:
             logprobs = chat_logprobs(tokenizer, req, r.output_token_ids, r.output_logprobs, r.output_top_logprobs)
-        choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": chat_finish_reason(r, bool(calls)),
-                  "stop_reason": r.stop_reason, "weight_version": r.weight_version}
+        choice = {"index": i, "message": message, "logprobs": logprobs,
+                  "finish_reason": chat_finish_reason(r, bool(calls)), "stop_reason": r.stop_reason,
+                  "weight_version": r.weight_version}
         if req.return_token_ids:
             choice["token_ids"] = list(r.output_token_ids)
             choice["prompt_token_ids"] = list(r.prompt_token_ids)

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from training.deployment.engine.config import GenerationDelta, GenerationResult
 from training.deployment.protocol import ParsedRequest
+from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 from training.deployment.responses import (chat_finish_reason, chat_logprobs, completion_logprobs,
                                            response_version, usage)
 
@@ -101,7 +102,7 @@ class IncrementalText:
 class ToolCallStream:
     """Splits streamed text into content and Hermes ``<tool_call>{json}</tool_call>`` calls, in order.
 
-    A block is parsed by the agents' ``HermesToolParser`` when it closes (or at the end, for a
+    A block is parsed by ``HermesToolParser`` when it closes (or at the end, for a
     trailing unclosed block, as the whole-response parser does); a block that does not parse is
     sent as content. Whitespace follows the whole response (content outside the blocks, stripped
     once a call was made): trailing whitespace is held until more content follows, and dropped at
@@ -159,8 +160,6 @@ class ToolCallStream:
             out.append({"content": body})
 
     def _call(self, body: str, closed: bool, out: list[dict]) -> None:
-        from training.agents.tool_parsers import HermesToolParser, to_openai_tool_calls
-
         block = TOOL_OPEN + body + (TOOL_CLOSE if closed else "")
         parsed = HermesToolParser().parse(block)
         if not parsed.calls:

@@ -42,7 +42,7 @@ from training.deployment.engine.sequence import Sequence
 SHIFT_BELOW_T = 1e-4
 """Rows with 0 < T below this are scaled as (z - max z) / T (no overflow); others as z / T, as the trainer."""
 CANDIDATES = 256
-"""Tokens sorted per row for top-k / top-p / min-p before falling back to the whole vocabulary (see _sample_truncated)."""
+"""Tokens sorted per row for top-k / top-p / min-p before falling back to the whole vocabulary (_sample_truncated)."""
 _LOWEST = torch.finfo(torch.float32).min
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -198,8 +198,8 @@ def _sample_truncated(probs: torch.Tensor, u_B: torch.Tensor, params) -> torch.T
     most likely tokens are sorted (``topk``) when a row's kept prefix ends inside them: always
     when every truncating row has a top_k; otherwise, on CPU (where reading the mask back costs
     no device sync), the rows whose prefix reaches the last candidate (or whose top_k is larger)
-    are sorted whole; on a GPU every row is sorted whole. The masses top_p is measured against come from the unsorted row,
-    so a row keeps and draws the same tokens whichever way it was sorted.
+    are sorted whole; on a GPU every row is sorted whole. The masses top_p is measured against
+    come from the unsorted row, so a row keeps and draws the same tokens whichever way it was sorted.
     """
     device, V = probs.device, probs.shape[-1]
     rows = [p.truncates and p.temperature > 0 for p in params]

@@ -219,3 +219,64 @@ def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(server, s
     assert after["requests_aborted"] == before["requests_aborted"] + 1
     generated = after["tokens_generated"] - before["tokens_generated"]
     assert generated < max_tokens // 2, (during, after)  # stopped long before its max_tokens
+
+
+class _AbortRecordingEngine:
+    """Wraps ``AsyncEngine.abort`` to note how many tokens the sequence had when the abort was asked.
+
+    The note is taken under the engine's (re-entrant) lock, in the same critical section that
+    queues the abort, so at most the one step already running can add a token after it.
+    """
+
+    @staticmethod
+    def install(eng):
+        notes = []
+        original = eng.abort
+
+        def abort(seq):
+            with eng._cond:
+                notes.append((seq, seq.num_output_tokens))
+                original(seq)
+
+        eng.abort = abort
+        return notes
+
+
+@pytest.mark.parametrize("how", ["closed stream", "cancelled generate"])
+def test_an_abort_lands_within_one_engine_step(tiny_model_path, how):
+    from training.deployment.engine import AsyncEngine, EngineConfig
+
+    async def go():
+        eng = AsyncEngine(EngineConfig(model=tiny_model_path, max_batch_size=4, max_model_len=512, device="cpu",
+                                       dtype="float32"))
+        await eng.start()
+        notes = _AbortRecordingEngine.install(eng)
+        try:
+            params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            other = asyncio.ensure_future(eng.generate(PROMPT[:4], SamplingParams(max_tokens=60, ignore_eos=True)))
+            if how == "closed stream":
+                stream = eng.generate_stream(PROMPT, params)
+                async for _ in stream:
+                    if eng.engine.counters["tokens_generated"] > 10:
+                        break
+                await stream.aclose()
+            else:
+                task = asyncio.ensure_future(eng.generate(PROMPT, params))
+                while eng.engine.counters["tokens_generated"] < 10:
+                    await asyncio.sleep(0.005)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            kept = await other
+            while eng.stats()["running"]:
+                await asyncio.sleep(0.01)
+            return notes, kept, eng.stats()
+        finally:
+            await eng.shutdown()
+
+    notes, kept, stats = asyncio.run(go())
+    [(seq, tokens_at_abort)] = notes
+    assert seq.finish_reason == "abort"
+    assert seq.num_output_tokens - tokens_at_abort <= 1  # only the step already under way may add one
+    assert seq.num_output_tokens < 400
+    assert len(kept.output_token_ids) == 60 and kept.finish_reason == "length"  # the other request went on
+    assert stats["requests_aborted"] == 1 and stats["free_slots"] == 4

@@ -80,6 +80,7 @@ REFUSED = [
     ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat", {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template_kwargs"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("chat", {"prompt": PROMPT}, "prompt"),                    # a completions field on chat
     ("chat", {"top_logprobs": 2}, "top_logprobs"),             # without logprobs

@@ -352,6 +352,9 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if template_kwargs.get("chat_template") is not None:
+        raise RequestError("'chat_template_kwargs.chat_template' is not supported: request-supplied chat templates "
+                           "are not rendered (the model's own template is used)", "chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     continue_final = _bool(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:

@@ -82,7 +82,7 @@ def test_streamed_completions_equal_the_whole_response_token_for_token(client):
         assert sum((lp.top_logprobs for lp in lps), []) == want.logprobs.top_logprobs
         assert sum((lp.text_offset for lp in lps), []) == want.logprobs.text_offset
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + [want.finish_reason]
-        assert extra(mine[-1], "weight_version") == 0
+        assert extra(mine[-1], "weight_version") == extra(whole, "weight_version")
 
 
 @pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "with-tools"])
@@ -280,3 +280,34 @@ def test_an_abort_lands_within_one_engine_step(tiny_model_path, how):
     assert seq.num_output_tokens < 400
     assert len(kept.output_token_ids) == 60 and kept.finish_reason == "length"  # the other request went on
     assert stats["requests_aborted"] == 1 and stats["free_slots"] == 4
+
+
+def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path):
+    """Handler cancellation applies to generation only: a control request runs to its end."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.base_url + "/weight_version") as r:
+                version = (await r.json())["weight_version"]
+            body = {"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True}
+            gen = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
+            while True:  # the generation is running
+                async with s.get(server.base_url + "/stats") as r:
+                    if (await r.json())["running"] == 1:
+                        break
+                await asyncio.sleep(0.01)
+            push = {"path": f"{tiny_model_path}/model.safetensors", "weight_version": version + 1,
+                    "wait_for_inflight": True}  # waits for the running generation: the client gives up first
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(server.base_url + "/update_weights_from_disk", json=push,
+                             timeout=aiohttp.ClientTimeout(total=0.1))
+            (await gen).release()
+            deadline = time.monotonic() + 60
+            while True:
+                async with s.get(server.base_url + "/weight_version") as r:
+                    now = (await r.json())["weight_version"]
+                if now == version + 1 or time.monotonic() > deadline:
+                    return version, now
+                await asyncio.sleep(0.05)
+
+    version, now = asyncio.run(go())
+    assert now == version + 1

@@ -61,6 +61,10 @@ def _json_error(status: int, message: str, err_type: str = "invalid_request_erro
     return web.json_response(error_body(message, err_type, param), status=status)
 
 
+_CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose handler is cancelled (and sequences aborted) when the client disconnects."""
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     """API-key check (all paths but /health) and the mapping of errors to JSON responses."""
@@ -70,7 +74,11 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
             return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error")
     try:
-        return await handler(request)
+        if request.path in _CANCEL_ON_DISCONNECT:
+            return await handler(request)
+        # a control request (weights, pause, ...) runs to its end even if its client goes away: a weight
+        # push cut half-way would leave a joined group unrecorded or a /dev/shm file behind
+        return await _run_to_end(handler(request))
     except RequestError as e:
         return _json_error(e.status, e.message, e.err_type, e.param)
     except WeightUpdateError as e:
@@ -87,6 +95,16 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     except Exception as e:  # a server bug: log it, answer 500, keep serving
         log.exception("unhandled error on %s", request.path)
         return _json_error(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
+
+
+async def _run_to_end(coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Await ``coro`` in its own task that a cancellation of the caller does not stop (its outcome is then dropped)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
+        raise
 
 
 def _engine_error_param(message: str) -> Optional[str]:
@@ -352,7 +370,8 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
 
     Serve it with ``handler_cancellation=True`` (``web.AppRunner`` / ``web.run_app``, as serve.py
     does) so that a non-streamed request whose client disconnects is aborted; streamed requests
-    notice a disconnect on their next write either way.
+    notice a disconnect on their next write either way. Control endpoints are shielded: they
+    finish even when their client goes away.
     """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
     app[ENGINE_KEY] = engine

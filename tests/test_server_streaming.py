@@ -288,7 +288,7 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
         async with aiohttp.ClientSession() as s:
             async with s.get(server.base_url + "/weight_version") as r:
                 version = (await r.json())["weight_version"]
-            body = {"prompt": PROMPT, "max_tokens": 120, "ignore_eos": True}
+            body = {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - len(PROMPT), "ignore_eos": True}
             gen = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
             while True:  # the generation is running
                 async with s.get(server.base_url + "/stats") as r:

@@ -42,7 +42,7 @@ from training.deployment.group import DeploymentGroup
 from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
-from training.utils import dist
+from training.utils import dist, loop_watch
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.dist import Command, lead
@@ -271,7 +271,7 @@ class RunContext:
         async def one(row):
             async with self.semaphore:
                 try:
-                    result = await asyncio.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
+                    result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
                 except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
                     logger.warning("eval rollout raised %s: %s", type(e).__name__, e)
                     return 0.0
@@ -450,8 +450,10 @@ async def _run_loop(loop_cls, cfg: Config, rows: list[dict], eval_rows: list[dic
                     state: TrainState, deployment: DeploymentGroup, setup: RolloutSetup,
                     rollout_fn: RolloutFn) -> dict[str, Any]:
     ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
     try:
         return await loop_cls(ctx).run()
     finally:
+        watchdog.stop()
         ctx.close()
         await deployment.close_sampler()

@@ -34,7 +34,7 @@ class Config:
     base_model: str
     """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
     log_path: str = "runs/default"
-    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes."""
+    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes from its newest checkpoint (with the same training settings, see config.json); a folder holding a run without a checkpoint is refused."""
     completions_per_prompt: int = 4
     """Rollouts per row (the group size for group-relative advantages); at least 2."""
     prompt_groups_per_step: int = 8

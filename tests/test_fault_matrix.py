@@ -5,7 +5,6 @@ leaving no server or /dev/shm copy (test_exit_cleanup.py), a server killed befor
 (test_launcher.py), failing and hanging rollouts (test_recipes.py).
 """
 
-import asyncio
 import time
 
 import pytest

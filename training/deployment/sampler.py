@@ -28,11 +28,11 @@ from typing import Any, Optional, Sequence, Union
 
 import aiohttp
 
-from training.utils.http import auth_headers
+from training.utils.http import SESSION_HEADER, auth_headers, session_headers
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-multi-turn-session-id"
+__all__ = ["Completion", "DeploymentRequestError", "DeploymentSampler", "SESSION_HEADER", "build_deployment_sampler"]
 
 
 class DeploymentRequestError(RuntimeError):
@@ -143,7 +143,8 @@ class DeploymentSampler:
 
     With several URLs a request with a session id always goes to the same replica (a stable hash
     of the id, so its KV cache is reused there); any other request goes to the replica with the
-    fewest requests in flight.
+    fewest requests in flight. The id travels as both ``x-multi-turn-session-id`` and
+    ``x-session-affinity`` (``training.utils.http.session_headers``).
     """
 
     def __init__(self, base_url: Union[str, Sequence[str]], *, api_key: Optional[str] = None, model: Optional[str] = None,
@@ -195,7 +196,7 @@ class DeploymentSampler:
         self._client.noted_weight_version = int(version)
 
     def _headers(self, session_id: Optional[str]) -> dict[str, str]:
-        return auth_headers(self.api_key, {SESSION_HEADER: session_id} if session_id else None)
+        return auth_headers(self.api_key, session_headers(session_id))
 
     def live_replicas(self) -> list[str]:
         """Replicas not marked down (every replica when all are down: someone has to be tried)."""

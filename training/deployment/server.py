@@ -29,7 +29,6 @@ from aiohttp import web
 from training.deployment.engine.config import (EngineError, PartialWeightUpdateError, SequenceFailedError,
                                               WeightUpdateError)
 from training.deployment.protocol import (
-    SESSION_HEADER,
     ParsedRequest,
     RequestError,
     error_body,
@@ -38,7 +37,7 @@ from training.deployment.protocol import (
 )
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import DONE, ChunkStream, sse
-from training.utils.http import bearer_ok
+from training.utils.http import bearer_ok, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -122,21 +121,23 @@ async def _read_json(request: web.Request) -> Any:
         raise RequestError(f"the request body is not valid JSON: {e}") from e
 
 
-def _session_id(request: web.Request, choice: int) -> Optional[str]:
-    """Engine session of a choice: the header value for choice 0, ``<value>:<i>`` for the others."""
-    sid = request.headers.get(SESSION_HEADER)
+def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
+    """Engine session of a choice: the request's session id (``x-multi-turn-session-id``, else
+    ``x-session-affinity``, else the body's ``user``) for choice 0, ``<id>:<i>`` for the others."""
+    sid = session_id_of(request.headers, body)
     if not sid:
         return None
     return sid if choice == 0 else f"{sid}:{choice}"
 
 
-async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[Any]]:
+async def _generate_all(request: web.Request, req: ParsedRequest, body: Any) -> list[list[Any]]:
     """Run every (prompt, choice) as its own engine request, concurrently; results[p][i].
 
     The first error (or a client disconnect) cancels the request's other choices.
     """
     engine = request.app[ENGINE_KEY]
-    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i), session_id=_session_id(request, i)))
+    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i),
+                                                    session_id=_session_id(request, body, i)))
               for i in range(req.n)] for prompt in req.prompts]
     flat = [t for row in tasks for t in row]
     try:
@@ -149,7 +150,7 @@ async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[A
     return [[t.result() for t in row] for row in tasks]
 
 
-async def _stream(request: web.Request, req: ParsedRequest, chat: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: bool) -> web.StreamResponse:
     """Answer with server-sent events; every (prompt, choice) streams from its own engine request.
 
     A client that goes away (a failed write, or aiohttp cancelling the handler) cancels the
@@ -162,7 +163,7 @@ async def _stream(request: web.Request, req: ParsedRequest, chat: bool) -> web.S
     async def consume(p: int, i: int) -> None:
         try:
             async for delta in engine.generate_stream(req.prompts[p], req.params_for(i),
-                                                      session_id=_session_id(request, i)):
+                                                      session_id=_session_id(request, body, i)):
                 queue.put_nowait((p, i, delta))
         except Exception as e:  # reported in the stream; the other choices are cancelled
             queue.put_nowait((p, i, e))
@@ -200,19 +201,21 @@ async def _stream(request: web.Request, req: ParsedRequest, chat: bool) -> web.S
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_completion_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    body = await _read_json(request)
+    req = parse_completion_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
     if req.stream:
-        return await _stream(request, req, chat=False)
-    results = await _generate_all(request, req)
+        return await _stream(request, req, body, chat=False)
+    results = await _generate_all(request, req, body)
     return web.json_response(build_completion_response(req, results, engine.tokenizer))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_chat_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
+    body = await _read_json(request)
+    req = parse_chat_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
     if req.stream:
-        return await _stream(request, req, chat=True)
-    results = await _generate_all(request, req)
+        return await _stream(request, req, body, chat=True)
+    results = await _generate_all(request, req, body)
     return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
 
 

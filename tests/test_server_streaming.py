@@ -76,6 +76,9 @@ def test_streamed_completions_equal_the_whole_response_token_for_token(client):
         mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == want.index]
         assert extra(mine[0], "prompt_token_ids") == extra(want, "prompt_token_ids")
         assert sum((extra(c, "token_ids") for c in mine), []) == extra(want, "token_ids")
+        versions = sum((extra(c, "token_weight_versions") for c in mine), [])
+        assert versions == (extra(want, "token_weight_versions")
+                            or [extra(want, "weight_version")] * len(extra(want, "token_ids")))
         assert "".join(c.text for c in mine) == want.text
         lps = [c.logprobs for c in mine if c.logprobs]
         assert sum((lp.token_logprobs for lp in lps), []) == want.logprobs.token_logprobs
@@ -311,3 +314,32 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
 
     version, now = asyncio.run(go())
     assert now == version + 1
+
+
+def test_streamed_tokens_carry_the_weight_version_that_sampled_them(tiny_model_path):
+    from safetensors.torch import load_file
+
+    from training.deployment.engine import AsyncEngine, EngineConfig
+
+    weights = load_file(f"{tiny_model_path}/model.safetensors")
+
+    async def go():
+        eng = AsyncEngine(EngineConfig(model=tiny_model_path, max_batch_size=2, max_model_len=512, device="cpu",
+                                       dtype="float32"))
+        await eng.start()
+        try:
+            versions, update = [], None
+            async for delta in eng.generate_stream(PROMPT, SamplingParams(max_tokens=300, ignore_eos=True)):
+                versions += delta.weight_versions
+                if update is None and len(versions) >= 5:  # swapped between two steps of this sequence
+                    update = asyncio.ensure_future(eng.update_weights(weights, 1, wait_for_inflight=False))
+                if delta.result is not None:
+                    await update
+                    return versions, delta.result
+        finally:
+            await eng.shutdown()
+
+    versions, result = asyncio.run(go())
+    assert len(versions) == len(result.output_token_ids) == 300
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    assert versions == (getattr(result, "token_weight_versions", None) or versions)

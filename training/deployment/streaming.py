@@ -11,8 +11,9 @@ Each chunk carries one choice (``n > 1`` and several prompts interleave by ``ind
   ``index``, ``id``, ``type`` and ``function.name`` with empty arguments, then one with the
   ``function.arguments`` string), and the last chunk has an empty delta and the finish reason.
 
-Exact tokens: with ``return_token_ids`` a chunk's choice has the ``token_ids`` it added (the
-first chunk of a choice also ``prompt_token_ids``); with logprobs, the logprobs of exactly
+Exact tokens: with ``return_token_ids`` a chunk's choice has the ``token_ids`` it added and their
+``token_weight_versions`` (the weight version that sampled each; the first chunk of a choice also
+``prompt_token_ids``); with logprobs, the logprobs of exactly
 those tokens. Concatenated over the stream they equal the whole response's lists. The last
 chunk of a choice has its ``weight_version``; ``stream_options.include_usage`` adds a final
 chunk with ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``).
@@ -220,6 +221,7 @@ class ChoiceStream:
         req = self.req
         if req.return_token_ids:
             entry["token_ids"] = list(delta.token_ids)
+            entry["token_weight_versions"] = list(delta.weight_versions)
             if self.first:
                 entry["prompt_token_ids"] = list(self.prompt)
         self.first = False

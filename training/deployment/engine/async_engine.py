@@ -197,7 +197,7 @@ class AsyncEngine:
 
         with self._cond:
             seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, put)
-            seq.on_token = lambda tok, lp, top: put((tok, lp, top))
+            seq.on_token = lambda tok, lp, top, version: put((tok, lp, top, version))
             self._inbox.append(seq)
             self._cond.notify_all()
         received, finished = 0, False
@@ -218,11 +218,13 @@ class AsyncEngine:
                         delta.logprobs += item.output_logprobs[received:]
                         if delta.top_logprobs is not None:
                             delta.top_logprobs += (item.output_top_logprobs or [])[received:]
+                        delta.weight_versions += _token_versions(item)[received:]
                         break
-                    tok, lp, top = item
+                    tok, lp, top, version = item
                     received += 1
                     delta.token_ids.append(tok)
                     delta.logprobs.append(lp)
+                    delta.weight_versions.append(version)
                     if delta.top_logprobs is not None:
                         delta.top_logprobs.append(top)
                 yield delta
@@ -297,3 +299,10 @@ class AsyncEngine:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+
+def _token_versions(result: GenerationResult) -> list[int]:
+    """Per output token, the weight version that sampled it (the result's own list when the engine keeps one;
+    else the version the result was finished under, which sampled its last tokens)."""
+    versions = getattr(result, "token_weight_versions", None)
+    return list(versions) if versions else [result.weight_version] * len(result.output_token_ids)

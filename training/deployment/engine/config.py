@@ -123,6 +123,8 @@ class GenerationDelta:
     """One per new token, as ``GenerationResult.output_logprobs``."""
     top_logprobs: Optional[list[list[tuple[int, float]]]]
     """One list per new token with ``top_logprobs > 0``, else None."""
+    weight_versions: list[int] = field(default_factory=list)
+    """One per new token: the weight version live in the step that sampled it."""
     result: Optional[GenerationResult] = None
     """Set on the last delta only: the whole finished result (``text``, ``finish_reason``, ...)."""
 

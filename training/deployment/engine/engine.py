@@ -170,7 +170,7 @@ class LLMEngine:
                 if reason is not None:
                     self._finish(seq, reason)
                 elif seq.on_token is not None:
-                    seq.on_token(tok, lp, top)
+                    seq.on_token(tok, lp, top, self.weight_version)
             except Exception as exc:  # post-processing (decode, a callback) failed for this row only
                 log.exception("post-processing of sequence %d failed", seq.seq_id)
                 self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {type(exc).__name__}: {exc}"))

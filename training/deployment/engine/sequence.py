@@ -54,8 +54,9 @@ class Sequence:
         """True once ``text`` holds the output cut at a matched stop string."""
         self.stop_reason: Union[int, str, None] = None
         """The stop string or ``stop_token_ids`` entry that ended the sequence (None for eos and the rest)."""
-        self.on_token: Optional[Callable[[int, float, Optional[list[tuple[int, float]]]], None]] = None
-        """Streaming: called on the engine thread with each token that does not finish the sequence."""
+        self.on_token: Optional[Callable[[int, float, Optional[list[tuple[int, float]]], int], None]] = None
+        """Streaming: called on the engine thread with each token that does not finish the sequence
+        (token id, logprob, top alternatives or None, live weight version)."""
 
     @property
     def num_prompt_tokens(self) -> int:

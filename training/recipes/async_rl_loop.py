@@ -181,6 +181,9 @@ class AsyncRLLoop:
             if exhausted:
                 return []
             waiting_for_older = len(self.ready) >= need and drained
+            if waiting_for_older and self.trainer_wait_s == 0.0:
+                logger.info("step %d waits for %d older running group(s) so that every group trains within "
+                            "max_head_offpolicy_versions=%d", step, self.in_flight, cfg.max_head_offpolicy_versions)
             t0 = time.perf_counter()
             last_progress = await self.ctx.wait_for(self.changed, self.in_flight, last_progress)
             if waiting_for_older:

@@ -57,10 +57,11 @@ class Recorder:
             (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
             out = c.full_tokens[c.prompt_len:]
             self.versions.append(c.weight_version)
+            versions = getattr(c, "token_weight_versions", None) or [c.weight_version] * len(out)
             return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
                                  loss_mask=[0] * c.prompt_len + [1] * len(out),
                                  reward=sum(t % 2 == 0 for t in out) / len(out) + random.random() * 1e-3,
-                                 text=str(c.weight_version))
+                                 text=str(c.weight_version), token_weight_versions=versions)
         return rollout_fn
 
 
@@ -116,6 +117,7 @@ def test_straggler_is_trained_within_the_bound_and_no_row_is_lost_or_trained_twi
         assert all(step - v <= O for v in versions), (step, versions)
     metrics = read_metrics(cfg.log_path)
     assert max(r["offpolicy/staleness_max"] for r in metrics) <= O
+    assert max(r["offpolicy/token_lag_max"] for r in metrics) <= O  # per token, from token_weight_versions
     assert sum(r["offpolicy/dropped_stale"] for r in metrics) == 0  # stale_policy="wait" is the default
     positions = trained_positions(tmp_path / "run")
     assert sorted(positions) == list(range(8)) and all(len(s) == 1 for s in positions.values())
@@ -154,6 +156,23 @@ def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path,
     positions = trained_positions(tmp_path / "run")
     assert sorted(positions) == list(range(6)) and all(len(s) == 1 for s in positions.values())
     assert positions[1][0] >= 3  # trained after its requeue, not in its original place
+
+
+def test_inflight_weight_updates_push_without_draining(tiny_model_path, server, tmp_path, monkeypatch):
+    waits = []
+    real = recipes_common.DeploymentGroup.push
+
+    async def spy(self, named_weights, version, **kw):
+        waits.append(kw.get("wait_for_inflight"))
+        return await real(self, named_weights, version, **kw)
+
+    monkeypatch.setattr(recipes_common.DeploymentGroup, "push", spy)
+    for inflight in (False, True):
+        waits.clear()
+        cfg = config(tiny_model_path, server, tmp_path / str(inflight), max_head_offpolicy_versions=1,
+                     inflight_weight_updates=inflight)
+        assert async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)["steps"] == 2
+        assert waits and all(w is (not inflight) for w in waits), waits
 
 
 def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path, server, tmp_path, monkeypatch):

@@ -119,8 +119,8 @@ class OffPolicyGate:
         if len(ready_versions) < b and running_versions:
             return None
         take = list(range(min(b, len(ready_versions))))
-        if self.stale_policy == "drop":
-            return take
+        if self.stale_policy == "drop" or not running_versions:
+            return take  # nothing left to wait for
         taken = [self.deadline(ready_versions[i]) for i in take]
         for k, r_k in self.required(step, [*ready_versions, *running_versions]).items():
             if sum(1 for d in taken if d <= k) < r_k:

@@ -5,7 +5,8 @@
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
-running anything. Benchmarks are not tests: CI never runs them.
+running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
+re-measured without regenerating the rest). Benchmarks are not tests: CI never runs them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,21 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "engine_throughput", "trainer_throughput", "weight_sync", "exactness", "sampling_cost"]
+SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness",
+           "sampling_cost"]
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with the figures of ``new`` replaced or added (in ``SCRIPTS`` order); dates of both kept."""
+    by_name = {r["figure"]: r for r in old["results"]}
+    for r in new["results"]:
+        r["date"] = new["date"]
+        by_name[r["figure"]] = r
+    order = {n: i for i, n in enumerate(SCRIPTS)}
+    results = sorted(by_name.values(), key=lambda r: order.get(r["figure"], len(order)))
+    return {**old, "results": results, "updated": new["date"]}
 
 
 def run_script(name: str, quick: bool, timeout_s: float) -> dict:
@@ -60,7 +74,9 @@ def main() -> None:
         saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
-        (ROOT / "benchmarks" / "results.json").write_text(json.dumps(saved, indent=1) + "\n")
+        if a.only != p.get_default("only") and RESULTS.exists():
+            saved = merge_results(json.loads(RESULTS.read_text()), saved)
+        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)
 

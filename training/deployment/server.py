@@ -37,7 +37,7 @@ from training.deployment.protocol import (
 )
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import DONE, ChunkStream, sse
-from training.utils.http import bearer_ok, session_id_of
+from training.utils.http import bearer_ok, parse_json_body, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,9 @@ def _engine_error_param(message: str) -> Optional[str]:
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+        return parse_json_body(await request.read())
+    except ValueError as e:
+        raise RequestError(str(e)) from e
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:

@@ -23,7 +23,7 @@ def test_open_bind_without_a_key_refuses_unless_allowed(monkeypatch):
     (b'{"seed": 18446744073709551616}', "body.seed: integer out of range"),
     (b'{"n": ' + b"9" * 5000 + b"}", "not valid JSON"),
     (b'{"prompt": "\\ud800"}', "body.prompt: contains a lone surrogate"),
-    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"temperature": NaN}', "body.temperature: nan is not a number"),
     (b'{"prompt": "\xff"}', "not valid UTF-8"),
 ])
 def test_request_bodies_are_parsed_strictly(raw, problem):

@@ -11,6 +11,8 @@ can always be sampled. Responses are built in ``responses.py`` (whole) and ``str
 
 from __future__ import annotations
 
+import json
+
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -19,6 +21,11 @@ from training.deployment.engine.config import MAX_TOP_LOGPROBS, EngineError, Sam
 from training.deployment.fields import refusal
 
 MAX_N = 256
+MAX_PROMPTS = 256
+"""Prompts one /v1/completions request may carry."""
+MAX_CHARS_PER_TOKEN = 32
+"""A prompt's text may have at most this many characters per token of the context length; longer text
+cannot fit and is refused before it is tokenized (a 10 MB prompt used to stall the server)."""
 """Upper bound on ``n`` (choices per prompt) in one request."""
 SESSION_HEADER = "x-multi-turn-session-id"
 """Request header whose value becomes the engine ``session_id`` (KV reuse across turns)."""
@@ -270,12 +277,18 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
         raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+    if len(raw) > MAX_PROMPTS:
+        raise RequestError(f"'prompt' holds {len(raw)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    max_chars = MAX_CHARS_PER_TOKEN * engine.max_model_len
     add_special = _bool(body, "add_special_tokens", True)
     prompts: list[list[int]] = []
     for p in raw:
         if isinstance(p, str):
             if not p:
                 raise RequestError("'prompt' is an empty string", "prompt")
+            if len(p) > max_chars:
+                raise RequestError(f"'prompt' has {len(p)} characters; it cannot fit max_model_len="
+                                   f"{engine.max_model_len} tokens (limit {max_chars} characters)", "prompt")
             ids = engine.tokenizer.encode(p, add_special_tokens=add_special)
             if not ids:
                 raise RequestError("'prompt' tokenized to no tokens", "prompt")
@@ -341,6 +354,11 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     messages = [_normalise_message(i, m) for i, m in enumerate(messages)]
+    max_chars = MAX_CHARS_PER_TOKEN * engine.max_model_len
+    chars = len(json.dumps(messages, ensure_ascii=False))
+    if chars > max_chars:
+        raise RequestError(f"'messages' have {chars} characters; they cannot fit max_model_len={engine.max_model_len} "
+                           f"tokens (limit {max_chars} characters)", "messages")
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")

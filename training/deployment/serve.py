@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "can then pause the server and load weights into it)")
     p.add_argument("--weight-dir", action="append", default=None, metavar="DIR",
                    help="a folder /update_weights_from_disk may read (repeat for several; symlinks are resolved "
-                        "and must stay inside; default: the temp dir, /dev/shm and the working directory)")
+                        "and must stay inside; default: the temp dir, /dev/shm, the working directory and the model folder)")
     p.add_argument("--weight-peer", action="append", default=None, metavar="HOST",
                    help="a host /init_weight_update_group may connect to (repeat; default: loopback only)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")

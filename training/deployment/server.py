@@ -16,6 +16,7 @@ every generation response carries ``weight_version``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from training.deployment.protocol import (
 )
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import DONE, ChunkStream, sse
-from training.utils.http import bearer_ok, parse_json_body, session_id_of
+from training.utils.http import JsonBodyError, bearer_ok, parse_json_body, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,30 @@ def _engine_error_param(message: str) -> Optional[str]:
     return {"prompt_token_ids": "prompt"}.get(head, head)
 
 
+BODY_READ_TIMEOUT_S = 60.0
+"""A client must deliver its request body within this long (408 otherwise; a stalled upload holds a slot)."""
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Largest request body (413 above it)."""
+
+
 async def _read_json(request: web.Request) -> Any:
     try:
-        return parse_json_body(await request.read())
-    except ValueError as e:
-        raise RequestError(str(e)) from e
+        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408) from None
+    try:
+        return parse_json_body(raw)
+    except JsonBodyError as e:
+        raise RequestError(str(e), e.param) from e
+
+
+async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body: Any) -> ParsedRequest:
+    """Validate and tokenize (or render the chat template) in the app's one tokenizer thread, off the event
+    loop: a long prompt no longer stalls /health and every other request (one thread: HF tokenizers are
+    not safe to call concurrently)."""
+    pool = request.app[SETTINGS_KEY]["tokenize_pool"]
+    names = request.app[SETTINGS_KEY]["served_names"]
+    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names)
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
@@ -206,7 +226,7 @@ async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: boo
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await _read_json(request)
-    req = parse_completion_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    req = await _parse(request, parse_completion_request, body)
     if req.stream:
         return await _stream(request, req, body, chat=False)
     results = await _generate_all(request, req, body)
@@ -216,7 +236,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await _read_json(request)
-    req = parse_chat_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    req = await _parse(request, parse_chat_request, body)
     if req.stream:
         return await _stream(request, req, body, chat=True)
     results = await _generate_all(request, req, body)
@@ -426,18 +446,21 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
     finish even when their client goes away.
 
     ``weight_dirs``: the folders ``/update_weights_from_disk`` may read (symlinks resolved; default
-    the temp dir, /dev/shm and the working directory). ``weight_peers``: the hosts
+    the temp dir, /dev/shm, the working directory and the served model's own folder). ``weight_peers``: the hosts
     ``/init_weight_update_group`` may connect to (default loopback only).
     """
-    app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     name = served_model_name or engine.model_name
     model_arg = getattr(getattr(engine, "config", None), "model", engine.model_name)  # the --model value
     aliases = tuple(dict.fromkeys([name, engine.model_name, model_arg]))
-    dirs = weight_dirs if weight_dirs else [tempfile.gettempdir(), *map(str, shm_roots()), os.getcwd()]
+    dirs = weight_dirs if weight_dirs else [tempfile.gettempdir(), *map(str, shm_roots()), os.getcwd(),
+                                            *([model_arg] if isinstance(model_arg, str) and os.path.isdir(model_arg)
+                                              else [])]
     app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases, "started": int(time.time()),
                          "weight_dirs": [Path(d).resolve() for d in dirs],
-                         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS)}
+                         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
+                         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")}
     app[DIST_KEY] = {"group": None, "busy": False}
     app.add_routes([
         web.post("/v1/completions", completions),
@@ -458,6 +481,10 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
             _app[DIST_KEY]["group"].close()
 
     app.on_cleanup.append(_close_group)
+
+    async def _close_tokenizer_thread(app: web.Application) -> None:
+        app[SETTINGS_KEY]["tokenize_pool"].shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(_close_tokenizer_thread)
     if manage_engine:
         async def _start(_app: web.Application) -> None:
             await engine.start()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import socket
 import urllib.error
 import urllib.parse
@@ -111,45 +112,52 @@ MAX_JSON_INT = 2 ** 64
 """Integers in a request body must lie in (-MAX_JSON_INT, MAX_JSON_INT)."""
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+class JsonBodyError(ValueError):
+    """A request body that ``parse_json_body`` refuses; ``param`` is the top-level field at fault, if any."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body strictly (see the module docstring); ``ValueError`` names the problem."""
+    """Decode a request body strictly (see the module docstring); ``JsonBodyError`` names the problem."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"the request body is not valid UTF-8: {e}") from None
+        raise JsonBodyError(f"the request body is not valid UTF-8: {e}") from None
     depth = 0
     for ch in text:  # cheap pre-check, so the decoder never recurses deeply
         if ch in "[{":
             depth += 1
             if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+                raise JsonBodyError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
         elif ch in "]}":
             depth -= 1
     try:
-        body = json.loads(text, parse_constant=_refuse_constant)
+        body = json.loads(text)
     except RecursionError:
-        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        raise JsonBodyError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # includes JSONDecodeError and integers of more than 4300 digits
-        raise ValueError(f"the request body is not valid JSON: {e}") from None
-    stack = [(body, "body")]
+        raise JsonBodyError(f"the request body is not valid JSON: {e}") from None
+    stack: list[tuple[Any, str, Optional[str]]] = [(body, "body", None)]
     while stack:
-        value, where = stack.pop()
+        value, where, field = stack.pop()
         if isinstance(value, dict):
-            stack.extend((v, f"{where}.{k}") for k, v in value.items())
-            stack.extend((k, f"{where} key") for k in value)
+            stack.extend((v, f"{where}.{k}", field or str(k)) for k, v in value.items())
+            stack.extend((k, f"{where} key", field) for k in value)
         elif isinstance(value, list):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+            stack.extend((v, f"{where}[{i}]", field) for i, v in enumerate(value))
         elif isinstance(value, bool):
             continue
         elif isinstance(value, int) and not -MAX_JSON_INT < value < MAX_JSON_INT:
-            raise ValueError(f"{where}: integer out of range (must be within +-2**64)")
+            raise JsonBodyError(f"{where}: integer out of range (must be within +-2**64)", field)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise JsonBodyError(f"{where}: {value} is not a number JSON allows", field)
         elif isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"{where}: contains a lone surrogate escape (not valid Unicode text)") from None
+                raise JsonBodyError(f"{where}: contains a lone surrogate escape (not valid Unicode text)", field) \
+                    from None
     return body

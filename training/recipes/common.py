@@ -108,8 +108,9 @@ class RunContext:
         self.tokenizer = self.trainer.tokenizer
         self.vocab_size = self.trainer.model.get_input_embeddings().weight.shape[0]
         self.reference = None
-        if needs_reference_logprobs(self.cfg.loss):
-            self.reference = ReferenceModel(self.model_path, self.cfg.trainer)
+        if needs_reference_logprobs(self.cfg.loss):  # with LoRA: the policy's own base weights, adapters off
+            self.reference = (self.trainer.base_reference() if self.trainer.lora
+                              else ReferenceModel(self.model_path, self.cfg.trainer))
         ckpt = latest_checkpoint(self.log_path / "checkpoints")
         if ckpt is not None:
             state = load_checkpoint(ckpt, self.trainer.model, self.trainer.optimizer)

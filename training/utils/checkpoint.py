@@ -48,6 +48,13 @@ def _quiet():
     return ctx
 
 
+def _trainable_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict`` without frozen parameters, also under their tied aliases (a tied ``lm_head``)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, recipe_state: Optional[dict], keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep_last``.
@@ -64,7 +71,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()  # nobody writes into tmp before rank 0 has cleared it
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     ctx = _quiet()
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -99,7 +106,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     Works whatever world size wrote the checkpoint (DCP reshards to this model's layout).
     """
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     ctx = _quiet()
     try:

@@ -151,14 +151,14 @@ def test_bad_lora_settings_name_the_field(tiny_model_path):
 
 def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support(tiny_model_path, tmp_path):
     """Pushed with the ordinary weight sync, the merged weights make the server score what the trainer scores."""
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.deployment.sampler import DeploymentSampler
-    from training.utils import DeployConfig
+    from training.utils import DeployConfig, EngineConfig
 
     trainer = _lora(tiny_model_path)
     _train(trainer, 3)
     prompt = SEQS[0][:4]
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=4, max_model_len=64),
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=4, max_model_len=64)),
                             log_file=str(tmp_path / "server.log")) as dep:
         async def sample():
             sampler = DeploymentSampler([dep.base_url])

@@ -22,7 +22,7 @@ import asyncio
 import inspect
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from training.utils.tool_parsers import ToolCall

@@ -158,7 +158,8 @@ def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support
     trainer = _lora(tiny_model_path)
     _train(trainer, 3)
     prompt = SEQS[0][:4]
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=4, max_model_len=64)),
+    deploy = DeployConfig(engine_config=EngineConfig(max_batch_size=4, max_model_len=64))
+    with EmbeddedDeployment(tiny_model_path, deploy,
                             log_file=str(tmp_path / "server.log")) as dep:
         async def sample():
             sampler = DeploymentSampler([dep.base_url])

@@ -86,7 +86,8 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 # ---- splitting work ---------------------------------------------------------------------------
 def split_for_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     """Indices of the items (sequences, or packing units) each rank takes, given their token
-    counts: longest first, each to the rank with the fewest tokens so far (ties: lowest rank). Deterministic; each list is in increasing index order."""
+    counts: longest first, each to the rank with the fewest tokens so far (ties: lowest rank).
+    Deterministic; each list is in increasing index order."""
     load = [0] * ranks
     shares: list[list[int]] = [[] for _ in range(ranks)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

@@ -121,7 +121,8 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, merge: LoraMe
     return (weight.float() + delta).to(weight.dtype)
 
 
-def export_plan(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, Optional[LoraMerge]]]:
+def export_plan(model: torch.nn.Module,
+                state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, Optional[LoraMerge]]]:
     """Base-model name → (``state_dict`` key of the tensor, how to merge it or None), adapters left out.
 
     ``…q_proj.base_layer.weight`` becomes ``…q_proj.weight`` (merged with that layer's ``A``, ``B``),

@@ -164,5 +164,6 @@ def load_causal_lm(path_or_hub_id: str, device: Union[str, torch.device], dtype:
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
-    """The attention implementation the loaded model runs with (``packed_sdpa``, ``sdpa``, ``eager``, ``flash_attention_2``...)."""
+    """The attention implementation the loaded model runs with (``packed_sdpa``, ``sdpa``, ``eager``,
+    ``flash_attention_2``...)."""
     return str(getattr(model.config, "_attn_implementation", None) or "eager")

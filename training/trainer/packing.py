@@ -180,7 +180,8 @@ def _make_batch(sequences: Sequence[Sequence[int]], units: list[Unit]) -> Packed
     return PackedBatch(input_ids_N, position_ids_N, sequence_index_N, members, lengths, shared)
 
 
-def pack_sequences(sequences: Sequence[Sequence[int]], max_tokens: int, share_prefixes: bool = False) -> list[PackedBatch]:
+def pack_sequences(sequences: Sequence[Sequence[int]], max_tokens: int,
+                   share_prefixes: bool = False) -> list[PackedBatch]:
     """First-fit packing of ``sequences`` into micro-batches of at most ``max_tokens`` computed tokens.
 
     Sequences are visited in order; each goes into the first open micro-batch with room for it

@@ -44,7 +44,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def prefix_groups(sequences: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
+def prefix_groups(sequences: Sequence[Sequence[int]],
+                  min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
     """Partition ``sequences`` into groups that share a prefix: ``[(members, prefix_len)]``.
 
     ``members`` are indices into ``sequences`` (increasing); ``prefix_len`` is the tokens the
@@ -61,7 +62,8 @@ def prefix_groups(sequences: Sequence[Sequence[int]], min_prefix: int = MIN_SHAR
     groups: list[tuple[list[int], int]] = []
 
     def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
-        """Saved rows and groups ``(lo, hi, prefix)`` for ``order[lo:hi]`` (iterative-friendly sizes: n <= a few 100)."""
+        """Saved rows and groups ``(lo, hi, prefix)`` for ``order[lo:hi]`` (recursive: fine for n up to a
+        few hundred)."""
         if hi - lo == 1:
             return 0, [(lo, hi, 0)]
         low = min(lcp[lo:hi - 1])
@@ -141,7 +143,8 @@ class SharedPrefixLayout:
                                   self.predictor_M.to(device), self.target_M.to(device), self.source_N.to(device))
 
 
-def build_shared_layout(sequences: Sequence[Sequence[int]], units: Sequence[tuple[list[int], int]]) -> SharedPrefixLayout:
+def build_shared_layout(sequences: Sequence[Sequence[int]],
+                        units: Sequence[tuple[list[int], int]]) -> SharedPrefixLayout:
     """The shared layout of ``units`` (``(members, prefix_len)``, prefix 0 = one plain sequence)
     in order; the ordinary layout is the members' full sequences in the same order."""
     ids: list[int] = []

@@ -357,6 +357,7 @@ def test_lora_with_shared_prompts_on_two_ranks_matches_one_process(tiny_model_pa
     """FSDP2 with LoRA adapters and shared-prompt packing (groups kept whole per rank): the same logprobs,
     reference logprobs, loss, grad norm and merged weights as one process; the checkpoint (adapters and
     their optimizer state) resumes in one process, and the export is the merged model."""
+    pytest.importorskip("peft", reason="LoRA needs the 'lora' extra (scripts/setup.sh installs it)")
     from training.trainer import PolicyTrainer
     from training.utils.checkpoint import load_checkpoint
 

@@ -11,6 +11,8 @@ from training.trainer import PolicyTrainer, ReferenceModel
 from training.utils.checkpoint import load_checkpoint, save_checkpoint
 from training.utils.config import TrainerConfig
 
+pytest.importorskip("peft", reason="needs the 'lora' extra (scripts/setup.sh installs it; setup_floor.sh does not)")
+
 SEQS = [[1, 9, 23, 57, 80 + i, 91, 14 + 3 * i, 200 + i, 33, 7 + i][: 6 + i] for i in range(4)]
 MASKS = [[0] * 3 + [1] * (len(s) - 3) for s in SEQS]
 TRAINED = sum(map(sum, MASKS))

@@ -1,11 +1,14 @@
 """Run every benchmark script and rewrite BENCHMARKS.md from their JSON lines.
 
     python -m benchmarks.run_all [--only async_overlap,exactness] [--quick] [--from-json benchmarks/results.json]
+    python -m benchmarks.run_all --only trainer_throughput --merge
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
-running anything. Benchmarks are not tests: CI never runs them.
+running anything; ``--merge`` re-runs only the ``--only`` scripts and replaces their entries in the
+saved file, keeping the other figures as they were (each figure records its own date). Benchmarks
+are not tests: CI never runs them.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="pass --quick to every script (a smoke run, not figures)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per script")
     p.add_argument("--from-json", help="rebuild BENCHMARKS.md from a saved results file, run nothing")
+    p.add_argument("--merge", action="store_true",
+                   help="replace only the --only figures in benchmarks/results.json, keep the others")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     a = p.parse_args()
     if a.from_json:
@@ -56,10 +61,15 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
         t0 = time.perf_counter()
-        results = [run_script(n, a.quick, a.timeout) for n in names]
-        saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results = [{**run_script(n, a.quick, a.timeout), "date": now} for n in names]
+        saved = {"date": now, "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
+        if a.merge:
+            old = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+            fresh = {r["figure"]: r for r in results}
+            kept = [{"date": old["date"], **r} for r in old["results"]]
+            saved = {**old, "results": [fresh.pop(r["figure"], r) for r in kept] + list(fresh.values())}
         (ROOT / "benchmarks" / "results.json").write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)

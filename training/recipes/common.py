@@ -74,7 +74,8 @@ class TrainState:
     trainer: Any
     """``PolicyTrainer``."""
     reference: Any
-    """``ReferenceModel`` when the loss needs reference logprobs, else None."""
+    """``ReferenceModel`` (with LoRA: the policy's base weights, adapters off) when the loss needs reference
+    logprobs, else None."""
     start_step: int
     """0 for a fresh run; the step after the newest checkpoint for a resumed one."""
 
@@ -95,7 +96,9 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
     torch.manual_seed(cfg.seed)
     cursor = RowCursor(num_rows, cfg.epochs, cfg.seed, cfg.shuffle_rows)
     trainer = PolicyTrainer(model_path, cfg.trainer)
-    reference = ReferenceModel(model_path, cfg.trainer) if needs_reference_logprobs(cfg.loss) else None
+    reference = None
+    if needs_reference_logprobs(cfg.loss):  # with LoRA: the policy's own base weights, adapters off
+        reference = trainer.base_reference() if trainer.lora else ReferenceModel(model_path, cfg.trainer)
     start_step = 0
     ckpt = latest_checkpoint(log_path / "checkpoints")
     if ckpt is not None:

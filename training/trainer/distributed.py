@@ -6,7 +6,8 @@ The process group and the rank-0 command protocol are the ground floor
 - ``shard_model`` applies ``fully_shard`` to every decoder layer, then to the whole model;
   each parameter becomes a ``DTensor`` holding 1/world of it.
 - Data parallelism inside a call: each rank takes a token-balanced share of the sequences
-  (``split_for_ranks``) and pads its list of micro-batches to the longest rank's count with
+  (``split_for_ranks``; with shared-prompt packing, of the units: a group sharing a prompt
+  stays on one rank) and pads its list of micro-batches to the longest rank's count with
   throw-away micro-batches (``plan_micro_batches``), because every forward and backward
   of a sharded model is a collective that all ranks must run.
 """
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from training.trainer.packing import PackedBatch, pack_sequences
+from training.trainer.packing import PackedBatch, pack_sequences, pack_units, plan_units, unit_tokens
 from training.utils.dist import is_distributed, max_over_ranks, rank, world_size
 
 FSDP_LOGPROBS_METHOD = "fsdp_packed_logprobs"
@@ -84,8 +85,9 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 # ---- splitting work ---------------------------------------------------------------------------
 def split_for_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
-    """Indices of the sequences each rank takes: longest first, each to the rank with the fewest
-    tokens so far (ties: lowest rank). Deterministic; each list is in increasing index order."""
+    """Indices of the items (sequences, or packing units) each rank takes, given their token
+    counts: longest first, each to the rank with the fewest tokens so far (ties: lowest rank).
+    Deterministic; each list is in increasing index order."""
     load = [0] * ranks
     shares: list[list[int]] = [[] for _ in range(ranks)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -95,23 +97,23 @@ def split_for_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-def plan_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[PackedBatch, bool]]:
+def plan_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: int,
+                       share_prefixes: bool = False) -> list[tuple[PackedBatch, bool]]:
     """``(packed, is_real)`` micro-batches this rank runs for ``sequences``.
 
-    Single process: ``pack_sequences(sequences)``, all real. Under torchrun: this rank's share
-    (``split_for_ranks``) packed, with ``sample_indices`` pointing into ``sequences``, then
-    padded with throw-away micro-batches (the shortest sequence; ``is_real=False``) up to the
-    longest rank's count, so that every rank runs as many forwards and backwards.
+    Single process: ``pack_sequences(sequences, share_prefixes=...)``, all real. Under torchrun:
+    this rank's share of the units (``plan_units``: sequences, or groups sharing a prefix, each
+    kept whole; ``split_for_ranks`` by computed tokens) packed, with ``sample_indices`` pointing
+    into ``sequences``, then padded with throw-away micro-batches (the shortest sequence;
+    ``is_real=False``) up to the longest rank's count, so that every rank runs as many forwards
+    and backwards.
     """
     if not is_distributed():
-        return [(p, True) for p in pack_sequences(sequences, max_tokens)]
-    share = split_for_ranks([len(s) for s in sequences], world_size())[rank()]
-    planned = []
-    for packed in pack_sequences([sequences[i] for i in share], max_tokens) if share else []:
-        packed.sample_indices = [share[j] for j in packed.sample_indices]
-        planned.append((packed, True))
+        return [(p, True) for p in pack_sequences(sequences, max_tokens, share_prefixes)]
+    units = plan_units(sequences, max_tokens, share_prefixes)
+    share = split_for_ranks([unit_tokens(sequences, u) for u in units], world_size())[rank()]
+    planned = [(packed, True) for packed in pack_units(sequences, [units[k] for k in share], max_tokens)]
     count = max_over_ranks(len(planned))
     shortest = min(range(len(sequences)), key=lambda i: len(sequences[i]))
-    filler = pack_sequences([sequences[shortest]], max_tokens)[0]
-    filler.sample_indices = [shortest]
+    filler = pack_units(sequences, [([shortest], 0)], max_tokens)[0]
     return planned + [(filler, False)] * (count - len(planned))

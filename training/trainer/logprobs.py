@@ -11,6 +11,10 @@ at a time, ``log_softmax`` runs in fp32 on that chunk only and the target token'
 kept. When gradients are on, each chunk runs under ``torch.utils.checkpoint`` so its
 ``[chunk, V]`` logits are recomputed in the backward pass instead of stored: peak extra memory
 is one chunk's logits, not ``N × V``.
+
+Shared prefixes (``packed.shared``, see ``prefix_sharing.py``): the decoder runs on the compute
+row, the LM head on one (predictor row, target token) pair per predicted token, and
+``source_N`` spreads the pairs' logprobs back over the ordinary ``[N]`` layout.
 """
 
 from __future__ import annotations
@@ -51,8 +55,19 @@ def _packing_arguments(model: torch.nn.Module, packed: PackedBatch) -> dict:
 
 
 def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """Final hidden states ``[N, H]`` of the decoder for one packed micro-batch (on the model's device)."""
+    """Final hidden states of the decoder for one packed micro-batch (on the model's device):
+    ``[N, H]``, or ``[C, H]`` over the compute row of a shared layout."""
     decoder = model.get_decoder()
+    layout = packed.shared
+    if layout is not None:
+        layout.attention_calls = 0
+        out = decoder(input_ids=layout.input_ids_C[None], position_ids=layout.position_ids_C[None], use_cache=False,
+                      attention_mask=None, shared_prefix_layout=layout)
+        layers = getattr(model.config, "num_hidden_layers", 1)
+        if layout.attention_calls < layers:
+            raise RuntimeError(f"shared_prefix_layout: {layout.attention_calls} of {layers} attention layers read it; "
+                               "this model cannot run shared-prompt packing (set shared_prompt_packing=False)")
+        return out.last_hidden_state[0]
     out = decoder(
         input_ids=packed.input_ids_N[None],
         position_ids=packed.position_ids_N[None],
@@ -75,7 +90,8 @@ def _target_logprobs(hidden_C: torch.Tensor, targets_C: torch.Tensor, lm_head: t
 
 def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packed: PackedBatch,
                            chunk_tokens: int, temperature: float = 1.0) -> torch.Tensor:
-    """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring.
+    """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring
+    (``hidden_N`` is ``[C, H]`` over the compute row when ``packed.shared`` is set).
 
     Differentiable when gradients are enabled (chunks are checkpointed); the first token of each
     sequence is the constant 0.0.
@@ -86,14 +102,16 @@ def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packe
         raise ValueError(f"temperature: must be > 0, got {temperature}")
     lm_head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    n = hidden_N.shape[0]
-    # hidden state at position i predicts the token at i + 1
-    predictors_M = hidden_N[:-1]
-    targets_M = packed.input_ids_N[1:]
+    layout = packed.shared
+    if layout is None:  # hidden state at position i predicts the token at i + 1
+        predictors_M, targets_M = hidden_N[:-1], packed.input_ids_N[1:]
+    else:  # one row per (predictor, target) pair of the compute row
+        predictors_M, targets_M = hidden_N.index_select(0, layout.predictor_M), layout.target_M
+    m = predictors_M.shape[0]
     use_checkpoint = torch.is_grad_enabled() and (hidden_N.requires_grad
                                                   or any(p.requires_grad for p in lm_head.parameters()))
     pieces: list[torch.Tensor] = []
-    for start in range(0, n - 1, chunk_tokens):
+    for start in range(0, m, chunk_tokens):
         h_C = predictors_M[start:start + chunk_tokens]
         t_C = targets_M[start:start + chunk_tokens]
         if use_checkpoint:
@@ -102,6 +120,8 @@ def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packe
             pieces.append(_target_logprobs(h_C, t_C, lm_head, temperature, softcap))
     first = torch.zeros(1, dtype=torch.float32, device=hidden_N.device)
     logprobs_N = torch.cat([first, *pieces])
+    if layout is not None:
+        return logprobs_N.index_select(0, layout.source_N)
     return torch.where(packed.is_sequence_start_N(), torch.zeros_like(logprobs_N), logprobs_N)
 
 
@@ -113,14 +133,16 @@ def packed_logprobs(model: torch.nn.Module, packed: PackedBatch, chunk_tokens: i
 
 @torch.no_grad()
 def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], device: Union[str, torch.device],
-                    micro_batch_tokens: int, chunk_tokens: int, temperature: float = 1.0) -> list[list[float]]:
-    """Logprobs of every token of every sequence (no gradient), packed into micro-batches.
+                    micro_batch_tokens: int, chunk_tokens: int, temperature: float = 1.0,
+                    share_prefixes: bool = False) -> list[list[float]]:
+    """Logprobs of every token of every sequence (no gradient), packed into micro-batches
+    (``share_prefixes``: shared-prompt packing, see ``prefix_sharing.py``).
 
     Returns one list per input sequence, in input order, aligned as in the module docstring.
     The caller puts the model in eval mode.
     """
     result: list[list[float]] = [[] for _ in sequences]
-    for packed in pack_sequences(sequences, micro_batch_tokens):
+    for packed in pack_sequences(sequences, micro_batch_tokens, share_prefixes):
         logprobs_N = packed_logprobs(model, packed.to(device), chunk_tokens, temperature).cpu()
         for sample_index, logprobs_T in zip(packed.sample_indices, packed.split(logprobs_N)):
             result[sample_index] = logprobs_T.tolist()

@@ -6,6 +6,13 @@ cumulative sequence lengths) it runs ``scaled_dot_product_attention`` causally o
 sequence separately, costing sum(L_i^2) instead of N^2 for a dense block-diagonal mask. In
 every other case (no ``cu_seq_lens_q``, a sliding-window layer, a KV cache) it is exactly
 ``transformers``' ``sdpa`` with the mask ``transformers`` built.
+
+Shared prompts: given ``shared_prefix_layout`` (a ``SharedPrefixLayout``, see
+``prefix_sharing.py``) it runs one ``sdpa`` per span of the compute row: a prefix or a plain
+sequence causally on itself, a member's suffix on the prefix's keys plus its own (mask: all of
+the prefix, its own keys causally). That is exact only where every layer is full attention
+(``prefix_sharing_supported``); a sliding-window layer given a layout is an error, never a
+silent fallback.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    layout = kwargs.pop("shared_prefix_layout", None)
+    if layout is not None:
+        if sliding or query.shape[2] != key.shape[2] or query.shape[2] != layout.num_compute_tokens:
+            raise ValueError("shared_prefix_layout: needs full attention over the whole compute row without a cache "
+                             f"(sliding_window={sliding}, query {query.shape[2]}, key {key.shape[2]} rows, "
+                             f"layout {layout.num_compute_tokens})")
+        return _shared_prefix_attention(query, key, value, layout, dropout, scaling), None
     if cu_seq_lens_q is None or sliding or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -46,6 +60,51 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         for a, b in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Any,
+                             dropout: float, scaling: Optional[float]) -> torch.Tensor:
+    """``[B, H, C, D]`` inputs over the spans of ``layout`` → ``[B, C, H, D]`` (see the module docstring)."""
+    layout.attention_calls += 1
+    gqa = query.shape[1] != key.shape[1]
+    outputs = []
+    for span, mask in zip(layout.spans, layout.span_masks):
+        a, b = span.start, span.end
+        if mask is None:
+            outputs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                          dropout_p=dropout, scale=scaling, is_causal=True,
+                                                          enable_gqa=gqa))
+            continue
+        c, d = span.context_start, span.context_end
+        keys = torch.cat([key[:, :, c:d], key[:, :, a:b]], dim=2)
+        values = torch.cat([value[:, :, c:d], value[:, :, a:b]], dim=2)
+        outputs.append(F.scaled_dot_product_attention(query[:, :, a:b], keys, values, attn_mask=mask,
+                                                      dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def prefix_sharing_supported(model: torch.nn.Module) -> tuple[bool, str]:
+    """Whether shared-prompt packing is exact for ``model``, and why not.
+
+    It needs ``packed_sdpa`` attention (the only kernel that reads the layout) and full
+    attention in every layer: with a sliding window a suffix token may not see the whole
+    prefix, which the shared layout assumes (Mistral-style ``sliding_window``, Gemma's or
+    gpt-oss's alternating ``sliding_attention`` layers). Architectures whose layers mix tokens
+    by other means (state-space or linear-attention layers) are refused too, as far as the
+    config says so (``layer_types`` other than ``full_attention``).
+    """
+    config = model.config
+    impl = attention_implementation(model)
+    if impl != PACKED_SDPA:
+        return False, f"attention is {impl!r}, not {PACKED_SDPA!r}"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        other = sorted(set(layer_types) - {"full_attention"})
+        if other:
+            return False, f"layer_types include {other}"
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False, f"sliding_window={config.sliding_window}"
+    return True, ""
 
 
 def register_packed_sdpa() -> None:
@@ -105,5 +164,6 @@ def load_causal_lm(path_or_hub_id: str, device: Union[str, torch.device], dtype:
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
-    """The attention implementation the loaded model runs with (``packed_sdpa``, ``sdpa``, ``eager``, ``flash_attention_2``...)."""
+    """The attention implementation the loaded model runs with (``packed_sdpa``, ``sdpa``, ``eager``,
+    ``flash_attention_2``...)."""
     return str(getattr(model.config, "_attn_implementation", None) or "eager")

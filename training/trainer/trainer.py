@@ -26,16 +26,17 @@ import contextlib
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from training.trainer import distributed as fsdp
+from training.trainer import lora
 from training.trainer.distributed import fsdp_logprobs, full_tensor, plan_micro_batches
 from training.utils import dist as dist_utils
 from training.utils.dist import Command, lead
 from training.trainer.logprobs import score_sequences
-from training.trainer.model import load_causal_lm
+from training.trainer.model import load_causal_lm, prefix_sharing_supported
 from training.trainer.packing import PackedBatch
 from training.utils.config import TrainerConfig
 from training.utils.device import resolve_device, resolve_dtype
@@ -110,6 +111,17 @@ class _ScoringModel:
     device: torch.device
     dtype: torch.dtype
     compute_dtype: torch.dtype
+    share_prefixes: bool = False
+    """Shared-prompt packing in effect: ``cfg.shared_prompt_packing`` and exact for this model."""
+
+    def _use_prefix_sharing(self) -> bool:
+        """``cfg.shared_prompt_packing`` where ``prefix_sharing_supported``; the reason is logged when it falls back."""
+        if not self.cfg.shared_prompt_packing:
+            return False
+        supported, reason = prefix_sharing_supported(self.model)
+        if not supported:
+            logger.info("shared-prompt packing off (ordinary packing instead): %s", reason)
+        return supported
 
     def autocast(self):
         """Autocast to ``compute_dtype`` when it differs from the parameter dtype, else a no-op."""
@@ -125,7 +137,7 @@ class _ScoringModel:
         if not dist_utils.is_distributed():
             with self.autocast():
                 return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
-                                       self.cfg.logprob_chunk_tokens, temperature)
+                                       self.cfg.logprob_chunk_tokens, temperature, self.share_prefixes)
         return self._sharded_logprobs(sequences, temperature)
 
     @torch.no_grad()
@@ -136,7 +148,7 @@ class _ScoringModel:
         for seq in sequences:
             starts.append(starts[-1] + len(seq))
         flat = torch.zeros(starts[-1], dtype=torch.float32)
-        for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens):
+        for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens, self.share_prefixes):
             with self.autocast():
                 logprobs_N = fsdp_logprobs(self.model, packed.to(self.device), self.cfg.logprob_chunk_tokens,
                                            temperature).float().cpu()
@@ -162,6 +174,7 @@ class ReferenceModel(_ScoringModel):
         self.model = load_causal_lm(model_path, self.device, self.dtype, gradient_checkpointing=False, **load_kwargs)
         self.model.requires_grad_(False)
         self.model.eval()
+        self.share_prefixes = self._use_prefix_sharing()
         if dist_utils.is_distributed():
             fsdp.shard_model(self.model, self.device)
 
@@ -171,7 +184,8 @@ class PolicyTrainer(_ScoringModel):
 
     Shares ``logprobs`` with ``ReferenceModel``; adds gradients, the optimizer,
     weight export and saving. Weight decay applies to matrices (``ndim >= 2``) only, not to
-    norms and biases.
+    norms and biases. With ``cfg.lora_rank > 0`` only LoRA adapters train (``lora.py``); what
+    leaves the trainer (``named_weights``, ``save_pretrained``) is merged into the base weights.
     """
 
     def __init__(self, model_path: str, cfg: TrainerConfig, **load_kwargs: Any):
@@ -181,8 +195,15 @@ class PolicyTrainer(_ScoringModel):
         self.cfg = cfg
         self.device = dist_utils.device_for_rank(resolve_device(cfg.device))
         self.dtype, self.compute_dtype = _dtypes(cfg, self.device)
+        self.model_path = model_path
         self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
         self.model.eval()
+        self.lora = cfg.lora_rank > 0
+        """LoRA adapters train, the base weights are frozen (``lora.py``)."""
+        if self.lora:
+            trainable = lora.apply_lora(self.model, cfg)
+            logger.info("LoRA rank %d: %d trainable parameters", cfg.lora_rank, trainable)
+        self.share_prefixes = self._use_prefix_sharing()
         if dist_utils.is_distributed():
             fsdp.shard_model(self.model, self.device)  # before the optimizer: it must hold the sharded parameters
         tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
@@ -211,7 +232,7 @@ class PolicyTrainer(_ScoringModel):
         per_micro_batch: list[tuple[dict[str, float], int]] = []
         total_loss = 0.0
         try:
-            for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens):
+            for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens, self.share_prefixes):
                 packed = packed.to(self.device)
                 with self.autocast():
                     logprobs_N = fsdp_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
@@ -268,65 +289,111 @@ class PolicyTrainer(_ScoringModel):
         not store it), and undo load-time renames/conversions. Tensors are on the trainer's
         device and share storage with the live parameters where no conversion applies.
 
+        With LoRA every adapted weight is yielded merged, ``W + s·BA`` (``lora.export_plan``),
+        under the base model's name, and the adapters themselves are not: the result loads into
+        a plain model of the base architecture.
+
         Under torchrun every rank must iterate it (rank 0 announces the pass to the others):
         each FSDP2 parameter is gathered whole (``full_tensor``) one at a time, so the extra
         memory is about one tensor; non-zero ranks discard what they get. A consumer that stops
         early still completes the gathers, keeping the ranks in step.
         """
-        if not fsdp.is_sharded(self.model):
+        sharded = fsdp.is_sharded(self.model)
+        if not sharded and not self.lora:
             for name, tensor in _export_state_dict(self.model, self.model.state_dict()).items():
                 yield name, tensor.detach()
             return
         with lead(Command.WEIGHTS):
             state_dict = self.model.state_dict()
-            names = [(name, key) for name, key, _, _ in self._sharded_export_names(state_dict)]
+            plan = self._export_plan(state_dict)
             done = 0
             try:
-                for name, key in names:
-                    whole = full_tensor(state_dict[key]).detach()
+                for name, key, merge, _, _ in plan:
+                    whole = self._whole_weight(state_dict, key, merge)
                     done += 1
                     yield name, whole
             finally:
-                for _, key in names[done:]:  # the consumer stopped early: finish the gathers in step
-                    full_tensor(state_dict[key])
+                if sharded:  # the consumer stopped early: finish the gathers in step
+                    for _, key, merge, _, _ in plan[done:]:
+                        self._whole_weight(state_dict, key, merge)
 
-    def _sharded_export_names(self, state_dict: dict) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
-        """(export name, state_dict key, dtype, full shape) per tensor ``named_weights`` yields for an
-        FSDP2 model, picked on shape-only stand-ins: the same answer on every rank, no collective."""
+    @staticmethod
+    def _whole_weight(state_dict: dict, key: str, merge: Optional[lora.LoraMerge]) -> torch.Tensor:
+        """``state_dict[key]`` whole (gathered under FSDP2), merged with its adapter when ``merge`` says so."""
+        whole = full_tensor(state_dict[key]).detach()
+        if merge is not None:
+            whole = lora.merged(whole, full_tensor(state_dict[merge.a_key]).detach(),
+                                full_tensor(state_dict[merge.b_key]).detach(), merge)
+        return whole
+
+    def _export_plan(self, state_dict: dict) -> list[tuple[str, str, Optional[lora.LoraMerge], torch.dtype,
+                                                            tuple[int, ...]]]:
+        """(export name, state_dict key, LoRA merge or None, dtype, full shape) per tensor ``named_weights``
+        yields, picked on shape-only stand-ins: the same answer on every rank, no collective."""
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
-        source = {id(v): k for k, v in meta.items()}
+        sources = lora.export_plan(self.model, meta)  # without LoRA: every key as it is
+        renamed = {name: meta[key] for name, (key, _) in sources.items()}
+        origin = {id(v): name for name, v in renamed.items()}
         out = []
-        for name, tensor in _export_state_dict(self.model, meta).items():
-            if source.get(id(tensor)) is None:
+        for name, tensor in _export_state_dict(self.model, renamed).items():
+            if origin.get(id(tensor)) is None:
                 raise NotImplementedError(f"named_weights: {name!r} is converted on save (e.g. fused experts); "
-                                          "not supported for FSDP-sharded models yet")
-            out.append((name, source[id(tensor)], tensor.dtype, tuple(tensor.shape)))
+                                          "not supported for FSDP-sharded or LoRA models yet")
+            key, merge = sources[origin[id(tensor)]]
+            out.append((name, key, merge, tensor.dtype, tuple(tensor.shape)))
         return out
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of each tensor ``named_weights()`` yields, in the same order,
         without gathering anything (a local call on every rank: no collective)."""
-        if not fsdp.is_sharded(self.model):
+        if not fsdp.is_sharded(self.model) and not self.lora:
             return [(name, t.dtype, tuple(t.shape)) for name, t in self.named_weights()]
-        return [(name, dtype, shape) for name, _, dtype, shape in self._sharded_export_names(self.model.state_dict())]
+        return [(name, dtype, shape) for name, _, _, dtype, shape in self._export_plan(self.model.state_dict())]
 
-    def save_pretrained(self, out_dir: Union[str, Path]) -> Path:
+    def save_pretrained(self, out_dir: Union[str, Path], adapters: Optional[bool] = None) -> Path:
         """Write model (safetensors) + tokenizer as a plain Hugging Face folder; returns its path.
 
-        Under torchrun every rank calls it; the full weights are gathered to rank 0's CPU, which
-        alone writes the folder.
+        With LoRA the folder holds the merged weights (``named_weights``); ``adapters`` (default
+        ``cfg.lora_save_adapters``) also writes the adapters alone into ``<out_dir>/adapter`` in
+        ``peft``'s format. Under torchrun every rank calls it; the full weights are gathered to
+        rank 0's CPU, which alone writes the folder.
         """
         out = Path(out_dir)
-        if not dist_utils.is_distributed():
+        main = dist_utils.is_main_rank()
+        if not dist_utils.is_distributed() and not self.lora:
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out)
             self.tokenizer.save_pretrained(out)
             return out
         with lead(Command.EXPORT):
-            state_dict = {name: tensor.cpu() for name, tensor in self.named_weights()
-                          if dist_utils.is_main_rank()}
-            if dist_utils.is_main_rank():
+            state_dict = {name: tensor.cpu() for name, tensor in self.named_weights() if main}
+            if main:
                 out.mkdir(parents=True, exist_ok=True)
                 self.model.save_pretrained(out, state_dict=state_dict)
                 self.tokenizer.save_pretrained(out)
+            if self.lora and (self.cfg.lora_save_adapters if adapters is None else adapters):
+                model_state = self.model.state_dict()
+                tensors = {name: full_tensor(model_state[key]).detach().cpu()
+                           for name, key in lora.adapter_state_dict(self.model, model_state).items()}
+                if main:
+                    lora.save_adapters(self.cfg, tensors, out / "adapter", base_model=self.model_path)
         return out
+
+    def base_reference(self) -> "_ScoringModel":
+        """The base model under this trainer's adapters (LoRA only): a KL reference that shares the
+        policy's frozen weights instead of loading a second copy (``reference_device`` does not apply)."""
+        if not self.lora:
+            raise ValueError("base_reference: needs lora_rank > 0 (without LoRA load a ReferenceModel)")
+        return _BaseModelReference(self)
+
+
+class _BaseModelReference(_ScoringModel):
+    """``logprobs`` of a LoRA policy's base model: the policy's own model with its adapters switched off."""
+
+    def __init__(self, policy: PolicyTrainer):
+        self.cfg, self.model, self.device = policy.cfg, policy.model, policy.device
+        self.dtype, self.compute_dtype, self.share_prefixes = policy.dtype, policy.compute_dtype, policy.share_prefixes
+
+    def logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[float]]:
+        with lora.adapters_disabled(self.model):
+            return super().logprobs(sequences, temperature)

@@ -13,6 +13,10 @@ Under ``torchrun`` both functions are collectives (every rank calls them with th
 rank; rank 0 alone writes ``recipe_state.json``, renames folders and prunes old ones. DCP
 reshards on load, so a checkpoint written by N ranks loads into M ranks, or into a plain
 single-process model (and the other way round).
+
+Only trainable parameters are stored (``ignore_frozen_params``): every weight in full
+fine-tuning, the adapters with LoRA (the frozen base weights come from ``base_model`` again on
+resume), with the optimizer state of each.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from training.utils.dist import barrier, is_main_rank
 
 RECIPE_STATE = "recipe_state.json"
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+"""What a checkpoint holds of the model: the parameters that train (frozen ones are reloaded from the base model)."""
+_LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading them: the frozen parameters are absent on purpose (``dcp.load`` itself fails on a trainable one missing)."""
 
 
 def _quiet():
@@ -38,6 +46,13 @@ def _quiet():
     ctx.__enter__()
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     return ctx
+
+
+def _trainable_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict`` without frozen parameters, also under their tied aliases (a tied ``lm_head``)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -56,7 +71,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()  # nobody writes into tmp before rank 0 has cleared it
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     ctx = _quiet()
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -91,14 +106,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     Works whatever world size wrote the checkpoint (DCP reshards to this model's layout).
     """
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path))
     finally:
         ctx.__exit__(None, None, None)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_LOAD_TRAINABLE)
     return json.loads((path / RECIPE_STATE).read_text())
 
 

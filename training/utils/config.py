@@ -38,7 +38,13 @@ class TrainerConfig:
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value before each optimizer step (0 = no clipping)."""
     micro_batch_tokens: int = 4096
-    """Token budget of one packed micro-batch; samples are packed without padding up to it."""
+    """Token budget of one packed micro-batch; samples are packed without padding up to it (with
+    ``shared_prompt_packing`` the budget counts computed tokens: a shared prompt counts once)."""
+    shared_prompt_packing: bool = True
+    """Compute a prompt that several samples start with (a GRPO group's) once per micro-batch instead of once per
+    sample, in forward and backward: the group's samples attend to one copy of it. Groups are found from the token
+    ids; logprobs and gradients equal the ordinary packing's (fp32: to 1e-5). Used where it is exact: ``packed_sdpa``
+    attention and no sliding-window layers; other models fall back to ordinary packing (logged)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when turning hidden states into logprobs (bounds the fp32 vocab-sized buffer)."""
     device: str = "auto"
@@ -50,12 +56,29 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     reference_device: str = "auto"
-    """Where the frozen reference model (``kl_beta > 0``) lives: ``auto`` = the policy's device."""
+    """Where the frozen reference model (``kl_beta > 0``) lives: ``auto`` = the policy's device. With LoRA the reference
+    is the policy's own base weights with the adapters switched off (no second copy), so this does not apply."""
     seed: int = 0
     """Seed for torch's RNG in the trainer."""
     training_shape_id: Optional[str] = None
     """A hosted service's training shape (Fireworks: ``accounts/<a>/trainingShapes/<s>``). Accepted so documented
     configs run unchanged, and logged at start; it has no local effect (``device`` and ``dtype`` decide here)."""
+    lora_rank: int = 0
+    """LoRA rank r: 0 trains every weight (full fine-tuning); r > 0 freezes the base weights and trains adapters
+    ``W + (lora_alpha / r)·BA`` on ``lora_target_modules`` (needs ``peft``: ``pip install -e '.[lora]'``). Weight
+    sync, export and the reference model see merged weights; checkpoints hold the adapters and their optimizer state.
+    LoRA wants a higher ``learning_rate`` than full fine-tuning (about 10x; see training/trainer/README.md)."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: adapters are scaled by ``lora_alpha / lora_rank``."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input. Keep 0 for RL: with dropout the trainer's logprobs are random, so the PPO ratio
+    to the step's starting weights is not 1 before the first update."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (suffixes) that get adapters, e.g. ``["q_proj", "v_proj"]``; ``["all-linear"]`` = every linear
+    layer of the decoder (attention and MLP), not the LM head. Linear layers only."""
+    lora_save_adapters: bool = False
+    """Also write the adapters alone (``peft`` format, ``<export folder>/adapter``) when the final policy is exported;
+    the export folder itself always holds the merged weights."""
 
     def __post_init__(self):
         _check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
@@ -69,6 +92,12 @@ class TrainerConfig:
         _check(self.compute_dtype in DTYPES, "compute_dtype", f"{self.compute_dtype!r} is not one of {DTYPES}")
         _check_device("device", self.device)
         _check_device("reference_device", self.reference_device)
+        _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        _check(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        _check(0 <= self.lora_dropout < 1, "lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        _check(isinstance(self.lora_target_modules, (list, tuple)) and len(self.lora_target_modules) > 0
+               and all(isinstance(m, str) and m for m in self.lora_target_modules), "lora_target_modules",
+               f"must be a non-empty list of module names, got {self.lora_target_modules!r}")
 
 
 @dataclass

@@ -23,6 +23,7 @@ Figures, the same definition for every run:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import runpy
 import subprocess
@@ -48,18 +49,24 @@ def harness_overrides(model: str, steps: int, seed: int, log_path: str) -> list[
 
 
 def example_config(overrides: list[str]):
-    """The example's ``cfg`` (its ``train.py`` run as a module, not as ``__main__``) with ``overrides``
-    applied, and its ``rollout`` module."""
+    """The example's ``cfg`` (its ``train.py`` run as a module, not as ``__main__``, so it neither reads
+    ``sys.argv`` nor trains) with ``overrides`` applied, and its ``rollout`` module (loaded from its file,
+    whatever other module named ``rollout`` is imported)."""
     from training.utils.cli import apply_overrides
 
-    sys.path.insert(0, str(EXAMPLE))  # train.py imports its sibling rollout.py
+    spec = importlib.util.spec_from_file_location("arithmetic_smollm2_rollout", EXAMPLE / "rollout.py")
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
+    saved_module, sys.modules["rollout"] = sys.modules.get("rollout"), rollout  # train.py: from rollout import ...
     argv, sys.argv = sys.argv, [str(EXAMPLE / "train.py")]
     try:
         train = runpy.run_path(str(EXAMPLE / "train.py"), run_name="arithmetic_smollm2_train")
     finally:
         sys.argv = argv
-    import rollout  # noqa: E402  (the example's module, on sys.path since the line above)
-
+        if saved_module is None:
+            sys.modules.pop("rollout", None)
+        else:
+            sys.modules["rollout"] = saved_module
     return apply_overrides(train["cfg"], overrides), rollout
 
 
@@ -76,7 +83,7 @@ def run_ours_here(overrides: list[str]) -> dict:
     return {"side": "ours", "step_s": [m["perf/step_time_s"] for m in steps],
             "tokens": [m["train/tokens"] for m in steps], "reward_mean": [m["rollout/reward_mean"] for m in steps],
             "filtered_groups": sum(m.get("rollout/filtered_groups", 0.0) for m in steps),
-            "train_s": train_s, "final_model": result["final_model"]}
+            "train_s": train_s, "final_model": result["final_model"], "config": cfg.to_dict()}
 
 
 def _last_json(stdout: str) -> dict:

@@ -114,6 +114,27 @@ def grpo_config(s: dict, out_dir: str):
     )
 
 
+def dataset(rows_path: str, s: dict):
+    """The first ``max_steps`` × ``prompt_groups_per_step`` rows as conversational prompts (with ``answer``)."""
+    import datasets
+
+    rows = [json.loads(line) for line in open(rows_path) if line.strip()]
+    needed = s["max_steps"] * s["prompt_groups_per_step"]
+    return datasets.Dataset.from_list([{"prompt": prompt_messages(r["question"]), "answer": r["answer"]}
+                                       for r in rows[:needed]])
+
+
+def prompt_ids(model: str, rows_path: str, out_dir: str, s: dict) -> list[list[int]]:
+    """The prompt ids TRL generates from for the first batch (its own ``_tokenize_prompts``; a check, no training)."""
+    import trl
+
+    data = dataset(rows_path, s)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=grpo_config(s, out_dir),
+                              train_dataset=data)
+    ids, _, _ = trainer._tokenize_prompts([data[i]["prompt"] for i in range(s["prompt_groups_per_step"])])
+    return [list(map(int, x)) for x in ids]
+
+
 def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
     """Train with ``GRPOTrainer``; per-step wall time, tokens and reward; save the final model."""
     import datasets
@@ -121,11 +142,6 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
     import transformers
     import trl
     from transformers import TrainerCallback
-
-    rows = [json.loads(line) for line in open(rows_path) if line.strip()]
-    needed = s["max_steps"] * s["prompt_groups_per_step"]
-    dataset = datasets.Dataset.from_list([{"prompt": prompt_messages(r["question"]), "answer": r["answer"]}
-                                          for r in rows[:needed]])
 
     class StepLog(TrainerCallback):
         def __init__(self):
@@ -147,7 +163,7 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
 
     step_log = StepLog()
     trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=grpo_config(s, out_dir),
-                              train_dataset=dataset, callbacks=[step_log])
+                              train_dataset=dataset(rows_path, s), callbacks=[step_log])
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
@@ -168,10 +184,16 @@ def main() -> None:
     p.add_argument("--rows", required=True, help="the training rows (.jsonl with question, answer)")
     p.add_argument("--out", required=True, help="output folder; the final model goes to OUT/final")
     p.add_argument("--settings", required=True, help="JSON object from benchmarks.end_to_end.trl_settings")
+    p.add_argument("--prompt-ids", action="store_true", help="print the first batch's prompt ids as TRL makes them, "
+                                                             "do not train")
     a = p.parse_args()
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
         os.environ.setdefault(var, "1")
-    print(json.dumps(run(a.model, a.rows, a.out, json.loads(a.settings))), flush=True)
+    settings = json.loads(a.settings)
+    if a.prompt_ids:
+        print(json.dumps({"prompt_ids": prompt_ids(a.model, a.rows, a.out, settings)}), flush=True)
+        return
+    print(json.dumps(run(a.model, a.rows, a.out, settings)), flush=True)
 
 
 if __name__ == "__main__":

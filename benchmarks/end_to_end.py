@@ -9,7 +9,9 @@ adds a run of ours with more ``key=value`` overrides (e.g. a trainer speed-up sw
 ``train.py`` takes them. Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
 ``.venv-trl`` (``scripts/setup_trl.sh``), run by ``benchmarks/trl_grpo.py`` with settings derived
 from ours (``trl_settings``). Every run is its own process; for each seed the runs alternate
-(ours, variants, TRL), so noise from other users of the machine hits both sides alike.
+(ours, variants, TRL), so noise from other users of the machine hits both sides alike. With
+``--work-dir DIR`` each run's stderr goes to ``DIR/<run>.log`` (follow a long run there: TRL's side
+prints one line per step) and ``DIR/runs.json`` is rewritten after every run.
 
 Figures, the same definition for every run:
 - s / step: median wall time of the steps after the first (ours: ``perf/step_time_s``; TRL:
@@ -93,14 +95,23 @@ def _last_json(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
-def run_ours(overrides: list[str], timeout_s: float) -> dict:
-    """One run of ours in its own process (``--run-ours``)."""
+def run_logged(cmd: list[str], log_file: Path, timeout_s: float) -> dict:
+    """Run ``cmd`` with its stderr in ``log_file`` (follow a long run there); its last JSON line, plus
+    ``process_s`` (the whole process: loading, server start, training, saving)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--run-ours", *overrides], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout_s, check=False)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w") as log:
+        out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s,
+                             check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"ours ({' '.join(overrides)}) failed:\n{out.stderr[-3000:]}")
+        tail = log_file.read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {out.returncode}), {log_file}:\n{tail}")
     return {**_last_json(out.stdout), "process_s": time.perf_counter() - t0}
+
+
+def run_ours(overrides: list[str], log_file: Path, timeout_s: float) -> dict:
+    """One run of ours in its own process (``--run-ours``)."""
+    return run_logged([sys.executable, "-m", "benchmarks.end_to_end", "--run-ours", *overrides], log_file, timeout_s)
 
 
 def micro_batch_samples(batch: int, longest_sample: int, micro_batch_tokens: int) -> int:
@@ -135,16 +146,11 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
 
 
 def run_trl(model: str, settings: dict, out_dir: str, timeout_s: float) -> dict:
-    """One TRL run in ``.venv-trl``."""
+    """One TRL run in ``.venv-trl`` (its log in ``out_dir``.log)."""
     if not TRL_PYTHON.exists():
         raise FileNotFoundError(f"no TRL venv at {TRL_PYTHON}: run bash scripts/setup_trl.sh")
-    t0 = time.perf_counter()
-    out = subprocess.run([str(TRL_PYTHON), str(TRL_SCRIPT), "--model", model, "--rows", str(EXAMPLE / "data.jsonl"),
-                          "--out", out_dir, "--settings", json.dumps(settings)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout_s, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"TRL run failed:\n{out.stderr[-3000:]}")
-    return {**_last_json(out.stdout), "process_s": time.perf_counter() - t0}
+    return run_logged([str(TRL_PYTHON), str(TRL_SCRIPT), "--model", model, "--rows", str(EXAMPLE / "data.jsonl"),
+                       "--out", out_dir, "--settings", json.dumps(settings)], Path(out_dir + ".log"), timeout_s)
 
 
 def chat_prompts(tokenizer, rows: list[dict], instruction: str) -> list[list[int]]:
@@ -235,8 +241,10 @@ def main() -> None:
         for seed in seeds:
             for i, (label, extra) in enumerate(variants):
                 log = str(work / f"ours{i}-seed{seed}")
-                r = run_ours(harness_overrides(path, a.steps, seed, log) + quick_extra + list(extra), a.timeout)
+                r = run_ours(harness_overrides(path, a.steps, seed, log) + quick_extra + list(extra),
+                             Path(log + ".log"), a.timeout)
                 runs[label].append({**r, "accuracy": evaluate(r["final_model"], eval_rows, rollout, cfg.max_tokens)})
+                (work / "runs.json").write_text(json.dumps(runs, indent=1))
                 print(f"{label}, seed {seed}: {summarize(r)} accuracy {runs[label][-1]['accuracy']:.3f}",
                       file=sys.stderr, flush=True)
             if "trl" in sides:
@@ -245,6 +253,7 @@ def main() -> None:
                 r = run_trl(path, settings, str(work / f"trl-seed{seed}"), a.timeout)
                 runs["TRL GRPOTrainer"].append({**r, "accuracy": evaluate(r["final_model"], eval_rows, rollout,
                                                                           cfg.max_tokens)})
+                (work / "runs.json").write_text(json.dumps(runs, indent=1))
                 print(f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']:.3f}",
                       file=sys.stderr, flush=True)
     emit("end_to_end", figure_rows(runs, a.steps, seeds, base_accuracy), started=started, repeats=len(seeds),

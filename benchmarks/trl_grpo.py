@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import time
 from typing import Any, Optional
 
@@ -156,6 +157,7 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
             now = time.perf_counter()
             self.step_s.append(now - self.t_last)
             self.t_last = now
+            print(f"step {state.global_step}: {self.step_s[-1]:.1f} s", file=sys.stderr, flush=True)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "num_tokens" in logs:

@@ -87,9 +87,9 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
 
     from benchmarks import trl_grpo
     from benchmarks.end_to_end import chat_prompts, example_config
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.deployment.sampler import DeploymentSampler
-    from training.utils import DeployConfig
+    from training.utils import DeployConfig, EngineConfig
     from training.utils.rl.rollout import RolloutSetup
 
     _, rollout = example_config([])
@@ -103,7 +103,7 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
         return await real(self, prompt_ids, n, **kw)
 
     monkeypatch.setattr(DeploymentSampler, "sample_with_prompt_tokens", recording)
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_model_len=256), log_file=str(tmp_path / "d.log")) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_model_len=256)), log_file=str(tmp_path / "d.log")) as dep:
         async def go():
             sampler = DeploymentSampler(dep.base_url)
             setup = RolloutSetup(sampler=sampler, tokenizer=tok, sampling_kwargs={"max_tokens": 8, "temperature": 1.0})

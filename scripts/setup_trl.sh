@@ -36,14 +36,26 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
+# A fresh venv downloads ~1.5 GB from PyPI (about 3 minutes on the shared machine). pip retries each
+# download itself; a whole install that still fails (a registry hiccup) is tried again up to 3 times:
+# pip keeps what it already installed, so a retry only fetches the rest.
+pip_install() {
+    local attempt
+    for attempt in 1 2 3; do
+        $PIP install -q --retries 5 "$@" && return 0
+        echo "setup_trl.sh: pip install $* failed (attempt $attempt of 3)" >&2
+        [ "$attempt" = 3 ] || sleep $((attempt * 20))
+    done
+    return 1
+}
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==$TORCH_VERSION" > "$CONSTRAINTS"
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.__version__.startswith('$TORCH_VERSION'))" 2>/dev/null; then
-    $PIP install -q "torch==$TORCH_VERSION" || $PIP install -q "torch==$TORCH_VERSION+cpu" \
+    pip_install "torch==$TORCH_VERSION" || pip_install "torch==$TORCH_VERSION+cpu" \
         --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-$PIP install -q -c "$CONSTRAINTS" "trl==$TRL_VERSION"
+pip_install -c "$CONSTRAINTS" "trl==$TRL_VERSION"
 if check; then
     echo "$VENV is ready (trl $TRL_VERSION, torch $TORCH_VERSION)"
 else

@@ -1,6 +1,6 @@
 """The TRL baseline of ``benchmarks.end_to_end`` (``pytest -m trl``; skipped without ``.venv-trl``).
 
-Needs ``.venv-trl`` from ``bash scripts/setup_trl.sh`` (about a minute, 1.5 GB). Runs TRL's
+Needs ``.venv-trl`` from ``bash scripts/setup_trl.sh`` (about 3 minutes from PyPI, 1.5 GB). Runs TRL's
 ``GRPOTrainer`` on the tiny model for one step through the harness, as the benchmark does.
 """
 

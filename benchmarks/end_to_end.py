@@ -1,12 +1,14 @@
 """End to end against TRL: the SmolLM2 arithmetic example vs TRL's ``GRPOTrainer`` on the same task.
 
-    python -m benchmarks.end_to_end [--steps 8] [--seeds 0] [--variant LABEL key=value ...] [--sides ours,trl]
+    python -m benchmarks.end_to_end [--steps 8] [--seeds 0] [--set key=value ...] [--variant LABEL key=value ...]
+        [--sides ours,trl] [--work-dir DIR] [--note TEXT]
 
 Ours: ``training/examples/rl/arithmetic_smollm2`` as shipped (its ``train.py`` config and
 ``rollout.py``, through ``async_rl_loop.main``), with only what a benchmark must fix overridden
 (``HARNESS_OVERRIDES``: model, steps, seed, rows in file order, no in-run eval). ``--variant``
 adds a run of ours with more ``key=value`` overrides (e.g. a trainer speed-up switched on), as
-``train.py`` takes them. Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
+``train.py`` takes them; ``--set key=value ...`` changes the example's config for both sides (a
+smaller batch for a short run on a shared machine). Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
 ``.venv-trl`` (``scripts/setup_trl.sh``), run by ``benchmarks/trl_grpo.py`` with settings derived
 from ours (``trl_settings``). Every run is its own process; for each seed the runs alternate
 (ours, variants, TRL), so noise from other users of the machine hits both sides alike. With
@@ -28,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import runpy
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -207,11 +210,15 @@ def main() -> None:
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every seed runs every side")
     p.add_argument("--model", default="smollm2", help="smollm2 (the example's), tiny, or a folder")
     p.add_argument("--sides", default="ours,trl", help="ours, trl, or both (ours,trl)")
+    p.add_argument("--set", nargs="+", default=[], metavar="key=value",
+                   help="overrides of the example's config for both sides (every run of ours and TRL's settings)")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar="LABEL key=value",
                    help="one more run of ours: a label, then key=value overrides of the example's config")
     p.add_argument("--eval-rows", type=int, default=0, help="score only the first N held-out rows (0 = all)")
+    p.add_argument("--skip-eval", action="store_true", help="no held-out accuracy (speed figures only)")
     p.add_argument("--work-dir", help="keep every run's folder here (default: a temporary folder, removed)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+    p.add_argument("--note", default="", help="conditions of this run for the report (e.g. the machine was shared)")
     p.add_argument("--run-ours", nargs="*", help="internal: one run of ours with these overrides, print its JSON")
     a = p.parse_args()
     if a.run_ours is not None:
@@ -222,56 +229,65 @@ def main() -> None:
         a.model, a.steps, a.eval_rows = "tiny", 1, 8
     sides = [s for s in a.sides.split(",") if s]
     seeds = [int(s) for s in a.seeds.split(",") if s]
-    quick_extra = ["dynamic_filter_fn=null", "prompt_groups_per_step=2", "completions_per_prompt=4"] if a.quick else []
-    variants = [("ours, example defaults", [])] * ("ours" in sides) + [(v[0], v[1:]) for v in a.variant]
+    both = ["dynamic_filter_fn=null", "prompt_groups_per_step=2", "completions_per_prompt=4"] if a.quick else []
+    both += a.set  # e.g. a smaller batch: TRL's settings are derived from the same config
+    ours_label = f"ours, example with {' '.join(a.set)}" if a.set else "ours, example defaults"
+    variants = [(ours_label, [])] * ("ours" in sides) + [(v[0], v[1:]) for v in a.variant]
     path = model_path(a.model)
     eval_rows = [json.loads(l) for l in (EXAMPLE / "eval.jsonl").read_text().splitlines() if l.strip()]
-    eval_rows = eval_rows[:a.eval_rows or None]
+    eval_rows = [] if a.skip_eval else eval_rows[:a.eval_rows or None]
+
+    def score(folder: str) -> Optional[float]:
+        return evaluate(folder, eval_rows, rollout, cfg.max_tokens) if eval_rows else None
     runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
     runs.update({"TRL GRPOTrainer": []} if "trl" in sides else {})
     settings: Optional[dict] = None
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         work = Path(a.work_dir or tmp)
-        cfg, rollout = example_config(harness_overrides(path, a.steps, 0, str(work / "probe")) + quick_extra)
-        base_accuracy = evaluate(path, eval_rows, rollout, cfg.max_tokens)
+        cfg, rollout = example_config(harness_overrides(path, a.steps, 0, str(work / "probe")) + both)
+        base_accuracy = score(path)
         longest_prompt = longest_prompt_tokens(path, rollout)
-        print(f"base model: held-out accuracy {base_accuracy:.3f}", file=sys.stderr, flush=True)
+        print(f"base model: held-out accuracy {base_accuracy}", file=sys.stderr, flush=True)
         for seed in seeds:
             for i, (label, extra) in enumerate(variants):
                 log = str(work / f"ours{i}-seed{seed}")
-                r = run_ours(harness_overrides(path, a.steps, seed, log) + quick_extra + list(extra),
+                r = run_ours(harness_overrides(path, a.steps, seed, log) + both + list(extra),
                              Path(log + ".log"), a.timeout)
-                runs[label].append({**r, "accuracy": evaluate(r["final_model"], eval_rows, rollout, cfg.max_tokens)})
+                runs[label].append({**r, "accuracy": score(r["final_model"])})
                 (work / "runs.json").write_text(json.dumps(runs, indent=1))
-                print(f"{label}, seed {seed}: {summarize(r)} accuracy {runs[label][-1]['accuracy']:.3f}",
+                print(f"{label}, seed {seed}: {summarize(r)} accuracy {runs[label][-1]['accuracy']}",
                       file=sys.stderr, flush=True)
             if "trl" in sides:
-                cfg, _ = example_config(harness_overrides(path, a.steps, seed, str(work / "probe")) + quick_extra)
+                cfg, _ = example_config(harness_overrides(path, a.steps, seed, str(work / "probe")) + both)
                 settings = trl_settings(cfg, longest_prompt)
                 r = run_trl(path, settings, str(work / f"trl-seed{seed}"), a.timeout)
-                runs["TRL GRPOTrainer"].append({**r, "accuracy": evaluate(r["final_model"], eval_rows, rollout,
-                                                                          cfg.max_tokens)})
+                runs["TRL GRPOTrainer"].append({**r, "accuracy": score(r["final_model"])})
                 (work / "runs.json").write_text(json.dumps(runs, indent=1))
-                print(f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']:.3f}",
+                print(f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']}",
                       file=sys.stderr, flush=True)
     emit("end_to_end", figure_rows(runs, a.steps, seeds, base_accuracy), started=started, repeats=len(seeds),
-         notes=f"{a.model}, {a.steps} steps per run, seeds {seeds}, {len(eval_rows)} held-out rows; "
-               f"base model held-out accuracy {base_accuracy:.3f}.",
+         notes=f"{a.note + ' ' if a.note else ''}{a.model}, {a.steps} steps per run, seeds {seeds}, "
+               + (f"{len(eval_rows)} held-out rows; base model held-out accuracy {base_accuracy:.3f}. " if eval_rows
+                  else "held-out accuracy not measured (--skip-eval). ")
+               + f"Command: `python -m benchmarks.end_to_end {shlex.join(sys.argv[1:])}`.",
          extra={"settings": {"trl": settings, "base_accuracy": base_accuracy,
                              "variants": {label: extra for label, extra in variants},
                              "versions": next((r["versions"] for r in runs.get("TRL GRPOTrainer", [])), None)},
                 "runs": runs})
 
 
-def figure_rows(runs: dict[str, list[dict]], steps: int, seeds: list[int], base_accuracy: float) -> list[dict]:
-    """Rows per run label: s / step, trained tok/s, held-out accuracy, each against TRL (or ours' defaults
-    when TRL was not run), medians over seeds with their min..max as ``spread``."""
+def figure_rows(runs: dict[str, list[dict]], steps: int, seeds: list[int],
+                base_accuracy: Optional[float]) -> list[dict]:
+    """Rows per run label: s / step, trained tok/s, held-out accuracy (none when ``base_accuracy`` is None:
+    not evaluated), each against TRL (or ours' defaults when TRL was not run), medians over seeds with their
+    min..max as ``spread``."""
     base_label = "TRL GRPOTrainer" if runs.get("TRL GRPOTrainer") else next(iter(runs))
+    scored = base_accuracy is not None
     stats = {label: {"step_s": median([summarize(r)["step_s"] for r in rs]),
                      "tok_s": median([summarize(r)["tok_s"] for r in rs]),
-                     "accuracy": median([r["accuracy"] for r in rs]),
+                     "accuracy": median([r["accuracy"] for r in rs]) if scored else None,
                      "spreads": {k: spread([summarize(r)[k] for r in rs]) for k in ("step_s", "tok_s")}
-                     | {"accuracy": spread([r["accuracy"] for r in rs])},
+                     | {"accuracy": spread([r["accuracy"] for r in rs]) if scored else "—"},
                      "tokens_per_step": median([summarize(r)["tokens_per_step"] for r in rs])}
              for label, rs in runs.items() if rs}
     base = stats[base_label]
@@ -281,8 +297,9 @@ def figure_rows(runs: dict[str, list[dict]], steps: int, seeds: list[int], base_
         out.append(row(name, s["step_s"], "s / step (lower is better)", base_label, base["step_s"],
                        spread=s["spreads"]["step_s"], tokens_per_step=s["tokens_per_step"]))
         out.append(row(name, s["tok_s"], "trained tok/s", base_label, base["tok_s"], spread=s["spreads"]["tok_s"]))
-        out.append(row(name, s["accuracy"], f"held-out accuracy (base model {base_accuracy:.2f})", base_label,
-                       base["accuracy"], spread=s["spreads"]["accuracy"]))
+        if scored:
+            out.append(row(name, s["accuracy"], f"held-out accuracy (base model {base_accuracy:.2f})", base_label,
+                           base["accuracy"], spread=s["spreads"]["accuracy"]))
     return out
 
 

@@ -62,8 +62,9 @@ METHOD = {
                   "prompt + completion tokens trained in a step (no padding) / its wall time, median over steps "
                   "2..N; held-out accuracy = every final model folder scored by one function "
                   "(`end_to_end.evaluate`: `transformers` greedy `generate`, 48 new tokens, the example's "
-                  "prompt and answer parser) on the 100 rows of `eval.jsonl`; medians over seeds, `spread` = "
-                  "min..max over seeds.",
+                  "prompt and answer parser) on the rows of `eval.jsonl` (all 100 unless the notes say fewer); "
+                  "medians over seeds, `spread` = min..max over seeds. The notes give the exact command and "
+                  "whether the machine was shared during the run.",
 }
 
 WHY = {

@@ -125,21 +125,42 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
         assert trl_grpo.arithmetic_reward([[{"role": "assistant", "content": text}]], [answer]) == [expected]
 
 
+def test_end_to_end_figures_are_medians_of_the_steps_after_the_first_and_skip_accuracy_when_not_scored():
+    from benchmarks.end_to_end import figure_rows
+
+    ours = {"step_s": [9.0, 2.0, 4.0], "tokens": [100.0, 100.0, 200.0], "accuracy": 0.5}
+    trl = {"step_s": [9.0, 4.0, 4.0], "tokens": [100.0, 100.0, 100.0], "accuracy": 0.25}
+    rows = figure_rows({"ours": [ours], "TRL GRPOTrainer": [trl]}, 3, [0], base_accuracy=0.2)
+    by = {(r["name"], r["unit"].split(" (")[0]): r for r in rows}
+    assert by[("ours (3 steps)", "s / step")]["value"] == 3.0 and by[("ours (3 steps)", "s / step")]["ratio"] == 0.75
+    assert by[("ours (3 steps)", "trained tok/s")]["value"] == 50.0  # median of 100/2 and 200/4
+    assert by[("ours (3 steps)", "held-out accuracy")]["ratio"] == 2.0
+    unscored = figure_rows({"ours": [{**ours, "accuracy": None}], "TRL GRPOTrainer": [{**trl, "accuracy": None}]},
+                           3, [0], base_accuracy=None)
+    assert {r["unit"].split(" (")[0] for r in unscored} == {"s / step", "trained tok/s"}
+
+
 def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model():
+    """--set reaches every run of ours, --variant only its own; the notes carry the command and the --note."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--quick", "--sides", "ours",
-                          "--variant", "lr x10", "trainer.learning_rate=1e-4"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, check=False)
+                          "--set", "completions_per_prompt=2", "--variant", "lr x10", "trainer.learning_rate=1e-4",
+                          "--note", "Shared machine."], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
     assert result["figure"] == "end_to_end"
     runs = result["runs"]
-    assert set(runs) == {"ours, example defaults", "lr x10"}
-    default, variant = runs["ours, example defaults"][0], runs["lr x10"][0]
+    ours = "ours, example with completions_per_prompt=2"
+    assert set(runs) == {ours, "lr x10"}
+    default, variant = runs[ours][0], runs["lr x10"][0]
     assert default["config"]["trainer"]["learning_rate"] == 1e-5 and variant["config"]["trainer"]["learning_rate"] == 1e-4
     for run in (default, variant):
         assert len(run["step_s"]) == len(run["tokens"]) == 1 and run["step_s"][0] > 0 and run["tokens"][0] > 0
         assert 0.0 <= run["accuracy"] <= 1.0
         assert run["config"]["shuffle_rows"] is False and run["config"]["max_steps"] == 1
+        assert run["config"]["completions_per_prompt"] == 2  # --quick's 4, then --set
     units = {r["unit"].split(" (")[0] for r in result["rows"]}
     assert units == {"s / step", "trained tok/s", "held-out accuracy"}
-    assert all(r["baseline"] == "ours, example defaults" for r in result["rows"])  # no TRL run: ours is the baseline
+    assert all(r["baseline"] == ours for r in result["rows"])  # no TRL run: ours is the baseline
+    assert result["notes"].startswith("Shared machine. tiny, 1 steps per run")
+    assert "`python -m benchmarks.end_to_end --quick --sides ours --set completions_per_prompt=2" in result["notes"]

@@ -1,16 +1,17 @@
 """Run every benchmark script and rewrite BENCHMARKS.md from their JSON lines.
 
     python -m benchmarks.run_all [--only async_overlap,exactness] [--quick] [--from-json benchmarks/results.json]
-    python -m benchmarks.run_all --only end_to_end --merge     # the opt-in end-to-end figure, others kept
+    python -m benchmarks.run_all --only end_to_end             # the opt-in end-to-end figure, others kept
     python -m benchmarks.run_all --add line.json               # a figure run by hand, others kept
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
-running anything. ``end_to_end`` (against TRL, an hour or more) runs only when named in ``--only``.
-``--merge`` keeps the saved figures this run does not measure, and ``--add`` puts a JSON line
-printed by a script run by hand (e.g. with other ``--steps``) into the saved results; a kept figure
-is shown with its own date. Benchmarks are not tests: CI never runs them.
+running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
+re-measured without regenerating the rest). ``end_to_end`` (against TRL, an hour or more) runs only
+when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
+``--steps``) into the saved results the same way. A kept figure is shown with its own date.
+Benchmarks are not tests: CI never runs them.
 """
 
 from __future__ import annotations
@@ -25,12 +26,24 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "engine_throughput", "trainer_throughput", "weight_sync", "exactness"]
+SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness"]
 OPT_IN = ["end_to_end"]
 """Scripts too long for the default run: they run only when ``--only`` names them."""
 TIMEOUT_S = {"end_to_end": 6 * 3600.0}
 """Per-script timeouts that replace ``--timeout``."""
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with the figures of ``new`` replaced or added (in ``SCRIPTS`` order); dates of both kept."""
+    by_name = {r["figure"]: r for r in old["results"]}
+    for r in new["results"]:
+        r["date"] = new["date"]
+        by_name[r["figure"]] = r
+    order = {n: i for i, n in enumerate(SCRIPTS)}
+    results = sorted(by_name.values(), key=lambda r: order.get(r["figure"], len(order)))
+    return {**old, "results": results, "updated": new["date"]}
 
 
 def run_script(name: str, quick: bool, timeout_s: float) -> dict:
@@ -54,37 +67,24 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def merge(saved: dict, new: list[dict]) -> list[dict]:
-    """``saved``'s results with each figure of ``new`` replacing (or appended after) the one of the same
-    name; kept figures carry their own date."""
-    kept = [{**r, "date": r.get("date", saved.get("date"))} for r in saved.get("results", [])]
-    by_name = {r["figure"]: r for r in new}
-    out = [by_name.pop(r["figure"], r) for r in kept]
-    return out + [r for r in new if r["figure"] in by_name]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SCRIPTS),
                    help="comma-separated subset of " + ",".join(SCRIPTS + OPT_IN) + f" ({','.join(OPT_IN)} only when named)")
-    p.add_argument("--merge", action="store_true", help="keep the saved figures of benchmarks/results.json not run now")
     p.add_argument("--add", help="a file with a script's JSON line: merge it into the saved results, run nothing")
     p.add_argument("--quick", action="store_true", help="pass --quick to every script (a smoke run, not figures)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per script")
     p.add_argument("--from-json", help="rebuild BENCHMARKS.md from a saved results file, run nothing")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     a = p.parse_args()
-    results_path = ROOT / "benchmarks" / "results.json"
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
     elif a.add:
         lines = [l for l in Path(a.add).read_text().splitlines() if l.startswith("{")]
         if not lines:
             raise SystemExit(f"--add: no JSON line in {a.add}")
-        new = {"date": _now(), **json.loads(lines[-1])}
-        saved = json.loads(results_path.read_text())
-        saved["results"] = merge(saved, [new])
-        results_path.write_text(json.dumps(saved, indent=1) + "\n")
+        saved = merge_results(json.loads(RESULTS.read_text()), {"date": _now(), "results": [json.loads(lines[-1])]})
+        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     else:
         names = [n for n in a.only.split(",") if n]
         unknown = sorted(set(names) - set(SCRIPTS) - set(OPT_IN))
@@ -94,10 +94,9 @@ def main() -> None:
         results = [run_script(n, a.quick, TIMEOUT_S.get(n, a.timeout)) for n in names]
         saved = {"date": _now(), "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
-        if a.merge and results_path.exists():
-            old = json.loads(results_path.read_text())
-            saved = {**old, "results": merge(old, results)}
-        results_path.write_text(json.dumps(saved, indent=1) + "\n")
+        if a.only != p.get_default("only") and RESULTS.exists():
+            saved = merge_results(json.loads(RESULTS.read_text()), saved)
+        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)
 

@@ -44,6 +44,19 @@ def test_report_flags_a_figure_worse_than_its_baseline():
     assert "Not measured in this run:** timed out" in md
 
 
+def test_rerunning_one_figure_keeps_the_others():
+    from benchmarks.run_all import merge_results
+
+    old = {"date": "d0", "command": "c", "total_s": 9, "results": [
+        {"figure": "async_overlap", "rows": [1]}, {"figure": "async_agentic", "rows": [2]},
+        {"figure": "exactness", "rows": [3]}]}
+    new = {"date": "d1", "results": [{"figure": "async_agentic", "rows": [4]}]}
+    merged = merge_results(old, new)
+    assert [r["figure"] for r in merged["results"]] == ["async_overlap", "async_agentic", "exactness"]
+    assert [r["rows"] for r in merged["results"]] == [[1], [4], [3]]
+    assert merged["date"] == "d0" and merged["results"][1]["date"] == "d1"
+
+
 # ---------------------------------------------------------------- end_to_end (ours vs TRL)
 HARNESS_FIELDS = {"base_model", "log_path", "max_steps", "seed", "trainer", "shuffle_rows", "eval_rows",
                   "eval_interval", "export_final_model", "dcp_save_interval"}

@@ -1,6 +1,9 @@
 """Rows: load them, and walk them in a resumable order.
 
-A row is any JSON object; the user's ``rollout_fn`` is the only code that reads its fields.
+A row is any JSON object; the user's ``rollout_fn`` is the only code that reads its fields. One
+convenience: a row's prompt token ids may be named ``prompt_token_ids`` (the Fireworks cookbook's
+documented name) or ``prompt_ids`` (this repository's examples); ``load_rows`` gives a row that
+has one name the other too (the same list), so a rollout reading either name works on both.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from pathlib import Path
 from typing import Iterator, Union
 
 Rows = Union[list, str, Path]
+
+PROMPT_TOKEN_KEYS = ("prompt_token_ids", "prompt_ids")
+"""The two names of a row's prompt token ids."""
 
 
 def load_rows(rows: Rows) -> list[dict]:
@@ -40,7 +46,16 @@ def load_rows(rows: Rows) -> list[dict]:
             raise TypeError(f"rows[{i}]: expected a dict, got {type(r).__name__}")
     if not rows:
         raise ValueError("rows: empty; give at least one row")
-    return rows
+    return [_with_both_prompt_names(r) for r in rows]
+
+
+def _with_both_prompt_names(row: dict) -> dict:
+    """``row``, or a shallow copy that carries its prompt ids under both ``PROMPT_TOKEN_KEYS``."""
+    present = [k for k in PROMPT_TOKEN_KEYS if k in row]
+    if len(present) != 1:
+        return row
+    (missing,) = [k for k in PROMPT_TOKEN_KEYS if k not in row]
+    return {**row, missing: row[present[0]]}
 
 
 @dataclass
@@ -60,6 +75,8 @@ class RowCursor:
     next_position: int = 0
     done_floor: int = 0
     done_after_floor: set = field(default_factory=set)
+    requeued: list = field(default_factory=list)
+    """Positions handed out before and given back (``requeue``); taken again first."""
     _orders: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -77,7 +94,9 @@ class RowCursor:
         return self._orders[epoch][i]
 
     def take(self) -> int | None:
-        """The next position to submit, or None when every pass is submitted."""
+        """The next position to submit (requeued ones first), or None when every pass is submitted."""
+        if self.requeued:
+            return self.requeued.pop(0)
         while self.next_position < self.total and self.next_position in self.done_after_floor:
             self.next_position += 1
         if self.next_position >= self.total:
@@ -85,6 +104,19 @@ class RowCursor:
         p = self.next_position
         self.next_position += 1
         return p
+
+    def has_next(self) -> bool:
+        """True if ``take`` would return a position."""
+        if self.requeued:
+            return True
+        p = self.next_position
+        while p < self.total and p in self.done_after_floor:
+            p += 1
+        return p < self.total
+
+    def requeue(self, position: int) -> None:
+        """Give back a taken position that was not trained (e.g. dropped as stale): it is taken again next."""
+        self.requeued.append(position)
 
     def mark_done(self, position: int) -> None:
         self.done_after_floor.add(position)
@@ -99,6 +131,7 @@ class RowCursor:
         self.done_floor = int(state["done_floor"])
         self.done_after_floor = set(int(p) for p in state["done_after_floor"])
         self.next_position = self.done_floor
+        self.requeued = []
 
     def positions(self) -> Iterator[int]:
         while (p := self.take()) is not None:

@@ -72,7 +72,11 @@ METHOD = {
                   "(`end_to_end.evaluate`: `transformers` greedy `generate`, 48 new tokens, the example's "
                   "prompt and answer parser) on the rows of `eval.jsonl` (all 100 unless the notes say fewer); "
                   "medians over seeds, `spread` = min..max over seeds. The notes give the exact command and "
-                  "whether the machine was shared during the run.",
+                  "whether the machine was shared during the run. The full figure (the example's batch, 8 steps, "
+                  "all 100 held-out rows, about an hour on an idle machine): `python -m benchmarks.run_all "
+                  "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
+                  "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
+                  "`python -m benchmarks.run_all --add line.json`.",
 }
 
 WHY = {

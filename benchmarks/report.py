@@ -77,6 +77,10 @@ METHOD = {
                   "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
                   "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
                   "`python -m benchmarks.run_all --add line.json`.",
+    "sampling_cost": "`engine.sampling.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
+                     "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
+                     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
+                     "`temperature=1` sampling in the same run. The model's decode step is not included.",
 }
 
 WHY = {
@@ -101,6 +105,15 @@ WHY = {
     "weight_sync": "",
     "exactness": "bf16 is worse than fp32 by construction (8-bit mantissa): that is the figure, not a defect.",
     "end_to_end": "",
+    "sampling_cost": "A field costs what it adds to plain sampling (which is log-softmax, exp, cumsum and a "
+                     "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
+                     "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
+                     "logits every row does (the dominant cost); a peaked model distribution mostly does not. With a "
+                     "`top_k` only the top k are sorted. Penalties, "
+                     "`logit_bias` and `min_tokens` copy the logits and take a second log-softmax over them "
+                     "(the reported logprob stays the model's, so the sampling distribution is a separate one); "
+                     "the penalties themselves touch only the tokens a row has seen. `top_logprobs` adds one "
+                     "`topk` over the vocabulary.",
 }
 
 LOWER_IS_BETTER = ("lower is better", "Δlogprob", "KL", "RSS", "× weight")

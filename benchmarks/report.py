@@ -49,6 +49,44 @@ METHOD = {
                  "scores the same ids. Per batch: mean / max |ℓ_sampler − ℓ_trainer| and mean k3 mismatch KL "
                  "(exp(d) − d − 1, d = ℓ_trainer − ℓ_sampler); figure = median over 3 batches. Baseline: engine and "
                  "trainer both fp32.",
+    "end_to_end": "The SmolLM2 arithmetic example (`training/examples/rl/arithmetic_smollm2`) trained end to end "
+                  "by ours (`async_rl_loop` with the example's `train.py` config and `rollout.py`) and by TRL's "
+                  "`GRPOTrainer` (its own `transformers` `generate`, no vLLM; in `.venv-trl` from "
+                  "`scripts/setup_trl.sh`, run by `benchmarks/trl_grpo.py`), one process per run, runs of the two "
+                  "sides alternating. Same for both: SmolLM2-135M-Instruct fp32 on CPU, the rows of `data.jsonl` "
+                  "in file order (no shuffling), 4 prompts × 8 completions per optimizer step, at most 48 new "
+                  "tokens, temperature 0.7 (top_p 1, no top_k), the chat prompt of the example's `rollout.py` "
+                  "(same prompt ids: TRL tokenizes through the same chat template), its reward (last integer of "
+                  "the reply = answer), AdamW lr 1e-5 constant, betas (0.9, 0.95), eps 1e-8, weight decay 0.01 "
+                  "on matrices only, grad-norm clip 1.0, no KL (ours `kl_beta=0`, TRL `beta=0`), one pass over "
+                  "each batch (ours `ppo_epochs=1`, TRL `num_iterations=1`: ratio 1, clipping inert), "
+                  "group-normalised advantages (ours std + 1e-8, TRL `scale_rewards='group'`: std + 1e-4, both "
+                  "unbiased), the loss a mean over every completion token of the step (ours `token_mean`, TRL "
+                  "`loss_type='dapo'`), truncated replies trained (TRL `mask_truncated_completions=False`), no "
+                  "gradient checkpointing (TRL's default is on), fp32 (TRL's default is bf16), seed. Batch shape: "
+                  "ours packs each step's samples into micro-batches of ≤ 1024 tokens without padding; TRL runs "
+                  "`gradient_accumulation_steps` padded micro-batches of `per_device_train_batch_size` samples "
+                  "(the largest divisor of 32 whose padded size fits 1024 tokens: 8 × 4). What differs, by "
+                  "design of each library: ours samples from its own inference server (a child process, "
+                  "continuous batching) and TRL calls `generate` in the training process; ours is the example's "
+                  "one-step off-policy async (`max_head_offpolicy_versions=1`) with TIS weights "
+                  "min(exp(ℓ_old − ℓ_sampler), 5), TRL is on-policy and synchronous (no correction needed); "
+                  "ours drops groups whose 8 rewards are equal and samples further rows until 4 groups are kept "
+                  "(`dynamic_filter_fn`), TRL trains every group (an all-equal group has advantage 0 and only "
+                  "adds tokens to the mean's denominator); so the two do not see the same rows after the first "
+                  "filtered group, and ours generates more per step. TRL also computes per-token entropies "
+                  "for its logs. Figures: s / step = median wall time of steps 2..N (ours "
+                  "`perf/step_time_s`; TRL `on_step_end` to `on_step_end`), ratio = run / TRL; trained tok/s = "
+                  "prompt + completion tokens trained in a step (no padding) / its wall time, median over steps "
+                  "2..N; held-out accuracy = every final model folder scored by one function "
+                  "(`end_to_end.evaluate`: `transformers` greedy `generate`, 48 new tokens, the example's "
+                  "prompt and answer parser) on the rows of `eval.jsonl` (all 100 unless the notes say fewer); "
+                  "medians over seeds, `spread` = min..max over seeds. The notes give the exact command and "
+                  "whether the machine was shared during the run. The full figure (the example's batch, 8 steps, "
+                  "all 100 held-out rows, about an hour on an idle machine): `python -m benchmarks.run_all "
+                  "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
+                  "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
+                  "`python -m benchmarks.run_all --add line.json`.",
     "sampling_cost": "`engine.sampling.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
                      "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
                      "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
@@ -76,6 +114,7 @@ WHY = {
                           "instead (no full-vocabulary logits for the whole batch).",
     "weight_sync": "",
     "exactness": "bf16 is worse than fp32 by construction (8-bit mantissa): that is the figure, not a defect.",
+    "end_to_end": "",
     "sampling_cost": "A field costs what it adds to plain sampling (which is log-softmax, exp, cumsum and a "
                      "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
                      "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
@@ -143,6 +182,8 @@ def render(saved: dict) -> str:
     for r in results:
         name = r["figure"]
         out += [f"## {name}", "", METHOD.get(name, ""), ""]
+        if r.get("date") and r["date"] != saved["date"]:
+            out += [f"Measured {r['date']}, apart from the run above.", ""]
         if "error" in r:
             out += [f"**Not measured in this run:** {r['error'].strip()[-600:]}", ""]
             continue

@@ -1,12 +1,17 @@
 """Run every benchmark script and rewrite BENCHMARKS.md from their JSON lines.
 
     python -m benchmarks.run_all [--only async_overlap,exactness] [--quick] [--from-json benchmarks/results.json]
+    python -m benchmarks.run_all --only end_to_end             # the opt-in end-to-end figure, others kept
+    python -m benchmarks.run_all --add line.json               # a figure run by hand, others kept
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
 running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
-re-measured without regenerating the rest). Benchmarks are not tests: CI never runs them.
+re-measured without regenerating the rest). ``end_to_end`` (against TRL, an hour or more) runs only
+when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
+``--steps``) into the saved results the same way. A kept figure is shown with its own date.
+Benchmarks are not tests: CI never runs them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from benchmarks.report import render
 
 SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness",
            "sampling_cost"]
+OPT_IN = ["end_to_end"]
+"""Scripts too long for the default run: they run only when ``--only`` names them."""
+TIMEOUT_S = {"end_to_end": 6 * 3600.0}
+"""Per-script timeouts that replace ``--timeout``."""
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
 
@@ -50,13 +59,20 @@ def run_script(name: str, quick: bool, timeout_s: float) -> dict:
     if out.returncode != 0 or not lines:
         return {"figure": name, "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
     result = json.loads(lines[-1])
+    result.setdefault("date", _now())
     print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return result
 
 
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(SCRIPTS), help="comma-separated subset of " + ",".join(SCRIPTS))
+    p.add_argument("--only", default=",".join(SCRIPTS),
+                   help="comma-separated subset of " + ",".join(SCRIPTS + OPT_IN) + f" ({','.join(OPT_IN)} only when named)")
+    p.add_argument("--add", help="a file with a script's JSON line: merge it into the saved results, run nothing")
     p.add_argument("--quick", action="store_true", help="pass --quick to every script (a smoke run, not figures)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per script")
     p.add_argument("--from-json", help="rebuild BENCHMARKS.md from a saved results file, run nothing")
@@ -64,14 +80,20 @@ def main() -> None:
     a = p.parse_args()
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
+    elif a.add:
+        lines = [l for l in Path(a.add).read_text().splitlines() if l.startswith("{")]
+        if not lines:
+            raise SystemExit(f"--add: no JSON line in {a.add}")
+        saved = merge_results(json.loads(RESULTS.read_text()), {"date": _now(), "results": [json.loads(lines[-1])]})
+        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     else:
         names = [n for n in a.only.split(",") if n]
-        unknown = sorted(set(names) - set(SCRIPTS))
+        unknown = sorted(set(names) - set(SCRIPTS) - set(OPT_IN))
         if unknown:
-            raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
+            raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS + OPT_IN}")
         t0 = time.perf_counter()
-        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        results = [{**run_script(n, a.quick, a.timeout), "date": now} for n in names]
+        now = _now()
+        results = [{**run_script(n, a.quick, TIMEOUT_S.get(n, a.timeout)), "date": now} for n in names]
         saved = {"date": now, "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
         if a.only != p.get_default("only") and RESULTS.exists():

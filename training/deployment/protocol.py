@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from training.deployment.engine.config import GenerationResult, SamplingParams
+from training.utils.chat_messages import ChatMessageError, prepare_for_template
 from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 
 MAX_N = 256
@@ -274,30 +275,6 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
 
 # ---------------------------------------------------------------- /v1/chat/completions
 
-def _normalise_message(i: int, m: Any) -> dict:
-    if not isinstance(m, dict):
-        raise RequestError(f"'messages'[{i}] must be an object", "messages")
-    role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise RequestError(f"'messages'[{i}].role={role!r} is not one of system, developer, user, assistant, tool",
-                           "messages")
-    out = dict(m)
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: keep the text parts
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"'messages'[{i}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        out["content"] = "".join(texts)
-    elif content is None:
-        if role != "assistant":
-            raise RequestError(f"'messages'[{i}].content is required for role {role!r}", "messages")
-    elif not isinstance(content, str):
-        raise RequestError(f"'messages'[{i}].content must be a string or a list of text parts", "messages")
-    return out
-
-
 def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
     """Validate a /v1/chat/completions body and render its messages with the chat template."""
     body = _as_dict(body)
@@ -305,7 +282,10 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    messages = [_normalise_message(i, m) for i, m in enumerate(messages)]
+    try:  # OpenAI-SDK histories (content None, arguments as JSON strings...) in the form templates render
+        messages = prepare_for_template(messages, engine.tokenizer)
+    except ChatMessageError as e:
+        raise RequestError(f"'{e.path}': {e.detail}", "messages") from e
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")

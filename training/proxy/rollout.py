@@ -59,6 +59,11 @@ class AgentEndpoint:
     headers: dict[str, str] = field(default_factory=dict)
     """Optional: the session header, for clients that prefer ``proxy_base_url`` + header."""
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The session URL for the ``anthropic`` SDK, which appends ``/v1/messages`` itself."""
+        return self.base_url[:-len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+
 
 class ProxyRolloutFn:
     """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy."""

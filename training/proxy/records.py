@@ -62,6 +62,8 @@ class CallRecord:
     max_tokens_clamped: bool = False
     """True when the agent's ``max_tokens`` did not fit the context and was dropped (over-length policy)."""
     label: Optional[TurnLabel] = None
+    posted_rewards: list[float] = field(default_factory=list)
+    """Rewards the agent posted for this call (``POST /sessions/{id}/reward``); per-call credit adds them."""
 
     @property
     def full_ids(self) -> list[int]:
@@ -79,7 +81,7 @@ class CallRecord:
                 "prompt_tokens": len(self.prompt_ids), "output_tokens": len(self.output_ids),
                 "finish_reason": self.finish_reason, "weight_version": self.weight_version,
                 "upstream": self.upstream, "cached_tokens": self.cached_tokens,
-                "max_tokens_clamped": self.max_tokens_clamped}
+                "max_tokens_clamped": self.max_tokens_clamped, "posted_rewards": list(self.posted_rewards)}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

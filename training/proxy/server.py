@@ -11,7 +11,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from th
 headers; ``POST /v1/responses`` answers 404 naming the routes to use (the Responses API is not
 served); ``GET [/sessions/{id}]/v1/models``; ``GET /health``;
 ``POST /proxy/pause`` (block new calls, wait for in-flight ones), ``POST /proxy/resume``;
-``GET /sessions/{id}/calls`` (recorded calls and labels, for logs).
+``GET /sessions/{id}/calls`` (recorded calls and labels, for logs); ``POST /sessions/{id}/reward``
+(or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
+reward the agent posts itself to call k (default its latest call; see ``transitions.py``).
 
 Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
 chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
@@ -31,6 +33,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 from typing import Any, Optional
 
@@ -114,6 +117,8 @@ class ProxyServer:
         app.router.add_post("/proxy/pause", self._pause_route)
         app.router.add_post("/proxy/resume", self._resume_route)
         app.router.add_get("/sessions/{sid}/calls", self._calls_route)
+        app.router.add_post("/sessions/{sid}/reward", self._reward_route)
+        app.router.add_post("/proxy/reward", self._reward_route)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -200,6 +205,28 @@ class ProxyServer:
         if rec is None:
             return _error(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
         return web.json_response({"session_id": rec.session_id, "calls": [c.summary() for c in rec.calls]})
+
+    async def _reward_route(self, request: web.Request) -> web.Response:
+        """``{"reward": x, "call": k}``: the agent credits call k (default: its latest) with x."""
+        session, err = self._session_of(request)
+        if err is not None:
+            return err
+        body, err = await self._read_body(request)
+        if err is not None:
+            return err
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return _error(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
+        agent = request.headers.get(AGENT_HEADER)
+        mine = [c.index for c in session.calls if agent is None or c.agent == agent]
+        index = body.get("call", mine[-1] if mine else None)
+        if index is None:
+            return _error(400, "no call to reward yet: post a reward after the call it is for", param="call")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(session.calls):
+            return _error(400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})",
+                          param="call")
+        session.calls[index].posted_rewards.append(float(reward))
+        return web.json_response({"call": index, "posted_rewards": session.calls[index].posted_rewards})
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

@@ -115,11 +115,11 @@ def _chat_round_trip(base_url: str, model: str, tokenizer) -> None:
 def test_server_takes_sdk_history_on_tiny_model(tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from training.deployment.launcher import EmbeddedDeployment
-    from training.utils import DeployConfig
+    from training.deployment.embedded import EmbeddedDeployment
+    from training.utils import DeployConfig, EngineConfig
 
-    cfg = DeployConfig(max_model_len=512, max_batch_size=4, log_file=str(tmp_path / "server.log"))
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
+    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
+    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(tmp_path / "server.log")) as dep:
         _chat_round_trip(dep.base_url, tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path))
 
 
@@ -128,13 +128,13 @@ def test_server_takes_sdk_history_on_smollm2(tmp_path):
     """SmolLM2's template reads only ``content``: the call is written into it, nothing fails."""
     from transformers import AutoTokenizer
 
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.models import resolve_model
-    from training.utils import DeployConfig
+    from training.utils import DeployConfig, EngineConfig
 
     path = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(path)
     assert not template_renders_tool_calls(tok)
-    cfg = DeployConfig(max_model_len=512, max_batch_size=4, log_file=str(tmp_path / "server.log"))
-    with EmbeddedDeployment(path, cfg) as dep:
+    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
+    with EmbeddedDeployment(path, cfg, log_file=str(tmp_path / "server.log")) as dep:
         _chat_round_trip(dep.base_url, path, tok)

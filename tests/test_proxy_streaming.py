@@ -7,10 +7,10 @@ import openai
 import pytest
 from aiohttp import ClientSession, web
 
-from training.deployment.launcher import EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.anthropic import from_chat_response, stream_events, to_chat_request
-from training.utils import DeployConfig
+from training.utils import DeployConfig, EngineConfig
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
 
@@ -18,7 +18,7 @@ MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("proxy_stream") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=8, max_model_len=512), log_file=str(log)) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=512)), log_file=str(log)) as dep:
         yield dep
 
 

@@ -24,7 +24,7 @@ import json
 import time
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from training.utils.tool_parsers import ToolCall

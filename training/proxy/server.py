@@ -48,6 +48,7 @@ from training.proxy.streaming import (
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
+from training.utils.http import bearer_ok
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,8 @@ class ProxyServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")  # OpenAI SDK; the Anthropic SDK sends x-api-key
-            ok = hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()) or \
+            # The OpenAI SDK sends Authorization: Bearer; the Anthropic SDK sends x-api-key.
+            ok = bearer_ok(request.headers.get("Authorization"), self.api_key) or \
                 hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.api_key.encode())
             if not ok:
                 return _error(401, "missing or wrong API key for the proxy", "authentication_error")

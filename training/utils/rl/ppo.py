@@ -181,7 +181,9 @@ def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference
                                                   [batch.num_trainable_tokens(i) for i in idx],
                                                   _aggregation(loss_cfg)) if weighted else None}
 
-            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=len(idx)):
+            num_sequences = len(idx)
+
+            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=num_sequences):
                 inputs = LossInputs(
                     logprobs_N=logprobs_N,
                     old_logprobs_N=packed.gather(lists["old"]),

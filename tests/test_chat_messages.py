@@ -15,7 +15,8 @@ from training.utils.chat_messages import (
 )
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
-CONTENT_ONLY_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+CONTENT_ONLY_TEMPLATE = ("{% for m in messages %}"
+                         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 """SmolLM2's kind of template: reads only role and content (fails on a missing content, drops tool calls)."""
 
@@ -61,7 +62,8 @@ def test_sdk_noise_parts_developer_and_flat_calls_are_normalised():
         {"function": {"name": "f", "arguments": "{not json"}}]}], "messages[1].tool_calls[0].function.arguments"),
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
      "messages[0].tool_calls[0].function.arguments"),
-    ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], "messages[0].tool_calls[0].function.name"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+     "messages[0].tool_calls[0].function.name"),
     ([{"role": "user", "content": "a", "tool_calls": [CALL]}], "messages[0].tool_calls"),
     ("hello", "messages"),
 ])
@@ -85,7 +87,9 @@ def test_content_only_template_gets_the_calls_in_hermes_format(tiny_model_path):
     assert "tool_calls" not in inlined[2] and inlined[2]["content"] == text == assistant_text(native[2])
     rendered = tok.apply_chat_template(inlined, tokenize=False, add_generation_prompt=True)
     assert f"<|im_start|>assistant\n{text}<|im_end|>" in rendered
-    with pytest.raises(Exception):  # what the server did before: the template reads a missing content
+    from jinja2.exceptions import UndefinedError
+
+    with pytest.raises(UndefinedError):  # what the server did before: the template reads a missing content
         tok.apply_chat_template(sdk_history(), tokenize=False)
 
 

@@ -28,7 +28,8 @@ def tool_episode(failed: bool) -> list[CallRecord]:
     result = {"role": "tool", "tool_call_id": "t1", "content": "ValueError: bad expression" if failed else "5"}
     c2 = CallRecord(index=-1, endpoint="chat", agent="default", prompt_ids=[1, 2, 3, 4], output_ids=[5],
                     output_logprobs=[-0.2], finish_reason="stop", weight_version=0, upstream="u",
-                    messages=[USER, c1.response_message, result], response_message={"role": "assistant", "content": "7"})
+                    messages=[USER, c1.response_message, result],
+                    response_message={"role": "assistant", "content": "7"})
     session = SessionRecord("s")
     for c in (c1, c2):
         assign(session, c)
@@ -153,7 +154,8 @@ def test_transitions_and_stitch_train_with_equal_weight_per_episode(tiny_model_p
     from training.utils.config import TrainerConfig
     from training.utils.rl.losses.config import LossConfig
 
-    episodes = [([5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15], 1.0), ([5, 20, 21], [22, 23, 24], [25, 26], [27, 28, 29], -0.5)]
+    episodes = [([5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15], 1.0),
+                ([5, 20, 21], [22, 23, 24], [25, 26], [27, 28, 29], -0.5)]
     stitch, trans = StepBatch([], [], [], [], []), StepBatch([], [], [], [], [])
     for p1, o1, glue, o2, adv in episodes:
         tokens = p1 + o1 + glue + o2

@@ -160,7 +160,8 @@ def test_interleaved_conversations_each_extend_their_own_call():
     assert s.calls[2].label.reason == "prompt extends call 0" and s.calls[2].label.parent == 0
     assert [c.label.chain for c in s.calls] == [0, 1, 0, 1]
     res = stitch_calls(s.calls)
-    assert [x.tokens for x in res.samples] == [[1, 2, 3, 4, 7], [1, 5, 6, 4, 8]] and res.segment_calls == [[0, 2], [1, 3]]
+    assert [x.tokens for x in res.samples] == [[1, 2, 3, 4, 7], [1, 5, 6, 4, 8]]
+    assert res.segment_calls == [[0, 2], [1, 3]]
 
 
 def test_retry_extends_the_earlier_call_as_a_branch_not_compaction():

@@ -18,7 +18,8 @@ MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("proxy_stream") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=512)), log_file=str(log)) as dep:
+    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=512))
+    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
         yield dep
 
 

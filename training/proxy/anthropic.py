@@ -10,10 +10,10 @@ WIPE matching on the translated messages), and the chat reply is translated back
 | ``system`` (text or text blocks) | a ``system`` message |
 | ``text`` block | content text |
 | assistant ``tool_use`` block (``id``, ``name``, ``input``) | ``tool_calls`` entry (``arguments`` = ``input``) |
-| user ``tool_result`` block (``tool_use_id``, ``content``, ``is_error``) | a ``tool`` message (``is_error`` prefixes ``Error: ``) |
+| user ``tool_result`` block (``tool_use_id``, ``content``, ``is_error``) | ``tool`` message (``Error: `` if is_error) |
 | ``tools`` (``name``, ``description``, ``input_schema``) | ``tools`` (``function.parameters``) |
 | ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``stream`` | same meaning |
-| ``stop_reason`` ``end_turn`` / ``max_tokens`` / ``tool_use`` | ``finish_reason`` ``stop`` / ``length`` / ``tool_calls`` |
+| ``stop_reason`` ``end_turn`` / ``max_tokens`` / ``tool_use`` | ``finish_reason`` ``stop``/``length``/``tool_calls`` |
 
 Refused with a 400 naming the field: image and document blocks, ``thinking`` blocks sent back.
 ``tool_choice`` and ``metadata`` are ignored. Streaming is synthesised from the full reply

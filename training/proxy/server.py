@@ -18,12 +18,12 @@ reward the agent posts itself to call k (default its latest call; see ``transiti
 Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
 chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
 parsed, the token fields and logprobs removed unless it asked for them, its own ``model``
-name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records prompt ids, output ids, logprobs, finish reason, weight
-version, messages and tools, and labels the call (``matching.assign``). Failure policy:
-upstream 5xx / unreachable → retried with backoff, then 502 to the agent and the session
-is marked failed; upstream 4xx → passed through unrecorded; an agent ``max_tokens`` that
-does not fit the context → dropped and the call retried once (generation then stops at the
-context end with ``finish_reason="length"``).
+name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records prompt ids,
+output ids, logprobs, finish reason, weight version, messages and tools, and labels the call
+(``matching.assign``). Failure policy: upstream 5xx / unreachable → retried with backoff,
+then 502 to the agent and the session is marked failed; upstream 4xx → passed through
+unrecorded; an agent ``max_tokens`` that does not fit the context → dropped and the call
+retried once (generation then stops at the context end with ``finish_reason="length"``).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ async def iter_sse(lines: AsyncIterator[bytes]) -> AsyncIterator[dict]:
 # ---------------------------------------------------------------- full reply -> chunks
 
 def _chunk_base(reply: dict, obj: str) -> dict:
-    return {"id": reply.get("id", ""), "object": obj, "created": reply.get("created", 0), "model": reply.get("model", "")}
+    return {"id": reply.get("id", ""), "object": obj, "created": reply.get("created", 0),
+            "model": reply.get("model", "")}
 
 
 def chat_chunks(reply: dict, include_usage: bool) -> list[dict]:

@@ -45,7 +45,8 @@ SCRIPT = [
     {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n42 and 12."},
     {"role": "user", "content": "Thanks. And 2 + 2?"},
     {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_7", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 2"}'}}]},
+        {"id": "call_7", "type": "function",
+         "function": {"name": "calculator", "arguments": '{"expression": "2 + 2"}'}}]},
     {"role": "tool", "tool_call_id": "call_7", "content": "4"},
     {"role": "assistant", "content": "4"},
 ]

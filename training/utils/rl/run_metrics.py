@@ -10,9 +10,10 @@ written to ``rollouts.jsonl``):
 
 | key | type | meaning |
 | --- | --- | --- |
-| ``labels`` | ``{"NEW": n, "APPEND": n, "WIPE": n}`` | how the episode's model calls relate (proxy: ``matching``; in-process agents: first turn, token-in turns, compactions) |
+| ``labels`` | ``{"NEW": n, "APPEND": n, "WIPE": n}`` | how calls relate (proxy: ``matching``; agents: turns) |
 | ``drift`` | int | calls whose messages extend the previous call but whose re-rendered tokens do not |
-| ``tool_status_counts`` | ``{status: n}`` | ``ok``, ``error``, ``timeout``, ``unknown_tool``, ``bad_arguments``, ``no_result``, ``unparsable`` |
+| ``tool_status_counts`` | ``{status: n}`` | ``ok``, ``error``, ``timeout``, ``unknown_tool``, ``bad_arguments``, |
+| | | ``no_result``, ``unparsable`` |
 | ``num_calls`` | int | model calls of the episode |
 | ``truncated`` | bool | a call or the episode hit a length limit |
 | ``intermediate_rewards`` | list of float | per-call rewards (tool status, rewards the agent posted) |

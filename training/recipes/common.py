@@ -28,6 +28,8 @@ import concurrent.futures
 import contextlib
 import logging
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +41,13 @@ import torch
 from training.deployment.group import DeploymentGroup
 from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
-from training.recipes.config import WAIT_POLL_S, Config
-from training.utils import dist
+from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
+from training.utils import dist, loop_watch
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
+from training.utils.run_record import check_log_path, write_config_record
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
 from training.utils.rl.ppo import receive_and_train, train_on_groups
@@ -268,7 +271,7 @@ class RunContext:
         async def one(row):
             async with self.semaphore:
                 try:
-                    result = await asyncio.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
+                    result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
                 except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
                     logger.warning("eval rollout raised %s: %s", type(e).__name__, e)
                     return 0.0
@@ -380,6 +383,30 @@ def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows
     Returns ``{"steps", "last_metrics", "final_model"}``. Under ``torchrun`` the ranks other than 0
     follow rank 0 and return ``{"steps": <rank 0's steps>, "last_metrics": {}, "final_model": None}``.
     """
+    with _sigterm_as_exit():
+        return _run_recipe(loop_cls, cfg, rollout_fn_factory, rows, rollout_extras)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM raises ``SystemExit(143)`` in the main thread, so a terminated run unwinds like Ctrl-C:
+    the deployment stops and the /dev/shm weights are removed (the default action skips all cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
+                rollout_extras: Optional[dict[str, Any]]) -> dict[str, Any]:
     started = dist.init_distributed(cfg.trainer.device)
     main_rank = dist.is_main_rank()
     logging.basicConfig(level=logging.INFO if main_rank else logging.WARNING,
@@ -391,6 +418,10 @@ def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows
         model_path = resolve_model(cfg.base_model)
         log_path = Path(cfg.log_path)
         log_path.mkdir(parents=True, exist_ok=True)
+        check_log_path(log_path, cfg.to_dict(), has_checkpoint=latest_checkpoint(log_path / "checkpoints") is not None,
+                       ignore=RESUME_MAY_CHANGE, resume_anyway=cfg.resume_with_changed_config)
+        if main_rank:
+            write_config_record(log_path, cfg.to_dict())
         state = build_train_state(cfg, model_path, len(rows), log_path)
         try:
             if not main_rank:
@@ -419,8 +450,10 @@ async def _run_loop(loop_cls, cfg: Config, rows: list[dict], eval_rows: list[dic
                     state: TrainState, deployment: DeploymentGroup, setup: RolloutSetup,
                     rollout_fn: RolloutFn) -> dict[str, Any]:
     ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
     try:
         return await loop_cls(ctx).run()
     finally:
+        watchdog.stop()
         ctx.close()
         await deployment.close_sampler()

@@ -14,6 +14,10 @@ STALL_GRACE_S = 120.0
 (a rollout cannot legitimately take longer; a dead deployment would otherwise hang the run)."""
 WAIT_POLL_S = 5.0
 """How often a trainer that waits for rollouts re-checks for that stall."""
+RESUME_MAY_CHANGE = ("log_path", "max_steps", "epochs", "eval_interval", "dcp_save_interval", "keep_checkpoints",
+                     "export_final_model", "resume_with_changed_config", "deployment", "wandb")
+"""Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
+is trained: how long, how it is logged and served)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -30,7 +34,7 @@ class Config:
     base_model: str
     """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
     log_path: str = "runs/default"
-    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes."""
+    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes from its newest checkpoint (with the same training settings, see config.json); a folder holding a run without a checkpoint is refused."""
     completions_per_prompt: int = 4
     """Rollouts per row (the group size for group-relative advantages); at least 2."""
     prompt_groups_per_step: int = 8
@@ -77,6 +81,8 @@ class Config:
     """How many of the newest checkpoints to keep (older ones are deleted after each write)."""
     export_final_model: bool = True
     """Save the final policy as a Hugging Face folder in <log_path>/final."""
+    resume_with_changed_config: bool = False
+    """Resume from a checkpoint even when training settings differ from <log_path>/config.json (the differences are logged)."""
     seed: int = 0
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -220,7 +220,7 @@ class WandBConfig:
     run_name: Optional[str] = None
     """Run name; default: the log folder's name."""
     mode: str = "online"
-    """``online``, ``offline`` or ``disabled``."""
+    """``online``, ``offline`` or ``disabled``; a default: ``WANDB_MODE`` in the environment wins (as do ``WANDB_PROJECT`` / ``ENTITY`` / ``NAME``)."""
     tags: list[str] = field(default_factory=list)
     """Tags attached to the run."""
 
@@ -230,4 +230,7 @@ class WandBConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.project is not None and self.mode != "disabled"
+        """A project is set and neither the config nor ``WANDB_MODE`` disables wandb."""
+        import os
+
+        return self.project is not None and (os.environ.get("WANDB_MODE") or self.mode) != "disabled"

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from training.utils import loop_watch
 from training.utils.rl.advantages import credited_advantages
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
@@ -119,7 +120,7 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
         async with semaphore:
             for attempt in (0, 1):
                 try:
-                    return k, await asyncio.wait_for(rollout_fn(row), timeout_s)
+                    return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run

@@ -42,7 +42,7 @@ def orchestrator(engine, **kw):
 
 def test_groups_fill_with_bounded_concurrency_and_open_groups():
     engine = SleepyEngine()
-    rows = [{"id": i, "delay": 0.05 if i == 0 else 0.01} for i in range(8)]
+    rows = [{"id": i, "delay": 0.5 if i == 0 else 0.01} for i in range(8)]  # wide gap: robust on a busy machine
     orch = orchestrator(engine, group_size=3, max_concurrency=4, max_open_groups=2)
 
     async def go():

@@ -42,3 +42,20 @@ def test_groups_count_failures_by_cause_and_keep_run_metadata():
     assert group.errors == 2 and group.invalid == 1
     out = run_metrics(group.metadata.values(), group.failure_causes)
     assert out["agent/labels_new"] == 1 and out["rollout/failed/invalid_loss_mask"] == 1
+
+
+def test_the_recipe_step_counters_report_agent_metrics_and_failure_causes():
+    """What ``run_group`` collects reaches the step's metrics (``StepCounters``, used by both recipes)."""
+    from training.recipes.common import StepCounters
+    from training.utils.rl.groups import PromptGroup
+
+    counters = StepCounters()
+    for causes, labels in (({"timeout": 1}, {"NEW": 1, "APPEND": 2, "WIPE": 0}), ({"upstream_5xx": 2}, None)):
+        g = PromptGroup(position=0, row={}, submit_version=0)
+        g.failure_causes = dict(causes)
+        if labels:
+            g.metadata[0] = {"labels": labels, "num_calls": 3, "tool_status_counts": {"ok": 1, "error": 1}}
+        counters.add(g)
+    m = counters.metrics()
+    assert m["agent/episodes"] == 1 and m["agent/labels_append"] == 2 and m["agent/tool_errors"] == 1
+    assert m["rollout/failed/timeout"] == 1 and m["rollout/failed/upstream_5xx"] == 2

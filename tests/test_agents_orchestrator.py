@@ -42,7 +42,7 @@ def orchestrator(engine, **kw):
 
 def test_groups_fill_with_bounded_concurrency_and_open_groups():
     engine = SleepyEngine()
-    rows = [{"id": i, "delay": 0.05 if i == 0 else 0.01} for i in range(8)]
+    rows = [{"id": i, "delay": 0.5 if i == 0 else 0.01} for i in range(8)]  # wide gap: robust on a busy machine
     orch = orchestrator(engine, group_size=3, max_concurrency=4, max_open_groups=2)
 
     async def go():
@@ -119,3 +119,23 @@ def test_orchestrator_waits_while_weights_sync():
         return [first] + rest
 
     assert sorted(g.key for g in asyncio.run(go())) == [0, 1, 2]
+
+
+def test_hung_episode_times_out_and_its_group_is_still_yielded():
+    engine = SleepyEngine()
+    rows = [{"id": 0, "delay": 3600.0}, {"id": 1}]  # row 0 hangs (an hour): without a deadline its group never fills
+    orch = orchestrator(engine, group_size=2, max_concurrency=4, episode_timeout_s=0.2)
+
+    async def go():
+        return await asyncio.wait_for(_collect(orch.run(rows)), 10)
+
+    groups = {g.key: g for g in asyncio.run(go())}
+    assert groups[0].episodes == [] and len(groups[0].errors) == 2
+    assert all(e.startswith("TimeoutError: episode ran past episode_timeout_s=0.2") for e in groups[0].errors)
+    assert len(groups[1].episodes) == 2 and engine.running == 0  # the hung episodes were cancelled
+    with pytest.raises(ValueError, match="episode_timeout_s"):
+        orchestrator(engine, episode_timeout_s=0)
+
+
+async def _collect(aiter):
+    return [x async for x in aiter]

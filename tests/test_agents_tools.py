@@ -218,5 +218,75 @@ def test_template_check_flags_templates_that_strip_thinking(tiny_model_path):
                          "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     checks = check_template_appends(tok)
-    assert [(c.turn, c.appends) for c in checks] == [(2, False), (5, False), (7, True)]
+    assert [(c.turn, c.appends) for c in checks] == [(2, False), (5, False), (7, True), (9, True)]
     assert checks[0].reason == "thinking stripped from an earlier turn"
+
+
+def test_template_check_takes_sdk_histories_and_template_kwargs(tiny_model_path, caplog):
+    from training.agents.template_check import main
+    from training.utils.template_check import SCRIPT, TemplateCheckError, check_template_appends, run_template_check
+
+    assert SCRIPT[7]["content"] is None and SCRIPT[7]["tool_calls"]  # an SDK agent's tool-call-only turn
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    # a template that strips earlier thinking only when enable_thinking is false (reads only content)
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+                         "{% if m['role'] == 'assistant' and not loop.last and enable_thinking is false %}"
+                         "{{ m['content'].split('</think>')[-1].lstrip() }}{% else %}{{ m['content'] }}{% endif %}"
+                         "{{ '<|im_end|>\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert all(c.appends for c in check_template_appends(tok))
+    assert not check_template_appends(tok, enable_thinking=False)[0].appends
+    assert run_template_check(tok, "warn", enable_thinking=True) and "does not only append" not in caplog.text
+    run_template_check(tok, "warn", where="probe", enable_thinking=False)
+    assert "probe: re-rendering the conversation does not only append (assistant message 2" in caplog.text
+    with pytest.raises(TemplateCheckError, match="thinking stripped"):
+        run_template_check(tok, "error", enable_thinking=False)
+    tok.chat_template = "{{ raise_exception('no tools here') }}"
+    with pytest.raises(TemplateCheckError, match="cannot render a tool conversation"):
+        run_template_check(tok, "error")
+    assert run_template_check(tok, "off") == [] and main(["tiny"]) == 0
+
+
+@pytest.mark.slow
+def test_template_check_cli_accepts_smollm2(capsys):
+    from training.agents.template_check import main
+
+    assert main(["smollm2", "--chat-template-kwargs", "{}"]) == 0
+    assert capsys.readouterr().out.count("appends") == 4
+
+
+def test_function_tool_schema_comes_from_signature_and_docstring():
+    from typing import Literal, Optional
+
+    def convert(amount: float, currency: Literal["EUR", "USD"] = "EUR", note: Optional[str] = None) -> str:
+        """Convert an amount of coins to a currency.
+
+        Args:
+            amount: How many coins.
+            currency: Target currency.
+            note: A free-form note.
+        """
+        return f"{amount} {currency}"
+
+    tool = FunctionTool(convert)
+    assert tool.description == "Convert an amount of coins to a currency."
+    assert tool.parameters == {"type": "object", "required": ["amount"], "properties": {
+        "amount": {"type": "number", "description": "How many coins."},
+        "currency": {"type": "string", "enum": ["EUR", "USD"], "description": "Target currency."},
+        "note": {"type": "string", "nullable": True, "description": "A free-form note."}}}
+    assert tool.check_arguments({"amount": 3, "note": None}) is None
+    assert "must be of type number" in tool.check_arguments({"amount": "3"})
+    assert "missing required argument(s): amount" in tool.check_arguments({})
+
+    def partly(city: str, days=2, **extra):
+        """Weather.
+
+        Args:
+            city: City name.
+        """
+    lenient = FunctionTool(partly)  # get_json_schema refuses it (untyped, undocumented): read what is there
+    assert lenient.description == "Weather." and lenient.parameters == {
+        "type": "object", "required": ["city"], "additionalProperties": True,
+        "properties": {"city": {"type": "string", "description": "City name."}, "days": {}}}
+    assert lenient.check_arguments({"city": "Oslo", "units": "C"}) is None
+    assert FunctionTool(lambda x: x, name="f", parameters={"type": "object"}).parameters == {"type": "object"}

@@ -21,6 +21,7 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
     ("single_turn_token_in", ()),
     ("multi_turn_message_in", ()),
     ("arithmetic_smollm2", ("base_model=tiny", "completions_per_prompt=2", "dynamic_filter_fn=null")),
+    ("tool_use_smollm2", ("base_model=tiny", "completions_per_prompt=2")),
 ])
 def test_example_pair_runs(name, extra, tmp_path):
     metrics = run_example(name, tmp_path / "run", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2", *extra)
@@ -43,6 +44,44 @@ def test_default_example_reward_rises(tmp_path):
     first = sum(m["rollout/reward_mean"] for m in metrics[:10]) / 10
     last = sum(m["rollout/reward_mean"] for m in metrics[-10:]) / 10
     assert last > first + 0.1, (first, last)
+
+
+@pytest.mark.slow
+def test_tool_use_smollm2_demo_improves_held_out_accuracy(tmp_path):
+    """The tool-use demo as shipped (SmolLM2, ~30 min on 2 busy cores): held-out accuracy rises."""
+    metrics = run_example("tool_use_smollm2", tmp_path / "run", timeout=3600)
+    evals = [m["eval/pass_rate"] for m in metrics if "eval/pass_rate" in m]
+    assert len(evals) == 2 and evals[-1] >= evals[0] + 0.1, evals
+    trained = [m for m in metrics if "train/loss" in m]
+    assert sum(m["rollout/errors"] for m in trained) == 0
+
+
+def test_tool_use_calculator_schema_and_refusals(monkeypatch):
+    """The demo's tool: schema from the signature and docstring; anything but integer arithmetic is refused."""
+    import asyncio
+    import importlib
+
+    from training.agents import ToolCall
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "tool_use_smollm2"))
+    sys.modules.pop("rollout", None)
+    rollout = importlib.import_module("rollout")
+    try:
+        tool = rollout.TOOLS.tools["calculator"]
+        assert tool.parameters["required"] == ["expression"]
+        assert tool.parameters["properties"]["expression"]["type"] == "string"
+        assert "parentheses" in tool.parameters["properties"]["expression"]["description"]
+        calls = [ToolCall("a", "calculator", {"expression": "12 * (3 + 4)"}),
+                 ToolCall("b", "calculator", {"expression": "__import__('os').getcwd()"}),
+                 ToolCall("c", "calculator", {"expression": "2 ** 400"}),
+                 ToolCall("d", "calculator", {"value": 3})]
+        results = asyncio.run(rollout.TOOLS.execute_all(calls))
+        assert [r.status for r in results] == ["ok", "error", "error", "bad_arguments"]
+        assert results[0].output == "84"
+        assert rollout.reward_fn("The answer is 1,767.", {"answer": "1767"}) == 1.0
+        assert rollout.reward_fn("1766", {"answer": "1767"}) == 0.0
+    finally:
+        sys.modules.pop("rollout", None)
 
 
 def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" / "black_box_agent"
 
 
@@ -46,3 +48,36 @@ def test_proxy_readme_snippet_runs(monkeypatch):
         sys.modules.pop("agent", None)
     assert callable(namespace["make_rollout_fn"])
     assert namespace["reward_fn"]({"answer": "5"}, " 5 ") == 1.0
+
+
+@pytest.mark.slow
+def test_black_box_agent_round_trips_tools_on_smollm2(tmp_path, monkeypatch):
+    """The unmodified agent on SmolLM2 (greedy): a call, its tool result and the next call all pass the proxy."""
+    import asyncio
+
+    from training.deployment.embedded import EmbeddedDeployment
+    from training.models import resolve_model
+    from training.proxy import ProxyServer
+    from training.utils import DeployConfig, EngineConfig
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    from agent import solve
+    sys.modules.pop("agent", None)
+    questions = ["What is 17 * 23?", "What is 412 + 389?", "What is 96 - 48?", "What is 31 * 29?"]
+    path = resolve_model("smollm2")
+    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
+
+    async def go(base_url):
+        async with ProxyServer([base_url], forced_params={"temperature": 0.0, "max_tokens": 64}) as proxy:
+            async def one(i, q):
+                await asyncio.to_thread(solve, q, base_url=proxy.session_url(f"s{i}"), api_key=proxy.api_key or "x")
+                return proxy.close_session(f"s{i}")
+            return await asyncio.gather(*(one(i, q) for i, q in enumerate(questions)))
+
+    with EmbeddedDeployment(path, cfg, log_file=str(tmp_path / "server.log")) as dep:
+        sessions = asyncio.run(go(dep.base_url))
+    assert all(not s.upstream_errors for s in sessions)
+    after_tool = [c for s in sessions for c in s.calls if c.messages and c.messages[-1]["role"] == "tool"]
+    # a request carrying a tool result was served (no 400)
+    assert after_tool, [(c.response_message, c.finish_reason) for s in sessions for c in s.calls]
+    assert all(c.label.kind == "APPEND" for c in after_tool)  # and stitched onto the call that made the tool call

@@ -124,7 +124,7 @@ def test_over_length_max_tokens_is_dropped_and_recorded():
     assert session.calls[0].max_tokens_clamped
 
 
-def test_missing_token_detail_closed_session_auth_and_stream_are_clear_errors():
+def test_missing_token_detail_closed_session_auth_and_responses_api_are_clear_errors():
     async def go():
         async with ScriptedUpstream() as up, ProxyServer([up.url]) as proxy:
             up.script = ["bare"]
@@ -135,8 +135,9 @@ def test_missing_token_detail_closed_session_auth_and_stream_are_clear_errors():
             with pytest.raises(openai.APIStatusError, match="is closed") as e:
                 await chat(proxy, "b")
             assert e.value.status_code == 410
-            with pytest.raises(openai.BadRequestError, match="stream"):
-                await chat(proxy, "s", stream=True)
+            c = openai.AsyncOpenAI(base_url=proxy.session_url("s"), api_key=proxy.api_key, max_retries=0)
+            with pytest.raises(openai.NotFoundError, match="does not serve the Responses API"):
+                await c.responses.create(model="m", input="hi")
             bad = openai.AsyncOpenAI(base_url=proxy.session_url("x"), api_key="wrong", max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 await bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])

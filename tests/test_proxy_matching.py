@@ -145,3 +145,36 @@ def test_transitions_credit_functions_and_episode_weights():
     assert episode_weights(0) == [] and sum(episode_weights(7)) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="credit_fn returned 1 rewards for 3 calls"):
         build_transitions(calls, 1.0, lambda cs, r: [r])
+
+
+def test_interleaved_conversations_each_extend_their_own_call():
+    """One agent name, two conversations taking turns: each call APPENDs to its own conversation's call."""
+    a1 = call([1, 2], [3], [SYS, USER], {"role": "assistant", "content": "a"})
+    b1 = call([1, 5], [6], [SYS, {"role": "user", "content": "other"}], {"role": "assistant", "content": "b"})
+    a2 = call([1, 2, 3, 4], [7], [SYS, USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "?"}],
+              {"role": "assistant", "content": "a2"})
+    b2 = call([1, 5, 6, 4], [8], [SYS, {"role": "user", "content": "other"}, {"role": "assistant", "content": "b"},
+                                  {"role": "user", "content": "?"}], {"role": "assistant", "content": "b2"})
+    s = run_session([a1, b1, a2, b2])
+    assert [c.label.kind for c in s.calls] == [NEW, WIPE, APPEND, APPEND]
+    assert s.calls[2].label.reason == "prompt extends call 0" and s.calls[2].label.parent == 0
+    assert [c.label.chain for c in s.calls] == [0, 1, 0, 1]
+    res = stitch_calls(s.calls)
+    assert [x.tokens for x in res.samples] == [[1, 2, 3, 4, 7], [1, 5, 6, 4, 8]]
+    assert res.segment_calls == [[0, 2], [1, 3]]
+
+
+def test_retry_extends_the_earlier_call_as_a_branch_not_compaction():
+    """A retried turn (same history as the call it repeats) APPENDs to that call's parent on a new chain."""
+    r1 = {"role": "assistant", "content": "x"}
+    follow = [USER, r1, {"role": "user", "content": "y"}]
+    c1 = call([1, 2], [3], [USER], r1)
+    c2 = call([1, 2, 3, 4], [5], follow, {"role": "assistant", "content": "first try"})
+    c3 = call([1, 2, 3, 4], [6], follow, {"role": "assistant", "content": "retry"})
+    s = run_session([c1, c2, c3])
+    assert [c.label.kind for c in s.calls] == [NEW, APPEND, APPEND]
+    assert s.calls[2].label.reason == "prompt extends call 0 (a branch: call 1 already extends it)"
+    assert [c.label.chain for c in s.calls] == [0, 0, 1]
+    res = stitch_calls(s.calls)
+    assert [x.tokens for x in res.samples] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
+    assert [x.loss_mask for x in res.samples] == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 1]]  # call 0's output trained once

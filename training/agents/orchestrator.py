@@ -10,7 +10,8 @@ Each row is rolled out ``group_size`` times; finished episodes are bucketed by
 ``group_key(row)`` (default: the row's position) and a group is yielded as soon as it holds
 ``group_size`` results. At most ``max_open_groups`` rows have episodes in flight or waiting for
 their group (bounds memory); at most ``max_concurrency`` episodes run at once. An episode that
-raises is counted in ``group.errors`` (its group is yielded with the episodes that finished).
+raises, or runs past ``episode_timeout_s`` (it is cancelled), is counted in ``group.errors``
+(its group is yielded with the episodes that finished), so a hung episode never blocks its group.
 
 With ``training.recipes.async_rl_loop`` use ``make_agent_rollout_fn`` instead: the recipe
 already fans out, groups, gates and syncs weights.
@@ -89,11 +90,16 @@ class Orchestrator:
 
     def __init__(self, engine: TrajectoryEngine, agent_factory: AgentFactory, env_factory: EnvFactory, *,
                  group_size: int = 4, max_concurrency: int = 32, max_open_groups: int = 16,
-                 group_key: Optional[Callable[[dict], Hashable]] = None):
+                 group_key: Optional[Callable[[dict], Hashable]] = None,
+                 episode_timeout_s: Optional[float] = None):
         for name, value in (("group_size", group_size), ("max_concurrency", max_concurrency),
                             ("max_open_groups", max_open_groups)):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if episode_timeout_s is not None and not episode_timeout_s > 0:
+            raise ValueError(f"episode_timeout_s: must be > 0 or None, got {episode_timeout_s}")
+        self.episode_timeout_s = episode_timeout_s
+        """Deadline of one episode (sampling and tools); None = no deadline."""
         self.engine = engine
         self.agent_factory = agent_factory
         self.env_factory = env_factory
@@ -112,7 +118,12 @@ class Orchestrator:
                 self._running += 1
                 self.peak_running = max(self.peak_running, self._running)
                 try:
-                    return await self.engine.collect(self.agent_factory(row), self.env_factory(row))
+                    episode = self.engine.collect(self.agent_factory(row), self.env_factory(row))
+                    try:
+                        return await asyncio.wait_for(episode, self.episode_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise asyncio.TimeoutError(f"episode ran past episode_timeout_s={self.episode_timeout_s}") \
+                            from None
                 finally:
                     self._running -= 1
 

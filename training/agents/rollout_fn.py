@@ -9,6 +9,10 @@ Each ``rollout_fn(row)`` builds a fresh agent and environment, runs one episode 
 ``TrajectoryEngine`` on the recipe's sampler and returns a ``RolloutRun`` (with the transcript
 in ``metadata``, written to ``rollouts.jsonl``), or a plain ``RolloutSample`` when
 ``as_run=False`` and the episode has one segment. An episode that generated nothing returns None.
+
+Before the first rollout the template check runs on the policy's tokenizer
+(``training/utils/template_check.py``, with ``chat_template_kwargs``): ``template_check="warn"``
+logs a template that drifts or cannot render a tool conversation, ``"error"`` raises, ``"off"`` skips.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
 from training.agents.trajectory import TrajectoryEngine
 from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
+from training.utils.template_check import CHECK_MODES, run_template_check
 
 AgentFactory = Callable[[dict], ConversationAgent]
 EnvFactory = Callable[[dict], Environment]
@@ -36,11 +41,15 @@ def engine_for_setup(setup: RolloutSetup, *, max_total_tokens: Optional[int] = N
 
 def make_agent_rollout_fn(agent_factory: AgentFactory, env_factory: EnvFactory, *,
                           max_total_tokens: Optional[int] = None, sampling: Optional[dict[str, Any]] = None,
-                          chat_template_kwargs: Optional[dict] = None,
-                          as_run: bool = True) -> Callable[[RolloutSetup], RolloutFn]:
+                          chat_template_kwargs: Optional[dict] = None, as_run: bool = True,
+                          template_check: str = "warn") -> Callable[[RolloutSetup], RolloutFn]:
     """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``."""
+    if template_check not in CHECK_MODES:
+        raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
 
     def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
+        run_template_check(setup.tokenizer, template_check, where="make_agent_rollout_fn",
+                           **(chat_template_kwargs or {}))
         engine = engine_for_setup(setup, max_total_tokens=max_total_tokens, sampling=sampling,
                                   chat_template_kwargs=chat_template_kwargs)
 

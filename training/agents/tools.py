@@ -22,6 +22,8 @@ import asyncio
 import inspect
 import json
 import time
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -90,7 +92,7 @@ class Tool:
             return f"unexpected argument(s): {', '.join(extra)}; expected: {', '.join(props) or 'none'}"
         for key, value in arguments.items():
             want = (props.get(key) or {}).get("type")
-            if want is None:
+            if want is None or (value is None and (props.get(key) or {}).get("nullable")):
                 continue
             names = [want] if isinstance(want, str) else list(want)
             types = tuple(t for n in names for t in _JSON_TYPES.get(n, (object,)))
@@ -100,15 +102,86 @@ class Tool:
         return None
 
 
+_PY_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+                             tuple: "array", dict: "object", type(None): "null"}
+
+
+def _type_schema(hint: Any) -> dict[str, Any]:
+    """JSON schema of one type hint (basic types, lists, dicts, Optional / Union, Literal); {} when unknown."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _PY_TYPES:
+        return {"type": _PY_TYPES[hint]}
+    if origin is typing.Literal:
+        kinds = sorted({_PY_TYPES.get(type(a), "string") for a in args})
+        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_schema(a) for a in args if a is not type(None)]
+        out = parts[0] if len(parts) == 1 else {"anyOf": parts}
+        return {**out, "nullable": True} if type(None) in args else out
+    if origin in (list, tuple, set):
+        return {"type": "array", **({"items": _type_schema(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    return {}
+
+
+def function_schema(fn: Callable[..., Any]) -> tuple[str, dict[str, Any]]:
+    """(description, parameters) of ``fn`` from its signature and Google-style docstring.
+
+    transformers' ``get_json_schema`` when it accepts the function (every argument typed and
+    described under ``Args:``); otherwise the same read done leniently: types from the hints
+    (an untyped argument accepts anything), descriptions where the docstring has them,
+    ``required`` = the arguments without a default. ``**kwargs`` leaves the object open
+    (``additionalProperties: true``).
+    """
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import parse_google_format_docstring
+
+    open_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    try:
+        schema = get_json_schema(fn)["function"]
+        parameters = dict(schema["parameters"], **({"additionalProperties": True} if open_kwargs else {}))
+        return schema.get("description", ""), parameters
+    except Exception:  # noqa: BLE001 - missing docstring / argument docs / hints: read what is there
+        pass
+    summary, arg_docs, _ = parse_google_format_docstring(inspect.getdoc(fn) or "")
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: treat as untyped
+        hints = {}
+    properties, required = {}, []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        prop = _type_schema(hints[name]) if name in hints else {}
+        if (arg_docs or {}).get(name):
+            prop["description"] = arg_docs[name]
+        properties[name] = prop
+        if param.default is param.empty:
+            required.append(name)
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    if open_kwargs:
+        parameters["additionalProperties"] = True
+    return (summary or "").strip(), parameters
+
+
 class FunctionTool(Tool):
-    """A tool made from a plain function (sync or ``async def``)."""
+    """A tool made from a plain function (sync or ``async def``).
+
+    Its schema comes from the function (``function_schema``): the docstring's summary is the
+    description, the signature's type hints and the docstring's ``Args:`` give each argument's
+    type and description. ``description`` / ``parameters`` override them.
+    """
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  parameters: Optional[dict] = None, timeout_s: Optional[float] = None):
         self.fn = fn
         self.name = name or fn.__name__
-        self.description = description if description is not None else (inspect.getdoc(fn) or "")
-        self.parameters = parameters or {"type": "object", "properties": {}}
+        doc_description, doc_parameters = function_schema(fn)
+        self.description = description if description is not None else doc_description
+        self.parameters = parameters or doc_parameters
         self.timeout_s = timeout_s
 
     def apply(self, **kwargs: Any) -> Any:

@@ -210,8 +210,13 @@ class TrajectoryEngine:
                 status_counts[status] = status_counts.get(status, 0) + 1
             if t["parse_errors"]:
                 status_counts["unparsable"] = status_counts.get("unparsable", 0) + t["parse_errors"]
-        metadata = {"return": total, "tool_status_counts": status_counts, "final_reward": final_reward, "finish_reason": finish_reason,
-                    "num_turns": len(turns), "wall_s": round(time.perf_counter() - t_start, 4), "turns": turns,
+        compactions = sum(1 for s in closed if s.reason == "compaction")
+        metadata = {"return": total, "tool_status_counts": status_counts, "final_reward": final_reward,
+                    "finish_reason": finish_reason, "truncated": finish_reason == "length",
+                    "num_turns": len(turns), "num_calls": len(turns),
+                    "labels": {"NEW": min(1, len(turns)), "APPEND": max(0, len(turns) - 1 - compactions),
+                               "WIPE": compactions},
+                    "drift": 0, "wall_s": round(time.perf_counter() - t_start, 4), "turns": turns,
                     "segments": [{"start_turn": s.start_turn, "reason": s.reason, "tokens": len(s.tokens),
                                   "generated": s.num_generated} for s in closed],
                     "messages": agent.messages}

@@ -12,13 +12,13 @@ can always be sampled. Responses are built in ``responses.py`` (whole) and ``str
 from __future__ import annotations
 
 import json
-
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from training.deployment.engine.config import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
 from training.deployment.fields import refusal
+from training.utils.chat_messages import ChatMessageError, prepare_for_template
 
 MAX_N = 256
 MAX_PROMPTS = 256
@@ -308,30 +308,6 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
 
 # ---------------------------------------------------------------- /v1/chat/completions
 
-def _normalise_message(i: int, m: Any) -> dict:
-    if not isinstance(m, dict):
-        raise RequestError(f"'messages'[{i}] must be an object", "messages")
-    role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise RequestError(f"'messages'[{i}].role={role!r} is not one of system, developer, user, assistant, tool",
-                           "messages")
-    out = dict(m)
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: keep the text parts
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"'messages'[{i}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        out["content"] = "".join(texts)
-    elif content is None:
-        if role != "assistant":
-            raise RequestError(f"'messages'[{i}].content is required for role {role!r}", "messages")
-    elif not isinstance(content, str):
-        raise RequestError(f"'messages'[{i}].content must be a string or a list of text parts", "messages")
-    return out
-
-
 def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
     """Whether tool calls are parsed: ``auto`` (default) and ``none`` are honoured; forcing a call is refused."""
     choice = body.get("tool_choice")
@@ -353,7 +329,10 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    messages = [_normalise_message(i, m) for i, m in enumerate(messages)]
+    try:  # OpenAI-SDK histories (content None, arguments as JSON strings...) in the form templates render
+        messages = prepare_for_template(messages, engine.tokenizer)
+    except ChatMessageError as e:
+        raise RequestError(f"'{e.path}': {e.detail}", "messages") from e
     max_chars = MAX_CHARS_PER_TOKEN * engine.max_model_len
     chars = len(json.dumps(messages, ensure_ascii=False))
     if chars > max_chars:

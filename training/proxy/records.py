@@ -2,15 +2,16 @@
 
 A session is one episode of one agent (named by the ``x-multi-turn-session-id`` header or
 the ``/sessions/{id}/v1`` URL prefix). Calls are appended in the order their responses
-arrive; each gets a ``TurnLabel`` (NEW / APPEND / WIPE and why) from ``turn_matching.classify``
-(``training/utils/rl/rollout/turn_matching.py``)
-against the last call of the same agent's active chain. Chains are numbered per session:
+arrive; each gets a ``TurnLabel`` (NEW / APPEND / WIPE and why) from ``turn_matching.match``
+(``training/utils/rl/rollout/turn_matching.py``) against every earlier call of the same agent.
+Chains are numbered per session:
 a NEW or WIPE call starts chain ``k + 1``, an APPEND stays on its chain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -45,6 +46,8 @@ class CallRecord:
     max_tokens_clamped: bool = False
     """True when the agent's ``max_tokens`` did not fit the context and was dropped (over-length policy)."""
     label: Optional[TurnLabel] = None
+    posted_rewards: list[float] = field(default_factory=list)
+    """Rewards the agent posted for this call (``POST /sessions/{id}/reward``); per-call credit adds them."""
 
     @property
     def full_ids(self) -> list[int]:
@@ -57,10 +60,12 @@ class CallRecord:
                 "label": self.label.kind if self.label else None, "reason": self.label.reason if self.label else None,
                 "chain": self.label.chain if self.label else None,
                 "token_prefix": self.label.token_prefix if self.label else None,
+                "parent": self.label.parent if self.label else None,
+                "token_drift": self.label.token_drift if self.label else False,
                 "prompt_tokens": len(self.prompt_ids), "output_tokens": len(self.output_ids),
                 "finish_reason": self.finish_reason, "weight_version": self.weight_version,
                 "upstream": self.upstream, "cached_tokens": self.cached_tokens,
-                "max_tokens_clamped": self.max_tokens_clamped}
+                "max_tokens_clamped": self.max_tokens_clamped, "posted_rewards": list(self.posted_rewards)}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,8 +82,8 @@ class SessionRecord:
     closed: bool = False
     """A closed session refuses further calls (410): its rollout is over."""
     next_chain: int = 0
-    active_call: dict[str, int] = field(default_factory=dict)
-    """Agent name → index of the last call of its active chain."""
+    chain_tail: dict[int, int] = field(default_factory=dict)
+    """Chain number → index of its last call (an APPEND to it continues the chain)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def calls_of(self, agents: Optional[set[str]] = None) -> list[CallRecord]:
@@ -88,3 +93,36 @@ class SessionRecord:
     def labels(self) -> list[tuple[str, str]]:
         """``(kind, reason)`` of every call, in order (handy in tests and logs)."""
         return [(c.label.kind, c.label.reason) for c in self.calls if c.label is not None]
+
+
+def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: str, clamped: bool) -> CallRecord:
+    """The ``CallRecord`` of one upstream reply (chat or completions, non-streamed shape) to request ``body``.
+
+    Raises ``KeyError`` / ``TypeError`` / ``ValueError`` when the reply lacks token-level detail
+    (no ``token_ids``, no ``prompt_token_ids``, logprobs not parallel to the output ids).
+    """
+    choice = reply["choices"][0]
+    prompt_ids = choice.get("prompt_token_ids") or reply["prompt_token_ids"]
+    output_ids = list(choice["token_ids"])
+    if endpoint == "chat":
+        logprobs = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
+        msg = choice["message"]
+        response_message = {"role": "assistant", "content": msg.get("content")}
+        for key in ("tool_calls", "reasoning_content"):
+            if msg.get(key):
+                response_message[key] = msg[key]
+    else:
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        response_message = None
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
+    usage = reply.get("usage") or {}
+    return CallRecord(index=-1, endpoint=endpoint, agent=agent, prompt_ids=list(prompt_ids),
+                      output_ids=output_ids, output_logprobs=logprobs,
+                      finish_reason=str(choice.get("finish_reason")),
+                      weight_version=int(choice.get("weight_version", reply.get("weight_version", -1))),
+                      upstream=url, messages=copy.deepcopy(body.get("messages")) if endpoint == "chat" else None,
+                      tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
+                      response_message=response_message,
+                      cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                      max_tokens_clamped=clamped)

@@ -29,21 +29,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from training.proxy.records import SessionRecord
+from training.proxy.records import APPEND, NEW, WIPE, SessionRecord
 from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer
 from training.proxy.stitching import DRIFT_POLICIES, stitch_calls
-from training.proxy.transitions import CreditFn, build_transitions
+from training.proxy.transitions import CreditFn, build_transitions, credit_parts, tool_status_counts
 from training.utils.rl.rollout import RolloutRun, RolloutSetup
+from training.utils.template_check import run_template_check
 
 MODES = ("stitch", "transitions")
 
 
 class AgentFailedError(RuntimeError):
-    """The agent function raised: this completion fails (the recipe counts it)."""
+    """The agent function raised, or made no call: this completion fails (the recipe counts it)."""
+
+    failure_cause = "agent"
+    """How ``training.utils.rl.groups`` counts it: ``rollout/failed/agent``."""
+
+    def __init__(self, message: str, cause: str = "agent"):
+        super().__init__(message)
+        self.failure_cause = cause
 
 
 class UpstreamFailedError(RuntimeError):
     """A call of the episode failed upstream after its retries: this completion fails."""
+
+    failure_cause = "upstream"
 
 
 @dataclass
@@ -59,6 +69,11 @@ class AgentEndpoint:
     headers: dict[str, str] = field(default_factory=dict)
     """Optional: the session header, for clients that prefer ``proxy_base_url`` + header."""
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The session URL for the ``anthropic`` SDK, which appends ``/v1/messages`` itself."""
+        return self.base_url[:-len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+
 
 class ProxyRolloutFn:
     """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy."""
@@ -66,7 +81,8 @@ class ProxyRolloutFn:
     def __init__(self, setup: RolloutSetup, agent_fn: Callable, reward_fn: Callable, *, mode: str,
                  credit_fn: Optional[CreditFn], agents: Optional[set[str]], strategy: str, on_drift: str,
                  upstream_urls: Optional[list[str]], max_seq_len: Optional[int], model_name: str,
-                 agent_threads: int, proxy_kwargs: dict[str, Any]):
+                 agent_threads: int, proxy_kwargs: dict[str, Any], template_check: str = "warn",
+                 chat_template_kwargs: Optional[dict] = None):
         self.agent_fn, self.reward_fn = agent_fn, reward_fn
         self.mode, self.credit_fn, self.agents, self.on_drift = mode, credit_fn, agents, on_drift
         self.max_seq_len = max_seq_len if max_seq_len is not None else setup.max_seq_len
@@ -85,6 +101,9 @@ class ProxyRolloutFn:
         self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
         self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
         setup.weight_sync_hooks.append((self.before_weight_sync, self.after_weight_sync))
+        self.template_checks = run_template_check(setup.tokenizer, template_check, where="make_proxy_rollout_fn",
+                                                  **(chat_template_kwargs or {}))
+        """The template check's result for the policy's tokenizer (before the first rollout)."""
 
     async def before_weight_sync(self) -> None:
         """Hold new agent calls and wait for in-flight ones, so no call straddles two weight versions."""
@@ -143,7 +162,8 @@ class ProxyRolloutFn:
             session = proxy.close_session(sid)
             if session.upstream_errors:
                 raise UpstreamFailedError(session.upstream_errors[-1]) from e
-            raise AgentFailedError(f"agent raised {type(e).__name__}: {e}") from e
+            raise AgentFailedError(f"agent raised {type(e).__name__}: {e}",
+                                   cause=f"agent_{type(e).__name__}") from e
         except BaseException:  # cancelled (rollout timeout): later calls of a straggling agent get 410
             proxy.close_session(sid)
             raise
@@ -151,29 +171,50 @@ class ProxyRolloutFn:
         return await self.episode_result(row, result, session)
 
     async def episode_result(self, row: dict, result: Any, session: SessionRecord) -> Optional[RolloutRun]:
-        """Score a finished session and turn it into a ``RolloutRun`` (None when nothing is trainable)."""
+        """Score a finished session and turn it into a ``RolloutRun`` (None when nothing is trainable).
+
+        Stitch mode: the run's reward is R + sum of the calls' per-call rewards. Transitions: the
+        run's reward is R (the group statistics) and each sample's is g·R + i, with
+        ``return_weights`` g (``transitions.credit_parts``; formula in ``utils/rl/advantages.py``).
+        """
         if session.upstream_errors:
             raise UpstreamFailedError(f"{len(session.upstream_errors)} upstream failure(s): "
                                       f"{session.upstream_errors[-1]}")
         if not session.calls:
-            raise AgentFailedError("the agent made no model call through the proxy: does it use the given base_url?")
+            raise AgentFailedError("the agent made no model call through the proxy: does it use the given base_url?",
+                                   cause="agent_no_call")
         reward = await self._reward(row, result, session)
         calls = session.calls_of(self.agents)
-        meta: dict[str, Any] = {"mode": self.mode, "session_id": session.session_id,
-                                "calls": [c.summary() for c in session.calls],
-                                "weight_versions": sorted({c.weight_version for c in calls})}
+        meta = self.episode_metadata(session, calls, reward)
         if self.mode == "stitch":
-            res = stitch_calls(calls, reward=reward, on_drift=self.on_drift, max_seq_len=self.max_seq_len)
-            samples = res.samples
-            meta.update(segment_calls=res.segment_calls, drift=res.drift_events, dropped_segments=res.dropped_segments)
-        else:
-            res = build_transitions(calls, reward, self.credit_fn, max_seq_len=self.max_seq_len)
-            samples = res.samples
-            meta.update(sample_calls=res.calls, credited_rewards=res.rewards, sample_weights=res.weights)
-        if not samples:
+            _, intermediate = credit_parts(self.credit_fn, calls, reward)
+            run_reward = reward + sum(intermediate)
+            res = stitch_calls(calls, reward=run_reward, on_drift=self.on_drift, max_seq_len=self.max_seq_len)
+            meta.update(segment_calls=res.segment_calls, drift_events=res.drift_events,
+                        dropped_segments=res.dropped_segments, intermediate_rewards=intermediate,
+                        run_reward=run_reward)
+            if not res.samples:
+                return None
+            return RolloutRun(segments=res.samples, reward=run_reward, metadata=meta)
+        res = build_transitions(calls, reward, self.credit_fn, max_seq_len=self.max_seq_len)
+        meta.update(sample_calls=res.calls, credited_rewards=res.rewards, sample_weights=res.weights,
+                    return_weights=res.return_weights, intermediate_rewards=res.intermediate, run_reward=reward)
+        if not res.samples:
             return None
-        # transitions keep each call's credited reward; the run's reward sets the group statistics
-        return RolloutRun(segments=samples, reward=reward, metadata=meta, segment_rewards=self.mode == "transitions")
+        return RolloutRun(segments=res.samples, reward=reward, metadata=meta, segment_rewards=True,
+                          return_weights=res.return_weights)
+
+    def episode_metadata(self, session: SessionRecord, calls: list, reward: float) -> dict[str, Any]:
+        """The run's facts (shape documented in ``training/utils/rl/run_metrics.py``)."""
+        labels = {kind: 0 for kind in (NEW, APPEND, WIPE)}
+        for c in calls:
+            labels[c.label.kind] += 1
+        return {"mode": self.mode, "session_id": session.session_id, "return": reward,
+                "calls": [c.summary() for c in session.calls], "num_calls": len(calls), "labels": labels,
+                "drift": sum(1 for c in calls if c.label.token_drift),
+                "tool_status_counts": tool_status_counts(calls),
+                "truncated": any(c.finish_reason == "length" or c.max_tokens_clamped for c in calls),
+                "weight_versions": sorted({c.weight_version for c in calls})}
 
 
 def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, reward_fn: Callable[..., Any],
@@ -181,29 +222,35 @@ def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, rew
                           agents: Optional[list[str]] = None, strategy: str = "messages", on_drift: str = "split",
                           upstream_urls: Optional[list[str]] = None, max_seq_len: Optional[int] = None,
                           model_name: str = "policy", agent_threads: int = 64,
-                          proxy_kwargs: Optional[dict[str, Any]] = None) -> Callable[[RolloutSetup], ProxyRolloutFn]:
+                          proxy_kwargs: Optional[dict[str, Any]] = None, template_check: str = "warn",
+                          chat_template_kwargs: Optional[dict] = None) -> Callable[[RolloutSetup], ProxyRolloutFn]:
     """Build ``make_rollout_fn(setup)`` for ``main(...)`` around an unmodified agent.
 
     ``agents``: train only the calls of these agent names (``x-agent-name`` header or the
     request's ``user`` field); None trains every call. ``strategy``: ``messages`` or ``tokens``
     turn matching. ``on_drift``: ``split`` or ``mask`` (stitch mode). ``upstream_urls``: replicas
-    (default: the recipe's deployment). ``credit_fn``: transitions mode only.
+    (default: the recipe's deployment). ``credit_fn``: per-call credit (transitions: each call's
+    reward; stitch: only its per-call rewards count, summed into the run's reward).
+    ``template_check``: ``warn`` / ``error`` / ``off``, run on the policy's tokenizer when the
+    recipe builds the rollout function (``training/utils/template_check.py``), with
+    ``chat_template_kwargs``.
     """
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
     if on_drift not in DRIFT_POLICIES:
         raise ValueError(f"on_drift: {on_drift!r} is not one of {DRIFT_POLICIES}")
-    if credit_fn is not None and mode != "transitions":
-        raise ValueError("credit_fn: only used with mode='transitions'")
     if not callable(agent_fn) or not callable(reward_fn):
         raise TypeError("agent_fn and reward_fn must be callables")
     wanted = set(agents) if agents is not None else None
+    if template_check not in ("warn", "error", "off"):
+        raise ValueError(f"template_check: {template_check!r} is not one of ('warn', 'error', 'off')")
 
     def make_rollout_fn(setup: RolloutSetup) -> ProxyRolloutFn:
         return ProxyRolloutFn(setup, agent_fn, reward_fn, mode=mode, credit_fn=credit_fn, agents=wanted,
                               strategy=strategy, on_drift=on_drift, upstream_urls=upstream_urls,
                               max_seq_len=max_seq_len, model_name=model_name, agent_threads=agent_threads,
-                              proxy_kwargs=dict(proxy_kwargs or {}))
+                              proxy_kwargs=dict(proxy_kwargs or {}), template_check=template_check,
+                              chat_template_kwargs=chat_template_kwargs)
     return make_rollout_fn
 
 

@@ -6,34 +6,47 @@
         session = proxy.close_session("ep-1") # CallRecords with exact token ids and labels
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from the
-``x-multi-turn-session-id`` header, else ``x-session-affinity``, else the body's ``user`` field)
-and the same under ``/sessions/{id}/v1/...`` for clients that cannot set headers;
-``GET [/sessions/{id}]/v1/models``; ``GET /health``;
+``x-multi-turn-session-id`` header, else ``x-session-affinity``, else the body's ``user`` field),
+``POST /v1/messages`` (Anthropic Messages API, see ``anthropic.py``) and the same under
+``/sessions/{id}/v1/...`` for clients that cannot set headers; ``POST /v1/responses`` answers 404
+naming the routes to use (the Responses API is not served); ``GET [/sessions/{id}]/v1/models``;
+``GET /health``;
 ``POST /proxy/pause`` (block new calls, wait for in-flight ones), ``POST /proxy/resume``;
-``GET /sessions/{id}/calls`` (recorded calls and labels, for logs).
+``GET /sessions/{id}/calls`` (recorded calls and labels, for logs); ``POST /sessions/{id}/reward``
+(or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
+reward the agent posts itself to call k (default its latest call; see ``transitions.py``).
 
 Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
 chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
 parsed, the token fields and logprobs removed unless it asked for them, its own ``model``
-name echoed); the proxy records prompt ids, output ids, logprobs, finish reason, weight
-version, messages and tools, and labels the call (``turn_matching.assign``). Failure policy:
-upstream 5xx / unreachable → retried with backoff, then 502 to the agent and the session
-is marked failed; upstream 4xx → passed through unrecorded; an agent ``max_tokens`` that
-does not fit the context → dropped and the call retried once (generation then stops at the
-context end with ``finish_reason="length"``).
+name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records prompt ids,
+output ids, logprobs, finish reason, weight version, messages and tools, and labels the call
+(``turn_matching.assign``). Failure policy: upstream 5xx / unreachable → retried with backoff,
+then 502 to the agent and the session is marked failed; upstream 4xx → passed through
+unrecorded; an agent ``max_tokens`` that does not fit the context → dropped and the call
+retried once (generation then stops at the context end with ``finish_reason="length"``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
+import hmac
+import json
 import logging
+import math
 import secrets
 from typing import Any, Optional
 
+import aiohttp
 from aiohttp import web
 
-from training.proxy.records import CallRecord, SessionRecord
+from training.proxy import anthropic
+from training.proxy.records import CallRecord, SessionRecord, record_from_reply
+from training.proxy.streaming import (
+    DONE, StreamAccumulator, chat_chunks, client_body, client_chunk, completion_chunks, iter_sse, sse_event,
+    wanted_fields,
+)
 from training.proxy.upstream import UpstreamError, UpstreamPool
 from training.utils.http import SESSION_HEADER, bearer_ok, parse_json_body, session_headers, session_id_of
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
@@ -42,19 +55,15 @@ logger = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-name"
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+UPSTREAM_STREAM_MODES = ("auto", "on", "off")
+
+
+def _error_body(message: str, err_type: str = "invalid_request_error", param: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
 
 
 def _error(status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None):
-    return web.json_response({"error": {"message": message, "type": err_type, "param": param, "code": None}},
-                             status=status)
-
-
-async def _json_or_none(request: web.Request) -> Any:
-    """The request's JSON body, or None when it is not JSON (the caller reports that; aiohttp keeps the body)."""
-    try:
-        return parse_json_body(await request.read())
-    except ValueError:
-        return None
+    return web.json_response(_error_body(message, err_type, param), status=status)
 
 
 class ProxyServer:
@@ -64,15 +73,19 @@ class ProxyServer:
                  host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = "auto",
                  strategy: str = "messages", forced_params: Optional[dict[str, Any]] = None,
                  default_max_tokens: Optional[int] = None, max_retries: int = 3, backoff_s: float = 0.5,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, upstream_stream: str = "auto"):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
         ``forced_params`` overwrite the agent's sampling fields (the recipe forces its
         ``temperature`` so sampler logprobs match the trainer's); ``default_max_tokens`` caps
-        a call whose agent sets no ``max_tokens``.
+        a call whose agent sets no ``max_tokens``. ``upstream_stream``: for ``stream: true``
+        calls, ``auto`` relays the upstream's stream until an upstream refuses ``stream`` (then
+        synthesises the stream from a full reply), ``on`` always relays, ``off`` always synthesises.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: {strategy!r} is not one of {STRATEGIES}")
+        if upstream_stream not in UPSTREAM_STREAM_MODES:
+            raise ValueError(f"upstream_stream: {upstream_stream!r} is not one of {UPSTREAM_STREAM_MODES}")
         self.pool = UpstreamPool(upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s,
                                  max_retries=max_retries, backoff_s=backoff_s)
         self.host, self.port = host, port
@@ -80,6 +93,9 @@ class ProxyServer:
         self.strategy = strategy
         self.forced_params = dict(forced_params or {})
         self.default_max_tokens = default_max_tokens
+        self.upstream_stream = upstream_stream
+        self._stream_refused: set[str] = set()
+        """Upstream base URLs that answered ``stream`` with a 400 (their streams are synthesised)."""
         self.sessions: dict[str, SessionRecord] = {}
         self.closed_ids: set[str] = set()
         self.in_flight = 0
@@ -95,11 +111,15 @@ class ProxyServer:
         for prefix in ("", "/sessions/{sid}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_post(prefix + "/v1/messages", self._messages)
+            app.router.add_post(prefix + "/v1/responses", self._responses)
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_post("/proxy/pause", self._pause_route)
         app.router.add_post("/proxy/resume", self._resume_route)
         app.router.add_get("/sessions/{sid}/calls", self._calls_route)
+        app.router.add_post("/sessions/{sid}/reward", self._reward_route)
+        app.router.add_post("/proxy/reward", self._reward_route)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -162,7 +182,10 @@ class ProxyServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
-            if not bearer_ok(request.headers.get("Authorization"), self.api_key):
+            # The OpenAI SDK sends Authorization: Bearer; the Anthropic SDK sends x-api-key.
+            ok = bearer_ok(request.headers.get("Authorization"), self.api_key) or \
+                hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.api_key.encode())
+            if not ok:
                 return _error(401, "missing or wrong API key for the proxy", "authentication_error")
         return await handler(request)
 
@@ -184,6 +207,28 @@ class ProxyServer:
             return _error(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
         return web.json_response({"session_id": rec.session_id, "calls": [c.summary() for c in rec.calls]})
 
+    async def _reward_route(self, request: web.Request) -> web.Response:
+        """``{"reward": x, "call": k}``: the agent credits call k (default: its latest) with x."""
+        body, err = await self._read_body(request)
+        if err is not None:
+            return err
+        session, err = self._session_of(request, body)
+        if err is not None:
+            return err
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return _error(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
+        agent = request.headers.get(AGENT_HEADER)
+        mine = [c.index for c in session.calls if agent is None or c.agent == agent]
+        index = body.get("call", mine[-1] if mine else None)
+        if index is None:
+            return _error(400, "no call to reward yet: post a reward after the call it is for", param="call")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(session.calls):
+            return _error(400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})",
+                          param="call")
+        session.calls[index].posted_rewards.append(float(reward))
+        return web.json_response({"call": index, "posted_rewards": session.calls[index].posted_rewards})
+
     async def _models(self, request: web.Request) -> web.Response:
         try:
             reply = await self.pool.request("GET", self.pool.base_urls[0], "/v1/models")
@@ -191,13 +236,18 @@ class ProxyServer:
             return _error(502, str(e), "upstream_error")
         return web.json_response(reply.body, status=reply.status)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
 
-    def _session_of(self, request: web.Request, body: Any) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
+    async def _responses(self, request: web.Request) -> web.Response:
+        return _error(404, "the training proxy does not serve the Responses API (/v1/responses); call "
+                           "/v1/chat/completions (client.chat.completions.create) or /v1/messages", "not_found_error")
+
+    def _session_of(self, request: web.Request,
+                    body: Any = None) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
         sid = request.match_info.get("sid") or session_id_of(request.headers, body)
         if not sid:
             return None, _error(400, f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
@@ -206,33 +256,80 @@ class ProxyServer:
             return None, _error(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
         return self.sessions.setdefault(sid, SessionRecord(sid)), None
 
-    async def _generate(self, request: web.Request, endpoint: str) -> web.Response:
-        session, err = self._session_of(request, await _json_or_none(request))
-        if err is not None:
-            return err
+    async def _read_body(self, request: web.Request) -> tuple[Optional[dict], Optional[web.Response]]:
         try:
             body = parse_json_body(await request.read())
         except ValueError as e:
-            return _error(400, str(e))
+            return None, _error(400, str(e))
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        if body.get("stream"):
-            return _error(400, "'stream' is not supported by the training proxy; call without streaming", "stream")
-        if (body.get("n") or 1) != 1:
-            return _error(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
+            return None, _error(400, "the request body must be a JSON object")
+        return body, None
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self):
+        """One call in flight: waits while paused, counted until it is answered (streams included)."""
         await self._admit.wait()
         self.in_flight += 1
         self._idle.clear()
         try:
-            return await self._forward(request, session, endpoint, body)
+            yield
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        body, err = await self._read_body(request)
+        if err is not None:
+            return err
+        session, err = self._session_of(request, body)
+        if err is not None:
+            return err
+        if (body.get("n") or 1) != 1:
+            return _error(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
+        async with self._admitted():
+            if body.get("stream"):
+                return await self._stream(request, session, endpoint, body)
+            out = await self._exchange(request, session, endpoint, body)
+            if isinstance(out, web.Response):
+                return out
+            reply, record = out
+            return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic Messages API: translated to a chat call, recorded as one (see ``anthropic.py``)."""
+        body, err = await self._read_body(request)
+        if err is not None:
+            return err
+        session, err = self._session_of(request, body)
+        if err is not None:
+            return err
+        try:
+            chat = anthropic.to_chat_request(body)
+        except anthropic.AnthropicRequestError as e:
+            return web.json_response(anthropic.error_body(str(e)), status=400)
+        async with self._admitted():
+            out = await self._exchange(request, session, "chat", chat)
+        if isinstance(out, web.Response):  # the same error in Anthropic's envelope
+            err_body = json.loads(out.body) if out.body else {}
+            message = (err_body.get("error") or {}).get("message", "upstream error")
+            kind = "invalid_request_error" if out.status < 500 else "api_error"
+            return web.json_response(anthropic.error_body(message, kind), status=out.status)
+        reply, record = out
+        message = anthropic.from_chat_response(reply, body.get("model"))
+        if not chat["stream"]:
+            return web.json_response(message, headers=self._label_headers(record))
+        resp = await self._open_sse(request)
+        for event, data in anthropic.stream_events(message):
+            await resp.write(sse_event(data, event))
+        await resp.write_eof()
+        return resp
+
     def _upstream_body(self, body: dict, endpoint: str) -> dict:
         fwd = dict(body)
         fwd.pop("model", None)  # the upstream serves one policy; the agent's model name is echoed back
+        fwd.pop("stream", None)
+        fwd.pop("stream_options", None)
         fwd["return_token_ids"] = True
         if endpoint == "chat":
             fwd["logprobs"] = True
@@ -243,8 +340,14 @@ class ProxyServer:
             fwd["max_tokens"] = self.default_max_tokens
         return fwd
 
-    async def _forward(self, request: web.Request, session: SessionRecord, endpoint: str,
-                       body: dict) -> web.Response:
+    @staticmethod
+    def _label_headers(record: CallRecord) -> dict[str, str]:
+        return {"x-proxy-call-label": record.label.kind, "x-proxy-call-index": str(record.index)}
+
+    async def _exchange(self, request: web.Request, session: SessionRecord, endpoint: str,
+                        body: dict) -> "tuple[dict, CallRecord] | web.Response":
+        """Forward one call without streaming, record and label it: (upstream reply, record), or the
+        error response for the agent."""
         sid = session.session_id
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         url = self.pool.pick(sid)
@@ -263,62 +366,103 @@ class ProxyServer:
             return _error(502, f"upstream failed: {e}", "upstream_error")
         if reply.status != 200:
             return web.json_response(reply.body, status=reply.status)
+        record = await self._commit(session, reply.body, endpoint, body, request, url, clamped)
+        if record is None:
+            return _error(502, session.upstream_errors[-1], "upstream_error")
+        return reply.body, record
+
+    async def _commit(self, session: SessionRecord, reply: dict, endpoint: str, body: dict, request: web.Request,
+                      url: str, clamped: bool) -> Optional[CallRecord]:
+        """Record and label one upstream reply; None (and the session's upstream error noted) when it
+        lacks token-level detail."""
         try:
-            record = self._record(reply.body, endpoint, body, request, url, clamped)
+            agent = request.headers.get(AGENT_HEADER) or body.get("user") or "default"
+            record = record_from_reply(reply, endpoint, body, str(agent), url, clamped)
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            msg = f"upstream response lacks token-level detail ({type(e).__name__}: {e})"
-            session.upstream_errors.append(msg)
-            return _error(502, msg, "upstream_error")
+            session.upstream_errors.append(f"upstream response lacks token-level detail ({type(e).__name__}: {e})")
+            return None
         async with session.lock:
-            label = assign(session, record, self.strategy)
-        headers = {"x-proxy-call-label": label.kind, "x-proxy-call-index": str(record.index)}
-        return web.json_response(self._client_body(reply.body, body, endpoint), headers=headers)
+            assign(session, record, self.strategy)
+        return record
 
     @staticmethod
-    def _record(out: dict, endpoint: str, body: dict, request: web.Request, url: str, clamped: bool) -> CallRecord:
-        choice = out["choices"][0]
-        prompt_ids = choice.get("prompt_token_ids") or out["prompt_token_ids"]
-        output_ids = list(choice["token_ids"])
-        if endpoint == "chat":
-            logprobs = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
-            msg = choice["message"]
-            response_message = {"role": "assistant", "content": msg.get("content")}
-            if msg.get("tool_calls"):
-                response_message["tool_calls"] = msg["tool_calls"]
-        else:
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-            response_message = None
-        if len(logprobs) != len(output_ids):
-            raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
-        usage = out.get("usage") or {}
-        agent = request.headers.get(AGENT_HEADER) or body.get("user") or "default"
-        return CallRecord(index=-1, endpoint=endpoint, agent=str(agent), prompt_ids=list(prompt_ids),
-                          output_ids=output_ids, output_logprobs=logprobs,
-                          finish_reason=str(choice.get("finish_reason")),
-                          weight_version=int(choice.get("weight_version", out.get("weight_version", -1))),
-                          upstream=url, messages=copy.deepcopy(body.get("messages")) if endpoint == "chat" else None,
-                          tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
-                          response_message=response_message,
-                          cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                          max_tokens_clamped=clamped)
+    async def _open_sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
 
-    @staticmethod
-    def _client_body(out: dict, body: dict, endpoint: str) -> dict:
-        """The upstream response as the agent asked for it: token fields only on request."""
-        out = copy.deepcopy(out)
-        wants_ids = bool(body.get("return_token_ids"))
-        wants_logprobs = bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None
-        if not wants_ids:
-            out.pop("prompt_token_ids", None)
-        for choice in out.get("choices", []):
-            if not wants_ids:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
-            if not wants_logprobs:
-                choice["logprobs"] = None
-            msg = choice.get("message")
-            if isinstance(msg, dict) and not msg.get("tool_calls"):
-                msg.pop("tool_calls", None)
-        if isinstance(body.get("model"), str):
-            out["model"] = body["model"]
-        return out
+    async def _stream(self, request: web.Request, session: SessionRecord, endpoint: str,
+                      body: dict) -> web.StreamResponse:
+        """``stream: true``: relay the upstream's stream, or synthesise one from its full reply (``streaming.py``)."""
+        url = self.pool.pick(session.session_id)
+        if self.upstream_stream == "on" or (self.upstream_stream == "auto" and url not in self._stream_refused):
+            resp = await self._relay(request, session, endpoint, body, url)
+            if resp is not None:
+                return resp
+        out = await self._exchange(request, session, endpoint, body)
+        if isinstance(out, web.Response):
+            return out
+        reply, _ = out
+        client = client_body(reply, body, endpoint)
+        wants_usage = wanted_fields(body, endpoint).usage
+        chunks = chat_chunks(client, wants_usage) if endpoint == "chat" else completion_chunks(client, wants_usage)
+        resp = await self._open_sse(request)
+        for chunk in chunks:
+            await resp.write(sse_event(chunk))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _relay(self, request: web.Request, session: SessionRecord, endpoint: str, body: dict,
+                     url: str) -> Optional[web.StreamResponse]:
+        """Stream from the upstream to the agent chunk by chunk while accumulating the exact tokens.
+
+        None when the upstream refuses ``stream`` (a 400 naming it, ``upstream_stream="auto"``):
+        the caller synthesises the stream instead, for this call and every later one to that upstream.
+        """
+        sid = session.session_id
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        fwd = self._upstream_body(body, endpoint)
+        fwd.update(stream=True, stream_options={"include_usage": True})
+        wants = wanted_fields(body, endpoint)
+        clamped = False
+        acc = StreamAccumulator(endpoint)
+        resp: Optional[web.StreamResponse] = None
+        try:
+            for _ in range(2):
+                async with self.pool.stream(url, path, fwd, headers={SESSION_HEADER: sid}) as up:
+                    if up.status != 200:
+                        parsed = await up.json(content_type=None)
+                        param = (parsed.get("error") or {}).get("param") if isinstance(parsed, dict) else None
+                        if up.status == 400 and param == "stream" and self.upstream_stream == "auto":
+                            self._stream_refused.add(url)
+                            return None
+                        if up.status == 400 and param in _MAX_TOKEN_FIELDS and not clamped:
+                            for k in _MAX_TOKEN_FIELDS:
+                                fwd.pop(k, None)
+                            clamped = True
+                            continue
+                        return web.json_response(parsed, status=up.status)
+                    resp = await self._open_sse(request)
+                    async for chunk in iter_sse(up.content):
+                        acc.add(chunk)
+                        out = client_chunk(chunk, wants)
+                        if out is not None:
+                            await resp.write(sse_event(out))
+                    break
+        except UpstreamError as e:
+            session.upstream_errors.append(str(e))
+            return _error(502, f"upstream failed: {e}", "upstream_error")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # broke mid-stream
+            session.upstream_errors.append(f"upstream stream broke: {type(e).__name__}: {e}")
+            if resp is None:
+                return _error(502, session.upstream_errors[-1], "upstream_error")
+            await resp.write(sse_event(_error_body(session.upstream_errors[-1], "upstream_error")))
+            await resp.write_eof()
+            return resp
+        record = await self._commit(session, acc.reply(), endpoint, body, request, url, clamped)
+        if record is None:
+            await resp.write(sse_event(_error_body(session.upstream_errors[-1], "upstream_error")))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp

@@ -1,33 +1,50 @@
-"""Transitions: every call is its own sample (its prompt, mask 0, then its output, mask 1).
+"""Per-call credit, and transitions: every call is its own sample (its prompt, mask 0, then its output, mask 1).
 
-A credit function spreads the episode return over the calls:
-``credit_fn(calls, episode_return) -> list[float]`` (one reward per call, same order).
+A credit function spreads the episode return R over the calls:
+``credit_fn(calls, R) -> list[float]`` (one reward per call, same order). It must be affine in R:
+r_k(R) = g_k·R + i_k, where g_k is the share of the return credited to call k and i_k its
+per-call (intermediate) reward; ``credit_parts`` reads g_k = r_k(1) - r_k(0) and i_k = r_k(0)
+and checks r_k(R) against them. Rewards the agent posted for a call
+(``POST /sessions/{id}/reward``, ``CallRecord.posted_rewards``) add to i_k.
 
-- ``same_return`` (default): every call gets the return.
-- ``discounted(gamma)``: call k of K gets ``return * gamma**(K - 1 - k)``.
-- ``with_tool_status(base, failed_call=-0.1, unparsable_call=-0.1)``: ``base`` plus an
-  intermediate reward per call derived from tool status: ``failed_call`` for each of the
-  call's tool calls whose result (a later ``role: tool`` message with its ``tool_call_id``)
-  reports an error, ``unparsable_call`` when the output holds a ``<tool_call>`` block that the
-  server could not parse into ``tool_calls``.
+- ``same_return`` (default): g_k = 1, i_k = 0.
+- ``discounted(gamma)``: call k of K gets g_k = gamma**(K - 1 - k).
+- ``with_tool_status(base, failed_call=-0.1, unparsable_call=-0.1)``: ``base`` plus i_k from tool
+  status (AIR): ``failed_call`` for each of the call's tool calls whose result (a later
+  ``role: tool`` message with its ``tool_call_id``) reports an error, ``unparsable_call`` when
+  the output holds a ``<tool_call>`` block the server could not parse into ``tool_calls``.
+
+Tool status (``tool_result_status``) comes from the structure of the result first: a JSON
+object is an error when it has a non-empty ``error``, ``ok: false`` / ``success: false``,
+``is_error: true`` or a ``status`` of ``error`` / ``failed`` / ``timeout``, and is ``ok``
+otherwise (``{"error": null}`` is ok). Only plain text falls back to a pattern: it starts with
+``error`` / ``exception`` / ``traceback`` or an exception name (``ValueError: ...``).
+
+In transitions mode the group's advantage of call k is g_k·Â_episode + (i_k - mean i) (see
+``training/utils/rl/advantages.py``): the return's share is discounted with its baseline, and
+per-call rewards survive a group of equal returns. In stitch mode a segment trains several
+calls at once, so the per-call rewards are summed into the run's reward: R + sum_k i_k.
 
 Rollout-level normalisation: ``episode_weights(n)`` gives each of an episode's ``n`` samples
-the weight ``1 / n`` so that every episode counts once, however many calls it made. The
-weight is set on each ``RolloutSample.weight``, which scales that sample's loss.
+the weight ``1 / n`` (``RolloutSample.weight``); the PPO loop normalises the loss by the weighted
+token count, so an episode counts as much in transitions mode as its one stitched sample does.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from training.proxy.records import CallRecord
 from training.utils.rl.rollout import RolloutSample
 
 CreditFn = Callable[[list[CallRecord], float], list[float]]
-_ERROR_RE = re.compile(r"^\s*(error|exception|traceback)\b|\"error\"\s*:", re.IGNORECASE)
+OK, ERROR = "ok", "error"
+_ERROR_TEXT_RE = re.compile(r"^\s*((error|exception|traceback)\b|\w*(error|exception)\s*:)", re.IGNORECASE)
+_ERROR_STATUSES = {"error", "failed", "failure", "fail", "timeout", "timed_out"}
 
 
 def same_return(calls: list[CallRecord], episode_return: float) -> list[float]:
@@ -46,20 +63,68 @@ def discounted(gamma: float) -> CreditFn:
     return credit
 
 
+def _structured(content: Any) -> Any:
+    """The tool result as data: decoded JSON where it is JSON text, the text of content parts otherwise."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    if isinstance(content, str):
+        text = content.strip()
+        if text[:1] in ("{", "["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return content
+    return content
+
+
+def tool_result_status(content: Any) -> str:
+    """``error`` or ``ok`` for one tool result: from its JSON structure, else from its text (module docstring)."""
+    data = _structured(content)
+    if isinstance(data, dict):
+        if data.get("error") not in (None, False, "", [], {}):
+            return ERROR
+        if data.get("ok") is False or data.get("success") is False or data.get("is_error") is True:
+            return ERROR
+        status = data.get("status")
+        return ERROR if isinstance(status, str) and status.strip().lower() in _ERROR_STATUSES else OK
+    if isinstance(data, str):
+        return ERROR if _ERROR_TEXT_RE.match(data) else OK
+    return OK
+
+
 def tool_result_is_error(content: object) -> bool:
-    """A tool result reports an error: text starting with error/exception, or JSON with an ``error`` key."""
-    text = content if isinstance(content, str) else json.dumps(content, default=str)
-    return bool(_ERROR_RE.search(text or ""))
+    """``tool_result_status(content) == "error"``."""
+    return tool_result_status(content) == ERROR
+
+
+def _tool_results(all_calls: list[CallRecord]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for c in all_calls:
+        for m in c.messages or []:
+            if m.get("role") == "tool" and m.get("tool_call_id"):
+                results[m["tool_call_id"]] = m.get("content")
+    return results
+
+
+def tool_status_counts(calls: list[CallRecord]) -> dict[str, int]:
+    """How the episode's tool calls went: ``ok`` / ``error`` per call whose result came back, ``no_result``
+    for a call the agent never answered, ``unparsable`` per output with an unparsed ``<tool_call>`` block."""
+    results = _tool_results(calls)
+    counts: dict[str, int] = {}
+    for c in calls:
+        msg = c.response_message or {}
+        for tc in msg.get("tool_calls") or []:
+            status = tool_result_status(results[tc["id"]]) if tc.get("id") in results else "no_result"
+            counts[status] = counts.get(status, 0) + 1
+        if "<tool_call>" in (msg.get("content") or ""):
+            counts["unparsable"] = counts.get("unparsable", 0) + 1
+    return counts
 
 
 def tool_status_rewards(calls: list[CallRecord], all_calls: list[CallRecord], *, failed_call: float = -0.1,
                         unparsable_call: float = -0.1) -> list[float]:
     """Intermediate reward per call of ``calls`` from tool status seen anywhere in ``all_calls``."""
-    results: dict[str, object] = {}
-    for c in all_calls:
-        for m in c.messages or []:
-            if m.get("role") == "tool" and m.get("tool_call_id"):
-                results[m["tool_call_id"]] = m.get("content")
+    results = _tool_results(all_calls)
     out = []
     for c in calls:
         r = 0.0
@@ -83,6 +148,26 @@ def with_tool_status(base: CreditFn = same_return, *, failed_call: float = -0.1,
     return credit
 
 
+def credit_parts(credit_fn: Optional[CreditFn], calls: list[CallRecord],
+                 episode_return: float) -> tuple[list[float], list[float]]:
+    """(g, i): each call's share of the return and its per-call reward (posted rewards included).
+
+    Raises ``ValueError`` when ``credit_fn`` returns the wrong number of rewards or is not affine in R.
+    """
+    credit_fn = credit_fn or same_return
+    at0, at1, at_r = (list(credit_fn(calls, r)) for r in (0.0, 1.0, float(episode_return)))
+    for got in (at0, at1, at_r):
+        if len(got) != len(calls):
+            raise ValueError(f"credit_fn returned {len(got)} rewards for {len(calls)} calls")
+    shares = [b - a for a, b in zip(at0, at1)]
+    for k, (g, i, r) in enumerate(zip(shares, at0, at_r)):
+        if not math.isclose(g * episode_return + i, r, rel_tol=1e-6, abs_tol=1e-6):
+            raise ValueError(f"credit_fn is not affine in the return: call {k} gets {r} at R={episode_return}, "
+                             f"but {i} at R=0 and {i + g} at R=1")
+    intermediate = [i + math.fsum(c.posted_rewards) for i, c in zip(at0, calls)]
+    return shares, intermediate
+
+
 def episode_weights(n: int) -> list[float]:
     """Rollout-level normalisation: ``n`` samples of one episode each weigh ``1 / n``."""
     return [1.0 / n] * n if n else []
@@ -92,22 +177,23 @@ def episode_weights(n: int) -> list[float]:
 class TransitionResult:
     samples: list[RolloutSample]
     rewards: list[float]
-    """Credited reward of each sample (parallel to ``samples``)."""
+    """Credited reward of each sample (parallel to ``samples``): g·R + i."""
     calls: list[int]
     """Call index of each sample."""
     weights: list[float]
     """``episode_weights(len(samples))``."""
+    return_weights: list[float]
+    """g of each sample: its share of the episode return (``RolloutRun.return_weights``)."""
+    intermediate: list[float]
+    """i of each sample: its per-call reward (tool status, posted rewards)."""
 
 
 def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn: Optional[CreditFn] = None, *,
                       max_seq_len: Optional[int] = None) -> TransitionResult:
-    """One sample per call with an output token; rewards from ``credit_fn`` (default ``same_return``)."""
-    credit_fn = credit_fn or same_return
-    rewards = credit_fn(calls, episode_return)
-    if len(rewards) != len(calls):
-        raise ValueError(f"credit_fn returned {len(rewards)} rewards for {len(calls)} calls")
-    samples, kept_rewards, kept_calls = [], [], []
-    for c, r in zip(calls, rewards):
+    """One sample per call with an output token; rewards g·R + i from ``credit_parts``."""
+    shares, intermediate = credit_parts(credit_fn, calls, episode_return)
+    result = TransitionResult([], [], [], [], [], [])
+    for c, g, i in zip(calls, shares, intermediate):
         tokens = c.prompt_ids + c.output_ids
         mask = [0] * len(c.prompt_ids) + [1] * len(c.output_ids)
         logprobs = [0.0] * len(c.prompt_ids) + list(c.output_logprobs)
@@ -116,11 +202,14 @@ def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn:
             tokens, mask, logprobs, finish = tokens[:max_seq_len], mask[:max_seq_len], logprobs[:max_seq_len], "length"
         if sum(mask) == 0:
             continue
-        samples.append(RolloutSample(tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=float(r),
-                                     finish_reason=finish))
-        kept_rewards.append(float(r))
-        kept_calls.append(c.index)
-    weights = episode_weights(len(samples))
-    for sample, weight in zip(samples, weights):
+        reward = g * float(episode_return) + i
+        result.samples.append(RolloutSample(tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward,
+                                            finish_reason=finish))
+        result.rewards.append(reward)
+        result.calls.append(c.index)
+        result.return_weights.append(g)
+        result.intermediate.append(i)
+    result.weights = episode_weights(len(result.samples))
+    for sample, weight in zip(result.samples, result.weights):
         sample.weight = weight
-    return TransitionResult(samples, kept_rewards, kept_calls, weights)
+    return result

@@ -3,16 +3,18 @@
 ``UpstreamPool.pick(session_id)`` maps a session to one replica by a stable hash (SHA-256,
 not Python's salted ``hash``), so every call of a session lands on the same server and its
 KV cache is reused. ``post`` retries connection errors and 5xx with exponential backoff
-(``backoff_s * 2**k``, ``max_retries`` times); a 4xx is returned at once.
+(``backoff_s * 2**k``, ``max_retries`` times); a 4xx is returned at once. ``stream`` does the
+same before handing over the open response of a streamed call (no retry once bytes flow).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 
@@ -91,6 +93,38 @@ class UpstreamPool:
                     last = f"HTTP {resp.status}: {text[:500]}"
             except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
+            logger.warning("upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1,
+                           self.max_retries + 1, last)
+        raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+
+    @contextlib.asynccontextmanager
+    async def stream(self, url: str, path: str, body: dict,
+                     headers: Optional[dict[str, str]] = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST ``body`` and yield the open response (status < 500) to read as it arrives.
+
+        Connection errors and 5xx are retried like ``request``; ``UpstreamError`` when they run out.
+        """
+        await self.open()
+        h = dict(headers or {})
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._http.post(url + path, json=body, headers=h)
+            except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status < 500:
+                    try:
+                        yield resp
+                    finally:
+                        resp.release()
+                    return
+                last = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                resp.release()
             logger.warning("upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1,
                            self.max_retries + 1, last)
         raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")

@@ -55,6 +55,7 @@ from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
 from training.utils.rl.ppo import receive_and_train, train_on_groups
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
+from training.utils.rl.run_metrics import run_metrics
 
 logger = logging.getLogger("training.recipe")
 
@@ -111,12 +112,15 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
 
 
 class StepCounters:
-    """Rollout outcomes since the last step (what ``rollout/*`` reports)."""
+    """Rollout outcomes since the last step (what ``rollout/*`` reports), plus the agent runs'
+    ``agent/*`` and ``rollout/failed/<cause>`` metrics (``training/utils/rl/run_metrics.py``)."""
 
     def __init__(self):
         self.attempts = self.failures = self.errors = self.timeouts = self.invalid = self.dropped = 0
         self.groups_done = self.filtered_groups = self.small_groups = 0
         self.generated_tokens = 0
+        self.run_metadata: list[dict] = []
+        self.failure_causes: dict[str, int] = {}
 
     def add(self, g: PromptGroup) -> None:
         self.attempts += g.attempts
@@ -127,6 +131,9 @@ class StepCounters:
         self.dropped += g.dropped
         self.groups_done += 1
         self.generated_tokens += sum(s.num_trainable_tokens for s in g.samples)
+        self.run_metadata.extend(g.metadata.values())
+        for cause, n in g.failure_causes.items():
+            self.failure_causes[cause] = self.failure_causes.get(cause, 0) + n
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -135,6 +142,7 @@ class StepCounters:
             "rollout/returned_none": float(self.dropped), "rollout/filtered_groups": float(self.filtered_groups),
             "rollout/too_small_groups": float(self.small_groups),
             "rollout/generated_tokens": float(self.generated_tokens),
+            **run_metrics(self.run_metadata, self.failure_causes),
         }
 
 

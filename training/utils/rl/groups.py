@@ -1,20 +1,23 @@
 """Prompt groups: run ``rollout_fn`` for one row ``completions_per_prompt`` times and collect.
 
 A failure costs one completion, never the group or the run: an exception, a timeout, a
-malformed result and a ``None`` are each counted on the group; the surviving completions
-form the group. Segments of a ``RolloutRun`` share their run's reward and advantage.
+malformed result and a ``None`` are each counted on the group, every failure also under its
+cause (``failure_cause``: ``timeout``, ``upstream_5xx``, ``agent``, ``invalid_loss_mask``...);
+the surviving completions form the group. Segments of a ``RolloutRun`` share their run's reward
+and advantage, unless the run credits each segment (``segment_rewards``: see ``advantages.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from training.utils import loop_watch
-from training.utils.rl.advantages import group_advantages
+from training.utils.rl.advantages import credited_advantages
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class PromptGroup:
     """Every trainable sequence (a ``RolloutRun`` contributes all its segments)."""
     completion_index: list[int] = field(default_factory=list)
     """For each sample, which completion (0..n-1) it came from."""
+    return_weights: list[float] = field(default_factory=list)
+    """For each sample, g: the share of its completion's reward it is credited (1 unless per-call credit)."""
     completion_rewards: dict[int, float] = field(default_factory=dict)
     """Reward of each surviving completion."""
     advantages: list[float] = field(default_factory=list)
@@ -47,6 +52,8 @@ class PromptGroup:
     invalid: int = 0
     dropped: int = 0
     """Completions for which ``rollout_fn`` returned None."""
+    failure_causes: dict[str, int] = field(default_factory=dict)
+    """Failed completions (errors, timeouts, invalid results) counted by ``failure_cause``."""
     rollout_seconds: float = 0.0
 
     @property
@@ -72,10 +79,44 @@ class PromptGroup:
         return self.samples[index]
 
     def compute_advantages(self, scale_by_std: bool = True) -> None:
-        """Each sample's reward normalised by the group's completion rewards (a segment of a
-        ``segment_rewards`` run keeps its own reward; every other sample's is its completion's)."""
-        rewards_G = [self.completion_rewards[k] for k in sorted(self.completion_rewards)]
-        self.advantages = group_advantages(rewards_G, scale_by_std, targets=[s.reward for s in self.samples])
+        """Each sample's advantage from the group's completion rewards (``credited_advantages``: a
+        segment of a ``segment_rewards`` run adds its per-call reward; any other sample gets its
+        completion's group-normalised reward)."""
+        keys = sorted(self.completion_rewards)
+        position = {k: j for j, k in enumerate(keys)}
+        rewards_G = [self.completion_rewards[k] for k in keys]
+        weights = self.return_weights or [1.0] * len(self.samples)
+        self.advantages = credited_advantages(rewards_G, [position[k] for k in self.completion_index],
+                                              [s.reward for s in self.samples], weights, scale_by_std)
+
+    def count_failure(self, cause: str) -> None:
+        self.failure_causes[cause] = self.failure_causes.get(cause, 0) + 1
+
+
+def _metric_name(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "unknown"
+
+
+def failure_cause(error: BaseException) -> str:
+    """A short metric-safe name of why a rollout raised (counted as ``rollout/failed/<cause>``).
+
+    The exception's own ``failure_cause`` attribute when it has one (the proxy's
+    ``UpstreamFailedError`` says ``upstream``, ``AgentFailedError`` ``agent``); ``timeout`` for
+    ``asyncio.TimeoutError``; ``upstream_5xx`` / ``upstream_4xx`` for an exception carrying an HTTP
+    ``status`` (the sampler's ``DeploymentRequestError``); ``connection`` for connection errors;
+    else ``exception_<class name>``.
+    """
+    cause = getattr(error, "failure_cause", None)
+    if isinstance(cause, str) and cause:
+        return _metric_name(cause)
+    if isinstance(error, asyncio.TimeoutError):
+        return "timeout"
+    status = getattr(error, "status", None)
+    if isinstance(status, int) and not isinstance(status, bool):
+        return "upstream_5xx" if status >= 500 else "upstream_4xx"
+    if isinstance(error, ConnectionError) or type(error).__name__.startswith("ClientConnector"):
+        return "connection"
+    return "exception_" + _metric_name(type(error).__name__)
 
 
 async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_version: int, n: int,
@@ -104,16 +145,19 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
     for k, result in await asyncio.gather(*(one(k) for k in range(n))):
         if isinstance(result, asyncio.TimeoutError):
             group.timeouts += 1
+            group.count_failure("timeout")
             logger.warning("rollout of row %d timed out after %.1f s", position, timeout_s)
             continue
         if isinstance(result, BaseException):
             group.errors += 1
+            group.count_failure(failure_cause(result))
             logger.warning("rollout of row %d raised %s: %s", position, type(result).__name__, result)
             continue
         try:
             samples = flatten_result(result, vocab_size)
         except (RolloutValidationError, TypeError) as e:
             group.invalid += 1
+            group.count_failure("invalid_" + _metric_name(getattr(e, "field", "type")))
             logger.warning("rollout of row %d returned an invalid result: %s", position, e)
             continue
         if not samples:
@@ -124,5 +168,7 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
         group.completion_rewards[k] = float(result.reward if isinstance(result, RolloutRun) else samples[0].reward)
         group.samples.extend(samples)
         group.completion_index.extend([k] * len(samples))
+        per_call = isinstance(result, RolloutRun) and result.segment_rewards and result.return_weights is not None
+        group.return_weights.extend([float(g) for g in result.return_weights] if per_call else [1.0] * len(samples))
     group.rollout_seconds = time.perf_counter() - t0
     return group

@@ -17,6 +17,15 @@ trainer splits each call's sequences over the ranks (see ``training/trainer/dist
 The loss of every micro-batch is divided by the mini-batch's global trainable-token (or
 sequence) count, so the gradients summed over micro-batches and ranks equal the one-process
 gradient.
+
+Sample weights (``RolloutSample.weight``, e.g. 1/n for the n transitions of one episode) make
+the loss a weighted mean, normalised by the weighted count: per mini-batch each weight is
+rescaled, w'_i = w_i · sum_j T_j / sum_j w_j·T_j (``token_mean`` and ``sum``; T = trainable
+tokens) or w'_i = w_i · S / sum_j w_j (``sequence_mean``, gspo), so that
+``token_mean`` = sum_i w_i·sum_t L / sum_i w_i·T_i and ``sequence_mean`` = sum_i w_i·mean_t L / sum_i w_i.
+An episode split into n transitions of weight 1/n then trains as hard as its one stitched
+sample (the same loss when episodes have equal n), and with ``sequence_mean`` every episode
+counts once in either mode.
 """
 
 from __future__ import annotations
@@ -33,6 +42,22 @@ from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss
 from training.utils.rl.losses.common import LossInputs
 from training.utils.rl.losses.config import LossConfig
+
+
+def normalised_weights(weights: list[float], trainable_tokens: list[int], aggregation: str) -> list[float]:
+    """Sample weights rescaled so the aggregate is a weighted mean (module docstring); unchanged if all are 0."""
+    if aggregation == "sequence_mean":
+        total, weighted = float(len(weights)), sum(weights)
+    else:
+        total, weighted = float(sum(trainable_tokens)), sum(w * t for w, t in zip(weights, trainable_tokens))
+    if weighted <= 0:
+        return list(weights)
+    return [w * total / weighted for w in weights]
+
+
+def _aggregation(loss_cfg: LossConfig) -> str:
+    """The aggregation the loss will use: gspo's own ``sequence_mean``, else the configured one."""
+    return "sequence_mean" if loss_cfg.policy_loss == "gspo" else loss_cfg.aggregation
 
 
 def _merge(into: dict[str, float], metrics: dict[str, float], weight: float, weights: dict[str, float]) -> None:
@@ -152,7 +177,9 @@ def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference
             lists = {"old": [old_logprobs[i] for i in idx], "sampler": [batch.sampler_logprobs[i] for i in idx],
                      "adv": [batch.advantages[i] for i in idx], "mask": [batch.loss_masks[i] for i in idx],
                      "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
-                     "weight": [batch.weights[i] for i in idx] if weighted else None}
+                     "weight": normalised_weights([batch.weights[i] for i in idx],
+                                                  [batch.num_trainable_tokens(i) for i in idx],
+                                                  _aggregation(loss_cfg)) if weighted else None}
 
             num_sequences = len(idx)
 

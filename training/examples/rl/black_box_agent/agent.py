@@ -17,6 +17,20 @@ SYSTEM = ("Solve the problem. Call the calculator tool for arithmetic, then repl
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+def _solved(expression: str, value: str, call_id: str) -> list[dict]:
+    call = {"id": call_id, "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return [{"role": "user", "content": f"What is {expression}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": value},
+            {"role": "assistant", "content": value}]
+
+
+EXAMPLES = _solved("23 + 19", "42", "call_0") + _solved("57 * 31", "1767", "call_1") + \
+    _solved("604 - 38", "566", "call_2")
+"""Solved exchanges in the OpenAI tools format, sent before the question: small models copy their shape."""
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -42,7 +56,7 @@ def solve(question: str, *, base_url: str, api_key: str, model: str = "gpt-4o-mi
           max_tokens: int = 32) -> str:
     """Ask the model, run its calculator calls, return its final reply ("" if it never gives one)."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, *EXAMPLES, {"role": "user", "content": question}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens)
         message = reply.choices[0].message

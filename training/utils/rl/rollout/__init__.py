@@ -84,7 +84,10 @@ class RolloutRun:
     """The episode's reward, given to every segment."""
     segment_rewards: bool = False
     """Keep each segment's own ``reward`` (per-call credit assignment) instead of writing ``reward`` into all;
-    the group's advantage statistics still come from the runs' ``reward``."""
+    the group's advantage statistics still come from the runs' ``reward`` (formula: ``advantages.py``)."""
+    return_weights: Optional[list[float]] = None
+    """With ``segment_rewards``: g_k, the share of ``reward`` credited to segment k (1 for the same return,
+    gamma**(K-1-k) discounted); the rest of the segment's reward is its per-call reward. None = 1 each."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained."""
 
@@ -180,6 +183,10 @@ def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> l
             raise RolloutValidationError("segments", "a RolloutRun needs at least one segment")
         if not _finite(result.reward):
             raise RolloutValidationError("reward", f"{result.reward!r} is not a finite number")
+        if result.return_weights is not None and (len(result.return_weights) != len(result.segments) or
+                                                  not all(_finite(g) for g in result.return_weights)):
+            raise RolloutValidationError("return_weights", f"{len(result.return_weights)} values for "
+                                         f"{len(result.segments)} segments, or a non-finite one")
         samples = result.samples()
     else:
         samples = [result]

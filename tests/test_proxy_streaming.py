@@ -1,0 +1,210 @@
+"""Streaming and the Anthropic Messages API through the proxy, recorded token-exact (real tiny server)."""
+
+import asyncio
+import json
+
+import openai
+import pytest
+from aiohttp import ClientSession, web
+
+from training.deployment.embedded import EmbeddedDeployment
+from training.proxy import ProxyServer, stitch_calls
+from training.proxy.anthropic import from_chat_response, stream_events, to_chat_request
+from training.utils import DeployConfig, EngineConfig
+
+MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("proxy_stream") / "server.log"
+    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=512))
+    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
+        yield dep
+
+
+async def direct(server, path, body):
+    """The same request straight to the server, with its token ids (the ground truth)."""
+    logprobs = True if path.endswith("chat/completions") else 0
+    async with ClientSession() as s:
+        async with s.post(server.base_url + path, json={**body, "return_token_ids": True, "logprobs": logprobs}) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+class StreamingFacade:
+    """Stand-in for a streaming upstream (our server does not stream yet): forwards each call to the
+    real tiny server without streaming and streams that reply's real tokens back one per chunk, in
+    vLLM's chunk format (``token_ids`` per chunk, ``prompt_token_ids`` first, the chunk's logprobs)."""
+
+    def __init__(self, server_url: str):
+        self.server_url = server_url
+        self.streamed = 0
+
+    async def handle(self, request):
+        body = await request.json()
+        stream = body.pop("stream", False)
+        body.pop("stream_options", None)
+        async with ClientSession() as s:
+            async with s.post(self.server_url + "/v1/chat/completions", json=body) as r:
+                reply = await r.json()
+                if not stream or r.status != 200:
+                    return web.json_response(reply, status=r.status)
+        self.streamed += 1
+        choice = reply["choices"][0]
+        head = {"id": reply["id"], "object": "chat.completion.chunk", "created": 0, "model": reply["model"]}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(choices, **extra):
+            await resp.write(f"data: {json.dumps({**head, **extra, 'choices': choices})}\n\n".encode())
+
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
+                     "prompt_token_ids": choice["prompt_token_ids"], "finish_reason": None}])
+        for tid, entry in zip(choice["token_ids"], choice["logprobs"]["content"]):
+            await send([{"index": 0, "delta": {"content": entry["token"]}, "token_ids": [tid],
+                         "logprobs": {"content": [entry]}, "finish_reason": None}])
+        await send([{"index": 0, "delta": {}, "token_ids": [], "finish_reason": choice["finish_reason"],
+                     "weight_version": choice["weight_version"]}])
+        await send([], usage=reply["usage"])
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+async def stream_chat(proxy, sid, messages, **kw):
+    """The unmodified SDK's streaming call: (chunks, text)."""
+    c = openai.AsyncOpenAI(base_url=proxy.session_url(sid), api_key=proxy.api_key, max_retries=0)
+    stream = await c.chat.completions.create(model="gpt-x", messages=messages, stream=True, **kw)
+    chunks = [chunk async for chunk in stream]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    return chunks, text
+
+
+def test_stream_from_a_non_streaming_server_is_synthesised_and_recorded_exactly(server):
+    """Our server refuses ``stream``: the proxy asks without it, records, and streams the reply as SSE."""
+    async def go():
+        async with ProxyServer([server.base_url]) as proxy:
+            chunks, text = await stream_chat(proxy, "s1", MESSAGES, max_tokens=6, seed=11,
+                                             stream_options={"include_usage": True})
+            history = MESSAGES + [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+            await stream_chat(proxy, "s1", history, max_tokens=5, seed=12)
+            truth = await direct(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "seed": 11})
+            c = openai.AsyncOpenAI(base_url=proxy.session_url("s1"), api_key=proxy.api_key, max_retries=0)
+            completion_stream = await c.completions.create(model="m", prompt=[1, 30, 31, 32], max_tokens=4, seed=3,
+                                                           stream=True, extra_body={"ignore_eos": True})
+            completion_text = "".join([ch.choices[0].text async for ch in completion_stream if ch.choices])
+            completion_truth = await direct(server, "/v1/completions", {"prompt": [1, 30, 31, 32], "max_tokens": 4,
+                                                                        "seed": 3, "ignore_eos": True})
+            return chunks, text, truth, (completion_text, completion_truth), proxy.close_session("s1"), proxy
+
+    chunks, text, truth, (completion_text, completion_truth), session, proxy = asyncio.run(go())
+    assert server.base_url.rstrip("/") in {u.rstrip("/") for u in proxy._stream_refused}  # fell back, remembered
+    first = session.calls[0]
+    t = truth["choices"][0]
+    assert first.output_ids == t["token_ids"] and first.prompt_ids == t["prompt_token_ids"]
+    # a second run of the same seeded request: the same ids; logprobs equal up to batching noise
+    assert first.output_logprobs == pytest.approx([e["logprob"] for e in t["logprobs"]["content"]], abs=1e-4)
+    assert text == t["message"]["content"] and chunks[-2].choices[0].finish_reason == t["finish_reason"]
+    assert chunks[-1].usage.completion_tokens == len(t["token_ids"]) and not chunks[-1].choices
+    assert all("token_ids" not in (ch.choices[0].model_extra or {}) for ch in chunks if ch.choices)
+    assert [c.label.kind for c in session.calls[:2]] == ["NEW", "APPEND"]
+    segments = stitch_calls(session.calls[:2]).samples  # one, or two where the re-render drifted (split)
+    trained = [x for seg in segments for x, m in zip(seg.tokens, seg.loss_mask) if m]
+    assert trained == session.calls[0].output_ids + session.calls[1].output_ids
+    assert session.calls[2].output_ids == completion_truth["choices"][0]["token_ids"] and \
+        len(session.calls[2].output_ids) == 4 and completion_text == completion_truth["choices"][0]["text"]
+
+
+def test_relayed_upstream_stream_reaches_the_agent_chunk_by_chunk_and_is_recorded_exactly(server):
+    async def go():
+        async with StreamingFacade(server.base_url) as up, ProxyServer([up.url], upstream_stream="on") as proxy:
+            chunks, text = await stream_chat(proxy, "r1", MESSAGES, max_tokens=6, seed=21, logprobs=True)
+            truth = await direct(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "seed": 21})
+            return chunks, text, truth, up.streamed, proxy.close_session("r1")
+
+    chunks, text, truth, streamed, session = asyncio.run(go())
+    t = truth["choices"][0]
+    [call] = session.calls
+    assert streamed == 1 and len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2
+    assert call.output_ids == t["token_ids"] and call.prompt_ids == t["prompt_token_ids"]
+    assert call.output_logprobs == pytest.approx([e["logprob"] for e in t["logprobs"]["content"]], abs=1e-4)
+    assert call.finish_reason == t["finish_reason"] and call.response_message["content"] == text
+    assert all("token_ids" not in (c.choices[0].model_extra or {}) for c in chunks if c.choices)
+    assert all(c.usage is None for c in chunks)  # the agent did not ask for the usage chunk
+    streamed_logprobs = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                         for e in c.choices[0].logprobs.content]
+    assert streamed_logprobs == call.output_logprobs  # asked for: relayed as they came
+
+
+def test_anthropic_sdk_through_the_proxy_is_recorded_and_streams(server):
+    anthropic = pytest.importorskip("anthropic")
+
+    async def go():
+        async with ProxyServer([server.base_url]) as proxy:
+            base = f"http://127.0.0.1:{proxy.port}/sessions/a1"  # the SDK appends /v1/messages
+            client = anthropic.AsyncAnthropic(base_url=base, api_key=proxy.api_key, max_retries=0)
+            first = await client.messages.create(model="claude-x", max_tokens=5, system="You add numbers.",
+                                                 messages=[{"role": "user", "content": "What is 2 + 3?"}])
+            follow = [{"role": "user", "content": "What is 2 + 3?"},
+                      {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                      {"role": "user", "content": "Sure?"}]
+            async with client.messages.stream(model="claude-x", max_tokens=4, system="You add numbers.",
+                                              messages=follow) as stream:
+                streamed_text = "".join([t async for t in stream.text_stream])
+                final = await stream.get_final_message()
+            with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+                await client.messages.create(model="claude-x", max_tokens=0, messages=follow)
+            return first, streamed_text, final, proxy.close_session("a1")
+
+    first, streamed_text, final, session = asyncio.run(go())
+    assert first.model == "claude-x" and first.stop_reason in ("end_turn", "max_tokens")
+    assert first.usage.output_tokens == len(session.calls[0].output_ids)
+    assert [c.label.kind for c in session.calls] == ["NEW", "APPEND"]
+    assert session.calls[0].messages[0] == {"role": "system", "content": "You add numbers."}
+    assert final.usage.output_tokens == len(session.calls[1].output_ids) and final.content[0].text == streamed_text
+
+
+def test_anthropic_tool_use_history_translates_both_ways():
+    body = {"model": "c", "max_tokens": 9, "system": [{"type": "text", "text": "sys"}],
+            "tools": [{"name": "calc", "description": "d", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "2+3?"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "let me"},
+                                                           {"type": "tool_use", "id": "tu1", "name": "calc",
+                                                            "input": {"e": "2+3"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "5"},
+                                                      {"type": "tool_result", "tool_use_id": "tu2", "is_error": True,
+                                                       "content": [{"type": "text", "text": "bad"}]},
+                                                      {"type": "text", "text": "go on"}]}]}
+    chat = to_chat_request(body)
+    assert chat["messages"] == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "let me", "tool_calls": [
+            {"id": "tu1", "type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}]},
+        {"role": "tool", "tool_call_id": "tu1", "content": "5"},
+        {"role": "tool", "tool_call_id": "tu2", "content": "Error: bad"},
+        {"role": "user", "content": "go on"}]
+    assert chat["tools"][0]["function"]["parameters"] == {"type": "object"} and chat["max_tokens"] == 9
+    reply = {"choices": [{"finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+1"}'}}]}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
+    msg = from_chat_response(reply, "c")
+    assert msg["content"] == [{"type": "tool_use", "id": "call_1", "name": "calc", "input": {"e": "1+1"}}]
+    assert msg["stop_reason"] == "tool_use" and msg["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    kinds = [e for e, _ in stream_events(msg)]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]"):
+        to_chat_request({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]})

@@ -4,7 +4,8 @@ Parsing turns a JSON body into a ``ParsedRequest`` (token-id prompts + ``Samplin
 or raises ``RequestError`` naming the offending field; the server answers that with
 400 ``{"error": {"message", "type": "invalid_request_error", "param"}}``. Building turns the
 engine's ``GenerationResult`` objects back into OpenAI / vLLM-shaped JSON, with the extras an
-RL trainer needs: per-choice ``token_ids`` / ``prompt_token_ids`` (``return_token_ids``),
+RL trainer needs: per-choice ``token_ids`` / ``prompt_token_ids`` / ``token_weight_versions``
+(``return_token_ids``),
 the sampled tokens' logprobs, ``usage.prompt_tokens_details.cached_tokens`` and a
 ``weight_version`` at the top level and on every choice.
 
@@ -243,7 +244,8 @@ def _completion_logprobs(tokenizer: Any, r: GenerationResult, k: int) -> dict:
 def _usage(req: ParsedRequest, results: list[list[GenerationResult]]) -> dict:
     prompt_tokens = sum(len(p) for p in req.prompts)
     completion_tokens = sum(len(r.output_token_ids) for rs in results for r in rs)
-    cached = sum(max((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
+    # a prompt is counted once however many choices share it: cached = what its first computation reused
+    cached = sum(min((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -265,6 +267,7 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
             if req.return_token_ids:
                 choice["token_ids"] = list(r.output_token_ids)
                 choice["prompt_token_ids"] = list(r.prompt_token_ids)
+                choice["token_weight_versions"] = list(r.token_weight_versions)
             choices.append(choice)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": req.model, "choices": choices, "usage": _usage(req, results),
@@ -372,6 +375,7 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
         if req.return_token_ids:
             choice["token_ids"] = list(r.output_token_ids)
             choice["prompt_token_ids"] = list(r.prompt_token_ids)
+            choice["token_weight_versions"] = list(r.token_weight_versions)
         choices.append(choice)
     out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
            "model": req.model, "choices": choices, "usage": _usage(req, [results]),

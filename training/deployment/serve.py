@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    p.add_argument("--no-prefix-caching", action="store_true", help="reuse K/V across requests only by session id")
+    p.add_argument("--prefix-cache-slots", type=int, default=0,
+                   help="KV slots beyond --max-batch-size that only hold cached prefixes")
+    p.add_argument("--inflight-update-kv", default="keep", choices=["keep", "recompute"],
+                   help="K/V of running sequences at a wait_for_inflight=false weight update")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="shut down when process PID is no longer this server's parent")
     p.add_argument("--log-level", default="INFO")
@@ -61,7 +66,9 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
 
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                       max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                                      seed=args.seed))
+                                      seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                                      prefix_cache_slots=args.prefix_cache_slots,
+                                      inflight_update_kv=args.inflight_update_kv))
     await engine.start()
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)

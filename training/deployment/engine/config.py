@@ -49,6 +49,13 @@ class EngineConfig:
     """Own forward for llama / qwen2 / qwen3 (fused projections); else transformers' forward."""
     max_prefill_tokens: int = 4096
     """Prompt tokens prefilled in one step (a longer single prompt still runs, alone)."""
+    enable_prefix_caching: bool = True
+    """Reuse K/V of any cached prompt prefix across requests (no session id needed); False: sessions only."""
+    prefix_cache_slots: int = 0
+    """KV slots beyond ``max_batch_size`` that only hold cached prefixes (finished sequences, parked sessions)."""
+    inflight_update_kv: str = "keep"
+    """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
+    ``recompute`` it under the new weights before the next decode step."""
 
     def __post_init__(self):
         def check(ok: bool, name: str, msg: str) -> None:
@@ -64,6 +71,9 @@ class EngineConfig:
         check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
         check(all(b > 0 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes", "must be positive")
         check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
+        check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
+        check(self.inflight_update_kv in ("keep", "recompute"), "inflight_update_kv",
+              f"{self.inflight_update_kv!r} is not one of ('keep', 'recompute')")
         self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
 
     def resolve_device(self) -> torch.device:
@@ -111,11 +121,13 @@ class GenerationResult:
     finish_reason: str
     """``stop`` (eos, stop token or stop string), ``length`` (max_tokens / max_model_len) or ``abort``."""
     weight_version: int
-    """Version of the weights live when the sequence finished (all of it unless ``wait_for_inflight=False``)."""
+    """The OLDEST version among ``token_weight_versions`` (conservative for the off-policy gate)."""
     cached_prompt_tokens: int
-    """Prompt tokens whose KV was reused from the session's parked slot."""
+    """Prompt tokens whose K/V was reused (prefix cache or session), not computed for this request."""
     text: str
     """Decoded output without special tokens; a matched stop string and what follows it are removed."""
+    token_weight_versions: list[int] = field(default_factory=list)
+    """One per output token: the weight version whose forward produced it (in-flight updates mix versions)."""
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,

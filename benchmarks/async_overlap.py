@@ -51,7 +51,7 @@ def run_once(path: str, steps: int, synchronous: bool, offpolicy: int) -> dict[s
     """One recipe run: medians over the steps after the first of step time, overlap fraction and
     trained tokens per step, and the total of stale-dropped samples."""
     from training.recipes import async_rl_loop
-    from training.utils import DeployConfig, LossConfig, TrainerConfig
+    from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
     from training.utils.metrics import read_metrics
 
     rows = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(4 * steps + 8)]
@@ -60,7 +60,7 @@ def run_once(path: str, steps: int, synchronous: bool, offpolicy: int) -> dict[s
             base_model=path, log_path=tmp, completions_per_prompt=4, prompt_groups_per_step=4, max_tokens=16,
             max_steps=steps, export_final_model=False, shuffle_rows=False, synchronous_training=synchronous,
             max_head_offpolicy_versions=offpolicy, trainer=TrainerConfig(learning_rate=1e-4, device="cpu"),
-            loss=LossConfig(kl_beta=0.0), deployment=DeployConfig(max_batch_size=64, max_model_len=512))
+            loss=LossConfig(kl_beta=0.0), deployment=DeployConfig(engine_config=EngineConfig(max_batch_size=64, max_model_len=512)))
         async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn_factory(), rows=rows)
         metrics = read_metrics(tmp)
     later = metrics[1:] or metrics

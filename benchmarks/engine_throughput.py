@@ -61,12 +61,12 @@ async def _serve_clients(sampler, reqs: list[tuple[list[int], int]], clients: in
 def bench_server(path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list,
                  engine: str = "embedded") -> tuple[dict, list]:
     """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
-    from training.deployment.launcher import make_deployment
+    from training.deployment.factory import make_deployment
     from training.deployment.sampler import DeploymentSampler
-    from training.utils import DeployConfig
+    from training.utils import DeployConfig, EngineConfig
 
     max_c = max(reqs_by_c)
-    cfg = DeployConfig(engine=engine, max_batch_size=max_c, max_model_len=256, startup_timeout_s=600)
+    cfg = DeployConfig(engine=engine, startup_timeout_s=600, engine_config=EngineConfig(max_batch_size=max_c, max_model_len=256))
     with make_deployment(path, cfg) as dep:
         async def run() -> tuple[dict, list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)

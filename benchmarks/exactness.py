@@ -26,12 +26,12 @@ WORKLOAD = {"tiny": (16, 64), "smollm2": (8, 48), "quick": (8, 32)}
 
 def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int) -> list[list]:
     """``batches`` lists of (full token ids, prompt length, sampler logprobs)."""
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.deployment.sampler import DeploymentSampler
-    from training.utils import DeployConfig
+    from training.utils import DeployConfig, EngineConfig
 
     rng = random.Random(0)
-    with EmbeddedDeployment(path, DeployConfig(max_batch_size=n, max_model_len=256, dtype=dtype)) as dep:
+    with EmbeddedDeployment(path, DeployConfig(engine_config=EngineConfig(max_batch_size=n, max_model_len=256, dtype=dtype))) as dep:
         async def run() -> list[list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)
             out = []
@@ -52,7 +52,7 @@ def compare(trainer, batch: list) -> dict[str, float]:
     """Mean / max |Δ| and mean k3 mismatch KL over the batch's sampled tokens."""
     scored = trainer.logprobs([full for full, _, _ in batch], temperature=1.0)
     diffs = []
-    for (full, plen, lps), lt in zip(batch, scored):
+    for (_, plen, lps), lt in zip(batch, scored):
         diffs += [t - s for t, s in zip(lt[plen:], lps)]
     return {"mean_abs": sum(abs(d) for d in diffs) / len(diffs), "max_abs": max(abs(d) for d in diffs),
             "k3": sum(math.exp(d) - d - 1 for d in diffs) / len(diffs), "tokens": len(diffs)}

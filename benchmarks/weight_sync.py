@@ -61,15 +61,15 @@ def perturb(trainer) -> None:
 
 
 def bench_model(name: str, repeats: int) -> list[dict]:
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.trainer import PolicyTrainer
-    from training.utils import DeployConfig, TrainerConfig
+    from training.utils import DeployConfig, EngineConfig, TrainerConfig
 
     path = model_path(name)
     trainer = PolicyTrainer(path, TrainerConfig(device="cpu"))
     weight_bytes = sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
     prompt = [5, 17, 42, 7]
-    cfg = DeployConfig(max_batch_size=8, max_model_len=256)
+    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=256))
     times = {"shm": [], "disk": []}
     mem = {"shm": [], "disk": []}
     version = 0
@@ -84,7 +84,7 @@ def bench_model(name: str, repeats: int) -> list[dict]:
                     rss0 = proc_kb(dep.pid, "VmRSS")
                     can_reset = reset_peak(dep.pid)
 
-                    async def update() -> int:
+                    async def update(version=version, mode=mode) -> int:
                         named = list(trainer.named_weights())
                         await dep.push_weights(named, version, mode=mode, directory=str(tmp / f"v{version}"))
                         return await _generate_once(dep.base_url, prompt)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from training.agents import (Action, FunctionTool, IntermediateRewards, StepResult, TaskEnvironment, Tool, ToolAgent,
                              ToolCall, ToolEnvironment, ToolManager, get_tool_parser, render_prompt_ids)
-from training.agents.tool_parsers import messages_with_tools
+from training.utils.tool_parsers import messages_with_tools
 
 
 # ---------------------------------------------------------------- parsers

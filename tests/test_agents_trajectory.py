@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from training.agents import (Action, ModelAgent, TaskEnvironment, ToolAgent, ToolCall, ToolEnvironment, ToolManager,
                              TrajectoryEngine, make_agent_rollout_fn)
 from training.agents.tools import FunctionTool
-from training.deployment.launcher import EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.sampler import DeploymentSampler
 from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutSetup, flatten_result, validate_sample
@@ -150,7 +150,7 @@ def test_compaction_breaks_the_prefix_into_two_segments(server, tokenizer):
     # segment 1 ends with turn 0's output; segment 2 starts from the re-rendered, compacted context
     assert first.tokens == rec.calls[0][0] + rec.calls[0][1].output_tokens
     assert "Summary: the sum is 5" in tokenizer.decode(rec.calls[1][0])
-    for sent, c, _ in rec.calls[1:]:
+    for sent, _, _ in rec.calls[1:]:
         assert second.tokens[:len(sent)] == sent
     assert [t for t, m in zip(second.tokens, second.loss_mask) if m] == \
         [t for _, c, _ in rec.calls[1:] for t in c.output_tokens]

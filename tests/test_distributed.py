@@ -20,7 +20,8 @@ UNIT_SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from training.trainer import PolicyTrainer, distributed as D
+    from training.trainer import PolicyTrainer
+    from training.utils import dist as D
     from training.utils import TrainerConfig
     from training.utils.checkpoint import save_checkpoint
     from training.utils.rl.ppo import StepBatch
@@ -70,7 +71,7 @@ RECIPE_SCRIPT = textwrap.dedent('''
     """A user's train.py: nothing in it knows about torchrun."""
     import json, os, sys
     from training.recipes.async_rl_loop import Config, main
-    from training.utils import DeployConfig, LossConfig, TrainerConfig
+    from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
     from training.utils.rl.rollout import RolloutSample
 
     model_path, base_url, log_path, max_steps, out = sys.argv[1:6]
@@ -133,7 +134,7 @@ def test_split_for_ranks_balances_tokens_and_covers_every_sequence():
 
 
 def test_single_process_is_untouched():
-    from training.trainer import distributed as D
+    from training.utils import dist as D
 
     assert not D.is_distributed() and D.is_main_rank() and D.world_size() == 1
     assert D.init_distributed("cpu") is False  # no WORLD_SIZE: nothing starts
@@ -220,11 +221,11 @@ def test_two_ranks_on_nccl_broadcast_exactly_and_checkpoint_for_one(tiny_model_p
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    from training.deployment.launcher import EmbeddedDeployment
-    from training.utils import DeployConfig
+    from training.deployment.embedded import EmbeddedDeployment
+    from training.utils import DeployConfig, EngineConfig
 
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=16), log_file=str(log)) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)) as dep:
         yield dep
 
 
@@ -293,12 +294,12 @@ def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_pa
 
     from transformers import AutoModelForCausalLM
 
-    from training.deployment.launcher import EmbeddedDeployment
-    from training.utils import DeployConfig
+    from training.deployment.embedded import EmbeddedDeployment
+    from training.utils import DeployConfig, EngineConfig
 
     script = tmp_path / "train.py"
     script.write_text(RECIPE_SCRIPT)
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=8), log_file=str(tmp_path / "srv.log")) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(tmp_path / "srv.log")) as dep:
         _run(_torchrun(script, tiny_model_path, dep.base_url, tmp_path / "run", 2, tmp_path, "dist-sync"), tmp_path)
         prompt = [1, 12, 23, 201]
         body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 5,

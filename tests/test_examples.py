@@ -52,7 +52,7 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
 
     from transformers import AutoTokenizer
 
-    from training.deployment.launcher import EmbeddedDeployment
+    from training.deployment.embedded import EmbeddedDeployment
     from training.deployment.sampler import DeploymentSampler
     from training.utils import DeployConfig
     from training.utils.rl.rollout import RolloutSetup, validate_sample
@@ -102,3 +102,17 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
     rollout_mod = sys.modules.pop("rollout")
     sys.modules.pop("reward", None)
     assert rollout_mod is rollout
+
+
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in EXAMPLES.glob("*/train.py")))
+def test_importing_train_py_reads_no_command_line_and_loads_no_model(name, tmp_path):
+    """tinker's rule: only ``python train.py`` parses argv; an import (a test, a sweep script) is inert."""
+    code = ("import sys; sys.argv = ['x', 'not_a_field=1']; import train; "
+            "assert train.cfg.base_model in ('tiny', 'smollm2'); "
+            "loaded = [m for m in sys.modules if m.startswith(('training.trainer', 'training.deployment.engine'))]; "
+            "assert not loaded, loaded")
+    env = {**__import__("os").environ, "TRAINING_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES / name, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()  # no model was built or converted

@@ -10,16 +10,17 @@ import time
 import pytest
 import torch
 
-from training.deployment.launcher import DeploymentStartError, EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.server_process import DeploymentStartError
 from training.deployment.sampler import DeploymentSampler
-from training.utils.config import DeployConfig
+from training.utils.config import DeployConfig, EngineConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 
 
 def _cfg(tmp_path, **kw) -> DeployConfig:
-    base = dict(max_model_len=128, max_batch_size=4, device="cpu", dtype="float32", startup_timeout_s=120,
-                log_file=str(tmp_path / "server.log"))
+    base = dict(engine_config=EngineConfig(max_model_len=128, max_batch_size=4, device="cpu", dtype="float32"),
+                startup_timeout_s=120, log_file=str(tmp_path / "server.log"))
     return DeployConfig(**{**base, **kw})
 
 
@@ -104,24 +105,29 @@ def test_startup_failure_and_startup_timeout_report_the_log_tail(tiny_model_path
     bad = EmbeddedDeployment(tiny_model_path, _cfg(tmp_path), extra_args=["--max-batch-size", "lots"])
     with pytest.raises(DeploymentStartError) as e:
         bad.start()
-    assert "exited with code 2" in str(e.value) and "invalid int value: 'lots'" in str(e.value)
+    assert "exited with code 2" in str(e.value) and "expected an integer, got 'lots'" in str(e.value)
     slow = EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, startup_timeout_s=0.3))
     with pytest.raises(DeploymentStartError, match="not healthy after 0.3 s"):
         slow.start()
     assert not slow.is_alive()
 
 
-def test_config_with_external_url_is_refused(tiny_model_path):
-    with pytest.raises(ValueError, match="base_url"):
-        EmbeddedDeployment(tiny_model_path, DeployConfig(base_url="http://127.0.0.1:1"))
+def test_attached_server_is_checked_loaded_and_never_stopped(tiny_model_path, tmp_path):
+    with pytest.raises(DeploymentStartError, match="127.0.0.1:9 is not healthy"):
+        EmbeddedDeployment(tiny_model_path, DeployConfig(base_url="http://127.0.0.1:9")).start()
+    with EmbeddedDeployment(tiny_model_path, _cfg(tmp_path)) as launched:
+        attached = EmbeddedDeployment(tiny_model_path, DeployConfig(base_url=launched.base_url)).start()
+        assert attached.pid is None and attached.base_url == launched.base_url
+        asyncio.run(attached.push_weights(_perturbed(tiny_model_path).items(), 2))
+        attached.stop()  # leaves the server it did not start running
+        assert launched.is_alive() and _greedy(launched)[1] == 2
 
 
 _CHILD_SCRIPT = """
 import sys, time
-from training.deployment.launcher import EmbeddedDeployment
-from training.utils.config import DeployConfig
-dep = EmbeddedDeployment(sys.argv[1], DeployConfig(max_model_len=64, device="cpu", dtype="float32",
-                                                  log_file=sys.argv[3])).start()
+from training.deployment.embedded import EmbeddedDeployment
+from training.utils.config import DeployConfig, EngineConfig
+dep = EmbeddedDeployment(sys.argv[1], DeployConfig(log_file=sys.argv[3], engine_config=EngineConfig(max_model_len=64, device="cpu", dtype="float32"))).start()
 print(dep.pid, flush=True)
 if sys.argv[2] == "hang":
     time.sleep(600)
@@ -148,21 +154,22 @@ def test_no_orphan_after_interpreter_exit_or_kill9_of_the_trainer(tiny_model_pat
 def test_push_to_all_replicas_returns_when_every_one_serves_the_new_version(tiny_model_path, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from training.deployment.weight_sync import WeightSyncError, push_weights_to_all
+    from training.deployment.group import push_weights
+    from training.deployment.weight_sync import WeightSyncError
     deps = [EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, log_file=str(tmp_path / f"s{i}.log")))
             for i in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda d: d.start(), deps))
         new = _perturbed(tiny_model_path)
-        out = asyncio.run(push_weights_to_all([d.base_url for d in deps], new.items(), 7))
-        assert set(out["servers"]) == {d.base_url for d in deps} and out["path"] is None
+        out = asyncio.run(push_weights([d.base_url for d in deps], new.items(), 7))
+        assert set(out["servers"]) == {d.base_url for d in deps} and not os.path.exists(out["path"])  # shm file removed
         greedy = [_greedy(d) for d in deps]
         assert greedy[0] == greedy[1] and greedy[0][1] == 7
         bad = dict(new)
         bad.pop(next(iter(bad)))  # a missing tensor: refused by both, both keep version 7
         with pytest.raises(WeightSyncError, match="missing"):
-            asyncio.run(push_weights_to_all([d.base_url for d in deps], bad.items(), 8))
+            asyncio.run(push_weights([d.base_url for d in deps], bad.items(), 8))
         assert [_greedy(d) for d in deps] == greedy
     finally:
         for d in deps:

@@ -18,6 +18,8 @@ from training.utils.rl.losses import (
     resolve_loss,
 )
 
+pytestmark = pytest.mark.unit
+
 ALL_LOSSES = ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"]
 LN = math.log
 E = math.exp

@@ -5,10 +5,10 @@ import asyncio
 import openai
 import pytest
 
-from training.deployment.launcher import EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
 from training.proxy import AGENT_HEADER, SESSION_HEADER, ProxyServer, make_proxy_rollout_fn, stitch_calls
 from training.proxy.rollout import AgentFailedError
-from training.utils import DeployConfig
+from training.utils import DeployConfig, EngineConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSetup, validate_sample
 
 SYSTEM = {"role": "system", "content": "You add numbers."}
@@ -17,7 +17,7 @@ SYSTEM = {"role": "system", "content": "You add numbers."}
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("proxy_server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=16), log_file=str(log)) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)) as dep:
         yield dep
 
 
@@ -230,13 +230,13 @@ def test_session_affinity_across_two_upstreams(server):
             for k in range(10):
                 sid = f"aff-{k}"
                 c = client_for(proxy, **{SESSION_HEADER: sid})
-                for turn in range(2):
+                for _ in range(2):
                     await c.completions.create(model="m", prompt=[1, 20 + k, 201], max_tokens=2)
                 out[sid] = (proxy.pool.pick(sid), proxy.close_session(sid))
             return out
 
     out = asyncio.run(go())
-    for sid, (picked, session) in out.items():
+    for picked, session in out.values():
         assert [c.upstream for c in session.calls] == [picked, picked]
     assert {picked for picked, _ in out.values()} == set(urls)
 

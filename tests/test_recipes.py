@@ -7,14 +7,14 @@ each run pushes its own initial weights, so runs do not leak into each other.
 import asyncio
 import json
 import random
-import threading
 
 import pytest
 
-from training.deployment.launcher import EmbeddedDeployment
+from training.deployment.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop, rl_loop
+from training.recipes import common as recipes_common
 from training.recipes.common import RolloutFailureError
-from training.utils import DeployConfig, LossConfig, TrainerConfig
+from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.metrics import read_metrics
 from training.utils.rl.rollout import RolloutSample
 
@@ -24,7 +24,7 @@ ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in rang
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=32), log_file=str(log)) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=32)), log_file=str(log)) as dep:
         yield dep
 
 
@@ -95,7 +95,7 @@ def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
 
 @pytest.mark.parametrize("O", [0, 1, 2])
 def test_gate_bound_holds_with_a_straggler(tiny_model_path, server, tmp_path, monkeypatch, O):
-    trained = spy_training(monkeypatch, async_rl_loop)
+    trained = spy_training(monkeypatch, recipes_common)
     slow = {ROWS[3]["id"]: 4.0}  # one group lags several steps behind the others
     cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=O, max_steps=5,
                  prompt_groups_per_step=1, shuffle_rows=False)
@@ -233,7 +233,7 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
 
     async def sync_and_check(ctx, version):
         out = await real_sync(ctx, version)
-        for url in ctx.base_urls:  # the barrier: every replica already serves the new version
+        for url in ctx.deployment.base_urls:  # the barrier: every replica already serves the new version
             versions.setdefault(url, []).append(await DeploymentSampler(url).weight_version())
         return out
 
@@ -270,7 +270,7 @@ def test_distributed_weight_sync_through_the_recipe(tiny_model_path, tmp_path):
     import urllib.request
 
     log = tmp_path / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(max_batch_size=8), log_file=str(log)) as dep:
+    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(log)) as dep:
         recorder = Recorder()
         cfg = config(tiny_model_path, dep, tmp_path, synchronous_training=True, max_steps=3,
                      deployment=DeployConfig(base_url=dep.base_url, weight_sync="distributed",

@@ -8,9 +8,10 @@ import time
 import pytest
 from aiohttp import web
 
-from training.deployment.launcher import EmbeddedDeployment, free_port
+from training.deployment.embedded import EmbeddedDeployment
+from training.utils.http import free_port
 from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
-from training.utils.config import DeployConfig
+from training.utils.config import DeployConfig, EngineConfig
 from training.utils.rl.rollout import RolloutSetup
 
 API_KEY = "sampler-key"
@@ -19,8 +20,7 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(api_key=API_KEY, max_model_len=256, max_batch_size=8, device="cpu", dtype="float32",
-                       startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("smp") / "server.log"))
+    cfg = DeployConfig(api_key=API_KEY, startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("smp") / "server.log"), engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"))
     with EmbeddedDeployment(tiny_model_path, cfg) as dep:
         yield dep
 

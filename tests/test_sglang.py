@@ -18,7 +18,7 @@ from training.deployment.sampler import DeploymentRequestError
 from training.deployment.sglang import (SGLangDeployment, SGLangSampler, build_generate_request,
                                         distributed_init_body, distributed_update_body, parse_generate_item)
 from training.deployment.weight_sync import WeightSyncError
-from training.utils import DeployConfig
+from training.utils import DeployConfig, EngineConfig
 
 
 def answer(ids, lps, finish=None, version="default", text="x"):
@@ -164,14 +164,15 @@ def test_weight_push_writes_a_folder_and_posts_update_weights_from_disk(tiny_mod
     paths = [p for p, _ in requests]
     assert paths == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
     body = requests[1][1]
-    assert body["model_path"] == out["path"] and body["weight_version"] == "5"
-    assert {p.name for p in Path(out["path"]).iterdir()} >= {"model.safetensors", "config.json"}
+    folder = Path(out["path"]).parent  # out["path"] is the weights file
+    assert body["model_path"] == str(folder) and body["weight_version"] == "5"
+    assert {p.name for p in folder.iterdir()} >= {"model.safetensors", "config.json"}
     with pytest.raises(WeightSyncError, match="shape mismatch for lm_head.weight"):
         asyncio.run(scenario(True))
 
 
 def test_launch_command_and_distributed_bodies():
-    dep = SGLangDeployment("/m", DeployConfig(engine="sglang", max_model_len=1024, engine_args=["--tp", "2"]))
+    dep = SGLangDeployment("/m", DeployConfig(engine="sglang", engine_args=["--tp", "2"], engine_config=EngineConfig(max_model_len=1024)))
     dep.port = 30000
     cmd = dep._command()
     assert cmd[1:5] == ["-m", "sglang.launch_server", "--model-path", "/m"]

@@ -5,7 +5,6 @@ import math
 import random
 
 import pytest
-import torch
 
 from training.trainer import PolicyTrainer, ReferenceModel
 from training.utils.config import TrainerConfig

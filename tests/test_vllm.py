@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.deployment.launcher import DeploymentStartError, make_deployment, make_sampler
+from training.deployment.factory import make_deployment, make_sampler
+from training.deployment.server_process import DeploymentStartError
 from training.deployment.sampler import DeploymentSampler
 from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
-from training.utils import DeployConfig
+from training.utils import DeployConfig, EngineConfig
 
 _no_venv = pytest.mark.skipif(not VLLM_VENV_PYTHON.exists(),
                               reason=f"no vLLM venv at {VLLM_VENV_PYTHON}: run bash scripts/setup_vllm.sh")
@@ -39,13 +40,14 @@ def test_factory_picks_the_engine_class(tmp_path):
     assert type(make_deployment("m", DeployConfig())).__name__ == "EmbeddedDeployment"
     assert type(make_sampler(["http://h:1"], DeployConfig(engine="sglang"))).__name__ == "SGLangSampler"
     assert type(make_sampler(["http://h:1"], DeployConfig(engine="vllm"))) is DeploymentSampler
+    attached = make_deployment("m", DeployConfig(), base_url="http://h:1/")
+    assert attached.attached_url == "http://h:1" and attached.pid is None  # every engine attaches by URL
     with pytest.raises(ValueError, match="^base_url:"):
-        make_deployment("m", DeployConfig(), base_url="http://h:1")
+        make_deployment("m", DeployConfig(), base_url=["http://h:1", "http://h:2"])
 
 
 def test_launch_command_and_env(tmp_path):
-    dep = VLLMDeployment("/models/x", DeployConfig(engine="vllm", api_key="sekret", max_model_len=256,
-                                                   engine_args=["--seed", "3"], engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"}),
+    dep = VLLMDeployment("/models/x", DeployConfig(engine="vllm", api_key="sekret", engine_args=["--seed", "3"], engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"}, engine_config=EngineConfig(max_model_len=256)),
                          log_file=str(tmp_path / "v.log"))
     dep.port = 1234
     cmd, env = dep._command(), dep._env()
@@ -96,7 +98,7 @@ def vllm_model_path():
 @pytest.fixture(scope="module")
 def server(vllm_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    cfg = DeployConfig(engine="vllm", max_model_len=512, max_batch_size=16, startup_timeout_s=400)
+    cfg = DeployConfig(engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=16))
     with VLLMDeployment(vllm_model_path, cfg, log_file=str(log)) as dep:
         print(f"\nvLLM startup: {dep.startup_s:.1f} s")
         yield dep
@@ -286,8 +288,7 @@ def test_async_rl_loop_launches_vllm(vllm_model_path, tmp_path):
 
     labels = []
     shm_before = set(Path("/dev/shm").glob(f"training-vllm-{os.getpid()}-*"))
-    cfg = recipe_config(vllm_model_path, tmp_path, DeployConfig(engine="vllm", max_model_len=512, max_batch_size=8,
-                                                                startup_timeout_s=400))
+    cfg = recipe_config(vllm_model_path, tmp_path, DeployConfig(engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=8)))
     result = async_rl_loop.main(cfg, rollout_fn_factory=labelling_rollouts(labels), rows=ROWS)
     assert result["steps"] == 2 and labels and set(labels) <= {0, 1}
     log = (tmp_path / "run" / "deployment.log").read_text()

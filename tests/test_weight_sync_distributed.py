@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from training.deployment.dist_weights import DistributedWeightSender, accept_key, go_key, unique_weights
-from training.deployment.launcher import EmbeddedDeployment
-from training.deployment.weight_sync import WeightSyncError, push_weights
-from training.utils.config import DeployConfig
+from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.group import push_weights
+from training.deployment.weight_sync import WeightSyncError
+from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "dist-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,9 +31,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 @pytest.fixture(scope="module")
 def servers(tiny_model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("dist-srv")
-    deps = [EmbeddedDeployment(tiny_model_path, DeployConfig(
-        api_key=API_KEY, max_model_len=512, max_batch_size=8, device="cpu", dtype="float32", startup_timeout_s=120,
-        log_file=str(logs / f"server{i}.log")), served_model_name="tiny") for i in range(2)]
+    deps = [EmbeddedDeployment(tiny_model_path, DeployConfig(api_key=API_KEY, startup_timeout_s=120, log_file=str(logs / f"server{i}.log"), engine_config=EngineConfig(max_model_len=512, max_batch_size=8, device="cpu", dtype="float32")), served_model_name="tiny") for i in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:  # start both at once
             list(pool.map(EmbeddedDeployment.start, deps))

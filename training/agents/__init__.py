@@ -6,9 +6,9 @@ from training.agents.environments import (FINISH_TOOL, Environment, FinishTool, 
                                           TaskEnvironment, ToolEnvironment)
 from training.agents.orchestrator import Orchestrator, TrajectoryGroup, WeightSyncLock
 from training.agents.rollout_fn import engine_for_setup, make_agent_rollout_fn
-from training.agents.tool_parsers import (HermesToolParser, JsonToolParser, ParsedCalls, ToolParser,
+from training.utils.tool_parsers import (HermesToolParser, JsonToolParser, ParsedCalls, ToolCall, ToolParser,
                                           get_tool_parser, render_prompt_ids)
-from training.agents.tools import FunctionTool, Tool, ToolCall, ToolManager, ToolResult
+from training.agents.tools import FunctionTool, Tool, ToolManager, ToolResult
 from training.agents.trajectory import Episode, TrajectoryEngine
 
 __all__ = [

@@ -20,8 +20,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from training.agents.tool_parsers import ToolParser, format_parse_error, get_tool_parser
-from training.agents.tools import ToolCall
+from training.utils.tool_parsers import ToolCall, ToolParser, format_parse_error, get_tool_parser
 
 
 @dataclass

@@ -17,7 +17,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from training.agents.tool_parsers import messages_with_tools
+from training.utils.tool_parsers import messages_with_tools
 
 SCRIPT_TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

@@ -22,8 +22,10 @@ import asyncio
 import inspect
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
+
+from training.utils.tool_parsers import ToolCall
 
 OK, ERROR, TIMEOUT, UNKNOWN_TOOL, BAD_ARGUMENTS = "ok", "error", "timeout", "unknown_tool", "bad_arguments"
 STATUSES = (OK, ERROR, TIMEOUT, UNKNOWN_TOOL, BAD_ARGUMENTS)
@@ -33,18 +35,6 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "object": (dict,), "array": (list,), "null": (type(None),),
 }
-
-
-@dataclass
-class ToolCall:
-    """One call the model asked for."""
-
-    id: str
-    """Call id, unique within an episode (keys ``tool_outputs``)."""
-    name: str
-    """Tool name as the model wrote it."""
-    arguments: dict[str, Any] = field(default_factory=dict)
-    """Decoded JSON arguments."""
 
 
 @dataclass

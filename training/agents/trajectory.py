@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
-from training.agents.tool_parsers import messages_with_tools, render_prompt_ids
+from training.utils.tool_parsers import messages_with_tools, render_prompt_ids
 from training.utils.rl.rollout import RolloutRun, RolloutSample
 
 STUB = "<<assistant-reply-stub-5c1e>>"

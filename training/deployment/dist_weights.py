@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from training.deployment.weight_sync import WeightSyncError
+from training.utils.http import auth_headers
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
                                   "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -211,8 +212,7 @@ class DistributedWeightSender:
         self.close()
 
     def _session(self) -> aiohttp.ClientSession:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return aiohttp.ClientSession(headers=auth_headers(self.api_key), timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: dict) -> dict:
         try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from training.deployment.engine.config import GenerationResult, SamplingParams
+from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 
 MAX_N = 256
 """Upper bound on ``n`` (choices per prompt) in one request."""
@@ -337,12 +338,10 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Split Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks out of ``text``.
 
-    Returns (content, OpenAI ``tool_calls``), parsed by the agents' ``HermesToolParser``. The
+    Returns (content, OpenAI ``tool_calls``), parsed by ``HermesToolParser``. The
     content is the text outside the blocks; if any block was malformed, it is the whole reply,
     so nothing the model wrote is hidden from the client. Call ids are unique per response.
     """
-    from training.agents.tool_parsers import HermesToolParser, to_openai_tool_calls
-
     parsed = HermesToolParser().parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
     if not parsed.calls:
         return text, []

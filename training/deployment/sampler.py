@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence, Union
 
 import aiohttp
 
+from training.utils.http import auth_headers
+
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-multi-turn-session-id"
@@ -188,12 +190,7 @@ class DeploymentSampler:
         self._client.noted_weight_version = int(version)
 
     def _headers(self, session_id: Optional[str]) -> dict[str, str]:
-        headers = {}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        if session_id:
-            headers[SESSION_HEADER] = session_id
-        return headers
+        return auth_headers(self.api_key, {SESSION_HEADER: session_id} if session_id else None)
 
     def pick_replica(self, session_id: Optional[str]) -> str:
         """The replica for one request: the session's own (stable hash), else the least loaded."""

@@ -1,5 +1,8 @@
 """Run the deployment server: ``python -m training.deployment.serve --model DIR --port 8000``.
 
+Engine settings are ``EngineConfig`` fields, as flags (``--max-batch-size 16``) or all at once as
+``--engine-config JSON`` (the launcher passes the config whole this way).
+
 Loads the model into an ``AsyncEngine``, serves the OpenAI-compatible app from ``server.py``
 on 127.0.0.1 (default), prints one ready line once requests can be served::
 
@@ -14,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
+import json
 import logging
 import os
 import signal
@@ -22,32 +28,70 @@ from typing import Optional
 
 from aiohttp import web
 
+from training.utils.cli import OverrideError, field_docs, field_types, parse_value
+from training.utils.config import EngineConfig
+
 READY_PREFIX = "DEPLOYMENT READY"
 
 
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Server flags, then one flag per ``EngineConfig`` field (``--max-batch-size 16``...), generated
+    from the dataclass: its annotation converts the value, its docstring is the help."""
     p = argparse.ArgumentParser(prog="python -m training.deployment.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="local Hugging Face folder or hub id")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0 = any free port, printed in the ready line)")
     p.add_argument("--api-key", default=os.environ.get("DEPLOYMENT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $DEPLOYMENT_API_KEY; unset = no auth)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded at once (KV cache slots)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
-    p.add_argument("--no-prefix-caching", action="store_true", help="reuse K/V across requests only by session id")
-    p.add_argument("--prefix-cache-slots", type=int, default=0,
-                   help="KV slots beyond --max-batch-size that only hold cached prefixes")
-    p.add_argument("--inflight-update-kv", default="keep", choices=["keep", "recompute"],
-                   help="K/V of running sequences at a wait_for_inflight=false weight update")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="shut down when process PID is no longer this server's parent")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--engine-config", default=None, metavar="JSON",
+                   help="every EngineConfig field as one JSON object (what the launcher passes); "
+                        "the flags below override its values")
+    engine = p.add_argument_group("engine settings (EngineConfig)")
+    docs, types_ = field_docs(EngineConfig), field_types(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        engine.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                            type=functools.partial(_flag_value, annotation=types_[f.name], name=f.name),
+                            help=f"{docs.get(f.name, '')} (default {f.default!r})" if f.default is not
+                            dataclasses.MISSING else docs.get(f.name, ""))
     return p
+
+
+def _flag_value(raw: str, annotation, name: str):
+    try:
+        return parse_value(raw, annotation, "--" + name.replace("_", "-"))
+    except OverrideError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """``--engine-config`` (if given) with the individual engine flags applied over it."""
+    base = {}
+    if args.engine_config:
+        try:
+            base = json.loads(args.engine_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--engine-config: not valid JSON: {e}") from None
+        if not isinstance(base, dict):
+            raise SystemExit("--engine-config: must be a JSON object of EngineConfig fields")
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(base) - names)
+    if unknown:
+        raise SystemExit(f"--engine-config: unknown field {unknown[0]!r}; EngineConfig has {sorted(names)}")
+    base.update({k: v for k, v in vars(args).items() if k in names})
+    if isinstance(base.get("cuda_graph_batch_sizes"), list):
+        base["cuda_graph_batch_sizes"] = tuple(base["cuda_graph_batch_sizes"])
+    if not base.get("model"):
+        raise SystemExit("--model is required (or a \"model\" in --engine-config)")
+    try:
+        return EngineConfig(**base)
+    except ValueError as e:
+        raise SystemExit(f"engine settings: {e}") from None
 
 
 async def _watch_parent(parent_pid: int, stop: asyncio.Event, interval_s: float = 1.0) -> None:
@@ -61,14 +105,10 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event, interval_s: float 
 
 async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -> None:
     """Start engine and HTTP server, print the ready line, run until a stop signal."""
-    from training.deployment.engine import AsyncEngine, EngineConfig
+    from training.deployment.engine import AsyncEngine
     from training.deployment.server import create_app
 
-    engine = AsyncEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                      max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                                      seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
-                                      prefix_cache_slots=args.prefix_cache_slots,
-                                      inflight_update_kv=args.inflight_update_kv))
+    engine = AsyncEngine(engine_config_from_args(args))
     await engine.start()
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
@@ -98,6 +138,7 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    engine_config_from_args(args)  # a bad setting stops here, before logging and model loading
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args))
 

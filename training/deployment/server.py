@@ -16,7 +16,6 @@ every generation response carries ``weight_version``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from training.deployment.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from training.utils.http import bearer_ok
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     """API-key check (all paths but /health) and the mapping of errors to JSON responses."""
     api_key = request.app[SETTINGS_KEY].get("api_key")
     if api_key and request.path not in _OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if not bearer_ok(request.headers.get("Authorization"), api_key):
             return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error")
     try:

@@ -1,50 +1,63 @@
-"""A server we launch as a child process (or attach to by URL): the lifecycle vLLM and SGLang share.
+"""An inference server as a supervised child process, or attached by URL: the one lifecycle that the
+embedded server (``embedded.py``) and the vLLM / SGLang adapters (``vllm.py``, ``sglang.py``) share.
 
-``ServerProcessDeployment`` starts the engine's command on a free loopback port, waits for its
-health endpoint, stops it at exit, and offers small HTTP helpers to the engine adapters
-(``vllm.py``, ``sglang.py``). The embedded server has its own launcher (``launcher.py``) because
-it also restarts a dead child and reloads the newest weights into it.
+Launch (``base_url`` None): ``start()`` runs the engine's command in its own process group on a
+free loopback port, sends its output to a log file and waits for its health endpoint;
+``DeploymentStartError`` carries the log's tail when the child exits or is not healthy within
+``cfg.startup_timeout_s``. A watchdog thread (and ``ensure_alive()``) restarts a dead child on the
+same port, up to ``cfg.max_restarts`` times, and loads the latest weights into it again
+(``load_weights`` of the subclass), so it comes back at the same ``weight_version``; each restart
+is recorded in ``restarts``. ``stop()`` (also on leaving the ``with`` block, exceptions and Ctrl-C
+included, and at interpreter exit) sends SIGTERM to the process group, then SIGKILL after
+``stop_grace_s``.
+
+Attach (``base_url`` given): health is checked at ``start()``; nothing is started, restarted or
+stopped, and ``ensure_alive()`` raises when the server stopped answering.
+
+Weights: ``load_weights(folder, weight_version)`` (blocking; the subclass's endpoint calls) loads
+``<folder>/model.safetensors`` into the running server. ``DeploymentGroup`` (``group.py``) writes
+one file for all replicas and calls it on each; ``push_weights`` is the one-server shorthand.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
-import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from training.deployment.launcher import DeploymentStartError, free_port, http_request
+from training.deployment.weight_sync import WeightFolder
 from training.utils.config import DeployConfig
+from training.utils.http import control_request, free_port
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+HEALTH_POLL_S = 0.2
+"""How often a starting server's health endpoint is polled."""
 
 
-class ServerProcessDeployment:
-    """An inference server we launch as a child process (or attach to by URL): shared lifecycle.
+class DeploymentStartError(RuntimeError):
+    """The server did not become healthy (or died for good); the message carries the tail of its log."""
 
-    Subclasses give ``_command()``, ``_env()`` and ``push_weights``. Launch: a free loopback port,
-    output to a log file, wait for ``GET /health`` (``DeploymentStartError`` with the log's tail
-    when the child exits or is not healthy within ``cfg.startup_timeout_s``), SIGTERM then SIGKILL
-    on ``stop()``, on leaving the ``with`` block and at interpreter exit. Attach (``base_url``):
-    health is checked at ``start()``, nothing is started or stopped. No automatic restart (the
-    engines have their own supervision); ``ensure_alive()`` raises if a launched server died.
-    """
+
+class ServerProcess:
+    """A launched (supervised) or attached inference server. Subclasses give ``_command``, ``_env``
+    and ``load_weights``; ``engine`` names them in messages."""
 
     engine = "server"
     health_path = "/health"
 
     def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, log_file: Optional[str] = None,
-                 base_url: Optional[str] = None, stop_grace_s: float = 15.0, extra_args: Iterable[str] = ()):
+                 base_url: Optional[str] = None, watchdog_interval_s: float = 1.0, stop_grace_s: float = 15.0,
+                 extra_args: Iterable[str] = ()):
         self.model = str(model)
         self.cfg = cfg or DeployConfig()
         url = base_url if base_url is not None else self.cfg.base_url
@@ -53,21 +66,26 @@ class ServerProcessDeployment:
         self.attached_url = url.rstrip("/") if url else None
         """The URL of a server we attach to; None when we launch one."""
         self.api_key = self.cfg.api_key
+        self.watchdog_interval_s = watchdog_interval_s
         self.stop_grace_s = stop_grace_s
-        self.extra_args = list(self.cfg.engine_args) + list(extra_args)
+        self.extra_args = list(extra_args)
         self.log_path = Path(log_file or self.cfg.log_file or
                              Path(tempfile.gettempdir()) / f"{self.engine}-{os.getpid()}-{id(self):x}.log")
         self.host = self.cfg.host
         self.port = self.cfg.port
         self.restarts: list[dict[str, Any]] = []
-        """Always empty: kept for interface parity with ``EmbeddedDeployment``."""
+        """One entry per restart: ``time``, ``exit_code`` of the dead child, ``ok`` and ``error``."""
         self.latest_weights: Optional[dict[str, Any]] = None
-        """The last pushed weights: ``{"path", "weight_version", "mode"}``."""
+        """The last weights loaded: ``{"folder", "weight_version", "mode"}``; loaded again after a restart."""
         self.startup_s: Optional[float] = None
-        """Seconds from launch to a healthy /health (None when attached)."""
+        """Seconds from the last launch to a healthy server (None when attached)."""
         self._proc: Optional[subprocess.Popen] = None
         self._log_fh = None
-        self._owned_dirs: list[Path] = []
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._watchdog: Optional[threading.Thread] = None
+        self._failed: Optional[str] = None
+        self._own_weights = None  # the WeightFolder of push_weights (one-server shorthand)
 
     # ------------------------------------------------------------ properties
     @property
@@ -83,7 +101,7 @@ class ServerProcessDeployment:
 
     @property
     def restart_count(self) -> int:
-        return 0
+        return len(self.restarts)
 
     def is_alive(self) -> bool:
         if self.attached_url:
@@ -98,64 +116,99 @@ class ServerProcessDeployment:
         self.stop()
 
     def start(self):
-        """Launch the server and wait for health, or check an attached server's health. Idempotent."""
+        """Launch the server, wait for health and start the watchdog; or check an attached server's health.
+
+        Idempotent."""
         if self.attached_url:
             status, text = self._http("GET", self.health_path, timeout=10.0)
             if status != 200:
                 raise DeploymentStartError(f"{self.engine} server at {self.attached_url} is not healthy: "
                                            f"GET {self.health_path} -> {status or 'no answer'}: {text[:500]}")
             return self
-        if self._proc is not None and self._proc.poll() is None:
-            return self
-        if not self.port:
-            self.port = free_port("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
-        atexit.register(self.stop)
-        try:
-            self._spawn_and_wait()
-        except BaseException:
-            self.stop()
-            raise
+        with self._lock:
+            if self.is_alive():
+                return self
+            self._stopping.clear()
+            if not self.port:
+                self.port = free_port("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+            atexit.register(self.stop)
+            try:
+                self._spawn_and_wait()
+            except BaseException:
+                self.stop()
+                raise
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = threading.Thread(target=self._watch, name=f"{self.engine}-watchdog", daemon=True)
+                self._watchdog.start()
         return self
 
     def stop(self) -> None:
-        """Stop a launched server (SIGTERM to its process group, SIGKILL after the grace period). Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            except ProcessLookupError:
-                pass
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        for d in self._owned_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self._owned_dirs.clear()
+        """Stop the watchdog and a launched server (SIGTERM to its process group, SIGKILL after the grace
+        period) and remove the weights file of ``push_weights``. Idempotent."""
+        self._stopping.set()
+        with self._lock:
+            self._terminate()
+            if self._log_fh is not None:
+                self._log_fh.close()
+                self._log_fh = None
+            if self._own_weights is not None:
+                self._own_weights.remove()
+                self._own_weights = None
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=5)
         atexit.unregister(self.stop)
 
     def ensure_alive(self) -> bool:
-        """False while the server runs; raises ``DeploymentStartError`` (with the log's tail) if it died."""
-        if self.is_alive():
-            return False
-        where = self.attached_url or f"log {self.log_path}:\n{self.log_tail()}"
-        raise DeploymentStartError(f"the {self.engine} server is gone (no automatic restart); {where}")
+        """Restart a dead launched server (within ``max_restarts``); True if it had to restart.
 
-    def note_weights(self, path: str, weight_version: int, mode: str = "disk") -> None:
-        """Record the latest weights pushed (kept for interface parity; used in error messages)."""
-        self.latest_weights = {"path": str(path), "weight_version": int(weight_version), "mode": mode}
+        Raises ``DeploymentStartError`` when the restart budget is spent, a restart fails, or an
+        attached server stopped answering."""
+        if self.attached_url:
+            if self.is_alive():
+                return False
+            raise DeploymentStartError(f"the {self.engine} server at {self.attached_url} is not answering "
+                                       "(attached: not restarted by us)")
+        with self._lock:
+            if self._stopping.is_set():
+                raise DeploymentStartError("the deployment was stopped")
+            if self.is_alive():
+                return False
+            self._restart()
+            return True
 
-    def log_tail(self, n_bytes: int = 4000) -> str:
-        """The last ``n_bytes`` of the server log."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - n_bytes))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return "(no log)"
+    # ------------------------------------------------------------ weights
+    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
+                     wait_for_inflight: bool = True) -> dict:
+        """Load ``<folder>/model.safetensors`` into the running server as ``weight_version`` (blocking).
+
+        ``mode`` says where the folder lives (``shm``: this host's /dev/shm; ``disk``: a folder the
+        server can read). Raises ``WeightSyncError`` naming the step that failed; the server keeps
+        serving (its old weights where it refused)."""
+        raise NotImplementedError
+
+    def note_weights(self, folder: str, weight_version: int, mode: str) -> None:
+        """Record the weights now live, to load them again after a restart."""
+        self.latest_weights = {"folder": str(folder), "weight_version": int(weight_version), "mode": mode}
+
+    async def push_weights(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
+                           mode: Optional[str] = None, directory: Optional[str] = None,
+                           wait_for_inflight: bool = True) -> dict:
+        """Write the weights and load them into this one server (``DeploymentGroup.push`` for replicas)."""
+        mode = mode or ("disk" if self.cfg.weight_sync == "disk" else "shm")
+        if self._own_weights is None or self._own_weights.mode != mode or (
+                directory and self._own_weights.folder != Path(directory).resolve()):
+            if self._own_weights is not None:
+                self._own_weights.remove()
+            self._own_weights = WeightFolder(mode, directory)
+        write = await self._own_weights.write_async(named_weights)
+        t0 = time.perf_counter()
+        folder = str(self._own_weights.folder)
+        out = await asyncio.to_thread(self.load_weights, folder, weight_version, mode=mode,
+                                      wait_for_inflight=wait_for_inflight)
+        self.note_weights(folder, weight_version, mode)
+        load_s = time.perf_counter() - t0
+        return {**out, "path": str(self._own_weights.file), "bytes": write["bytes"], "write_s": write["write_s"],
+                "load_s": load_s, "total_s": write["write_s"] + load_s}
 
     # ------------------------------------------------------------ internals
     def _command(self) -> list[str]:
@@ -163,26 +216,6 @@ class ServerProcessDeployment:
 
     def _env(self) -> dict[str, str]:
         return dict(os.environ, PYTHONUNBUFFERED="1")
-
-    def _weights_folder(self, mode: str, directory: Optional[str]) -> Path:
-        """Where a push writes its safetensors: ``directory`` (disk) or a private /dev/shm folder (shm)."""
-        from training.deployment.weight_sync import shm_dir
-
-        if mode == "disk":
-            if not directory:
-                raise ValueError("directory: required with mode='disk'")
-            folder = Path(directory).resolve()
-        elif mode == "shm":
-            if self.attached_url and self.cfg.host not in ("127.0.0.1", "localhost"):
-                log.warning("mode='shm' writes to this host's /dev/shm; the server must run on the same host")
-            owned = [d for d in self._owned_dirs if d.parent == shm_dir()]
-            folder = owned[0] if owned else shm_dir() / f"training-{self.engine}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            if not owned:
-                self._owned_dirs.append(folder)
-        else:
-            raise ValueError(f"mode: {mode!r} is not one of ('shm', 'disk')")
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
 
     def _spawn_and_wait(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,24 +236,73 @@ class ServerProcessDeployment:
                 self.startup_s = time.monotonic() - t0
                 log.info("%s server ready at %s after %.1f s", self.engine, self.base_url, self.startup_s)
                 return
-            time.sleep(0.5)
+            if self._stopping.is_set():
+                raise DeploymentStartError(f"the {self.engine} server was stopped during startup")
+            time.sleep(HEALTH_POLL_S)
+        self._terminate()
         raise DeploymentStartError(f"{self.engine} server not healthy after {self.cfg.startup_timeout_s} s; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
 
-    def _http(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0) -> tuple[int, str]:
-        return http_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout)
+    def _http(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0,
+              params: Optional[dict] = None) -> tuple[int, str]:
+        return control_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout,
+                               params=params)
 
-    async def _post(self, session: Any, path: str, body: Optional[dict] = None,
-                    params: Optional[dict] = None) -> Any:
-        """POST to the server; raise ``WeightSyncError`` naming the step on an error answer."""
-        from training.deployment.weight_sync import WeightSyncError
+    def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with session.post(self.base_url + path, json=body, params=params, headers=headers) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise WeightSyncError(f"{self.base_url}{path}: HTTP {resp.status}: {text[:2000]}")
-            try:
-                return json.loads(text) if text else None
-            except ValueError:
-                return text
+    def _restart(self) -> None:
+        if self._failed:
+            raise DeploymentStartError(self._failed)
+        if len(self.restarts) >= self.cfg.max_restarts:
+            self._failed = (f"{self.engine} server died and max_restarts={self.cfg.max_restarts} is spent; "
+                            f"log {self.log_path}:\n{self.log_tail()}")
+            raise DeploymentStartError(self._failed)
+        code = self._proc.poll() if self._proc else None
+        entry: dict[str, Any] = {"time": time.time(), "exit_code": code, "ok": False, "error": None}
+        self.restarts.append(entry)
+        log.warning("%s server died (exit code %s); restart %d/%d", self.engine, code, len(self.restarts),
+                    self.cfg.max_restarts)
+        try:
+            self._proc = None
+            self._spawn_and_wait()
+            w = self.latest_weights
+            if w is not None:
+                try:
+                    self.load_weights(w["folder"], w["weight_version"], mode=w["mode"])
+                except Exception as e:  # noqa: BLE001 - reported as a failed restart
+                    raise DeploymentStartError(f"restarted {self.engine} server refused the latest weights "
+                                               f"(v{w['weight_version']}, {w['folder']}): {e}") from e
+            entry["ok"] = True
+        except DeploymentStartError as e:
+            entry["error"] = str(e)[:2000]
+            raise
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.watchdog_interval_s):
+            with self._lock:
+                if self._stopping.is_set() or self._failed or self.is_alive():
+                    continue
+                try:
+                    self._restart()
+                except DeploymentStartError as e:
+                    log.error("%s restart failed: %s", self.engine, str(e)[:500])
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        """The last ``n_bytes`` of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - n_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"

@@ -5,7 +5,7 @@ parsing are unit-tested against the shapes in SGLang's documentation, and
 ``tests/test_sglang.py::test_real_server`` runs against a real server on a GPU machine
 (command in training/deployment/README.md).
 
-- ``SGLangDeployment(model, cfg)``: the ``EmbeddedDeployment`` interface. Launches
+- ``SGLangDeployment(model, cfg)``: a ``ServerProcess`` like ``EmbeddedDeployment``. Launches
   ``python -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port N ...`` (the Python of
   ``cfg.engine_python``) or attaches to ``cfg.base_url``.
 - ``SGLangSampler``: a ``DeploymentSampler`` whose token-level calls go to SGLang's native
@@ -30,14 +30,18 @@ parsing are unit-tested against the shapes in SGLang's documentation, and
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from training.deployment.protocol import parse_tool_calls
 from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
-from training.deployment.server_process import ServerProcessDeployment
+from training.deployment.server_process import ServerProcess
+from training.deployment.weight_sync import WeightSyncError
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)
@@ -143,8 +147,6 @@ class SGLangSampler(DeploymentSampler):
     async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
                    session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
         """Render ``messages`` with the chat template (needs ``tokenizer``) and sample from the ids."""
-        from training.deployment.protocol import parse_tool_calls
-
         if self.tokenizer is None:
             raise ValueError("tokenizer: SGLangSampler.chat renders the chat template locally; "
                              "pass tokenizer= (the model's tokenizer)")
@@ -189,24 +191,23 @@ def distributed_update_body(named_tensors: Iterable[tuple[str, Any]], weight_ver
             "flush_cache": True, "weight_version": str(int(weight_version))}
 
 
-class SGLangDeployment(ServerProcessDeployment):
+class SGLangDeployment(ServerProcess):
     """SGLang's server, launched from ``cfg.engine_python`` or attached by URL (GPU only)."""
 
     engine = "sglang"
 
-    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, **kwargs: Any):
-        super().__init__(model, cfg, **kwargs)
-        import sys
-
+    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, extra_args: Iterable[str] = (),
+                 **kwargs: Any):
+        super().__init__(model, cfg, extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args], **kwargs)
         self.python = self.cfg.engine_python or sys.executable
         self.last_sync: dict[str, float] = {}
 
     def _command(self) -> list[str]:
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
-               "--port", str(self.port), "--context-length", str(self.cfg.max_model_len),
-               "--max-running-requests", str(self.cfg.max_batch_size)]
-        if self.cfg.dtype != "auto":
-            cmd += ["--dtype", self.cfg.dtype]
+               "--port", str(self.port), "--context-length", str(self.cfg.engine_config.max_model_len),
+               "--max-running-requests", str(self.cfg.engine_config.max_batch_size)]
+        if self.cfg.engine_config.dtype != "auto":
+            cmd += ["--dtype", self.cfg.engine_config.dtype]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
@@ -222,37 +223,33 @@ class SGLangDeployment(ServerProcessDeployment):
             if (src / name).is_file() and not (folder / name).exists():
                 shutil.copy2(src / name, folder / name)
 
-    async def push_weights(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
-                           mode: Optional[str] = None, directory: Optional[str] = None,
-                           wait_for_inflight: bool = True) -> dict:
-        """Write safetensors (+ the model's config) and ``POST /update_weights_from_disk``.
+    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
+                     wait_for_inflight: bool = True) -> dict:
+        """Copy the model's config next to the weights and ``POST /update_weights_from_disk``.
 
-        Returns ``{"path", "bytes", "write_s", "reload_s", "total_s"}``; raises ``WeightSyncError``
-        when SGLang answers ``success: false`` (it keeps its old weights then).
-        """
-        import aiohttp
-
-        from training.deployment.weight_sync import WeightSyncError, write_safetensors
-
-        mode = mode or ("disk" if self.cfg.weight_sync == "disk" else "shm")
-        t0 = time.perf_counter()
-        folder = self._weights_folder(mode, directory)
-        written = await asyncio.to_thread(write_safetensors, named_weights, folder / "model.safetensors")
-        self._copy_config(folder)
-        t1 = time.perf_counter()
+        Returns ``{"reload_s"}``; raises ``WeightSyncError`` when SGLang answers ``success: false``
+        (it keeps its old weights then)."""
+        self._copy_config(Path(folder))
         body = {"model_path": str(folder), "weight_version": str(int(weight_version)), "abort_all_requests": False}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(self.cfg.request_timeout_s, 600))) as s:
+        t0 = time.perf_counter()
+        if not wait_for_inflight:
+            self._post("/pause_generation", {"mode": "retract"})
+        try:
+            out = self._post("/update_weights_from_disk", body)
+        finally:
             if not wait_for_inflight:
-                await self._post(s, "/pause_generation", {"mode": "retract"})
-            try:
-                out = await self._post(s, "/update_weights_from_disk", body)
-            finally:
-                if not wait_for_inflight:
-                    await self._post(s, "/continue_generation", {})
+                self._post("/continue_generation", {})
         if not isinstance(out, dict) or not out.get("success", False):
             raise WeightSyncError(f"{self.base_url}/update_weights_from_disk refused v{weight_version} from "
                                   f"{folder}: {str(out)[:2000]}")
-        self.note_weights(str(folder), weight_version, mode)
-        t2 = time.perf_counter()
-        self.last_sync = {"write_s": t1 - t0, "reload_s": t2 - t1, "total_s": t2 - t0}
-        return {"path": str(folder), "bytes": written, **self.last_sync}
+        self.last_sync = {"reload_s": time.perf_counter() - t0}
+        return dict(self.last_sync)
+
+    def _post(self, path: str, body: Optional[dict] = None) -> Any:
+        status, text = self._http("POST", path, body, timeout=max(self.cfg.request_timeout_s, 600.0))
+        if status != 200:
+            raise WeightSyncError(f"{self.base_url}{path}: HTTP {status or 'no answer'}: {text[:2000]}")
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return text

@@ -1,7 +1,8 @@
 """vLLM as the deployment engine: launch or attach, sample token-level, reload weights from disk.
 
-``VLLMDeployment(model, cfg)`` has the interface of ``EmbeddedDeployment`` (context manager,
-``base_url``, ``async push_weights(named_weights, weight_version, mode=..., directory=...)``).
+``VLLMDeployment(model, cfg)`` is a ``ServerProcess`` like ``EmbeddedDeployment`` (context manager,
+``base_url``, a watchdog that restarts a dead launched server with the latest weights,
+``load_weights(folder, weight_version)``).
 It either launches ``python -m vllm.entrypoints.openai.api_server`` with the Python of a vLLM
 venv (``cfg.engine_python``; default ``.venv-vllm/bin/python`` of this repository, made by
 ``scripts/setup_vllm.sh``) or, with ``cfg.base_url`` set, attaches to a running server (which
@@ -17,10 +18,10 @@ the kept tokens, which the embedded server does not. Attach to a server started 
 labels such completions with the version it last saw confirmed *before* the request was sent
 (``DeploymentSampler.note_weight_version``): never newer than the weights that produced them.
 
-Weight sync (``push_weights``), from disk:
+Weight sync, from a folder (``DeploymentGroup.push`` or ``push_weights``):
 
-1. write ``<folder>/model.safetensors`` (``mode="disk"``: ``directory``; ``mode="shm"``: a
-   private folder under /dev/shm, same host only);
+1. the group writes ``<folder>/model.safetensors`` once for every replica (``mode="disk"``: a
+   folder the servers can read; ``mode="shm"``: a private folder under /dev/shm, same host only);
 2. ``POST /pause?mode=wait`` (default, ``wait_for_inflight=True``): in-flight requests finish on
    the old weights, new ones queue, so every completion comes from one weight version; with
    ``wait_for_inflight=False``, ``mode=keep`` freezes in-flight requests and they continue on the
@@ -38,13 +39,16 @@ wired here; see training/deployment/README.md for the command to try it on a GPU
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import sys
 import time
 from typing import Any, Iterable, Optional
 
-from training.deployment.server_process import REPO_ROOT, ServerProcessDeployment
+from training.deployment.server_process import REPO_ROOT, ServerProcess
+from training.deployment.weight_sync import WeightSyncError
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ def default_vllm_python() -> str:
     return str(VLLM_VENV_PYTHON) if VLLM_VENV_PYTHON.exists() else sys.executable
 
 
-class VLLMDeployment(ServerProcessDeployment):
+class VLLMDeployment(ServerProcess):
     """vLLM's OpenAI-compatible server, launched from ``cfg.engine_python`` or attached by URL."""
 
     engine = "vllm"
@@ -68,17 +72,17 @@ class VLLMDeployment(ServerProcessDeployment):
                  base_url: Optional[str] = None, stop_grace_s: float = 15.0, extra_args: Iterable[str] = (),
                  refresh_tied_output: bool = True):
         super().__init__(model, cfg, log_file=log_file, base_url=base_url, stop_grace_s=stop_grace_s,
-                         extra_args=extra_args)
+                         extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args])
         self.python = self.cfg.engine_python or default_vllm_python()
         self.refresh_tied_output = refresh_tied_output
         """Reload through the worker extension (True) or vLLM's bare ``reload_weights`` (False:
         only to demonstrate the tied-embedding pitfall in tests)."""
         self.last_sync: dict[str, float] = {}
-        """Timings of the last ``push_weights``: write_s, pause_s, reload_s, total_s."""
+        """Timings of the last ``load_weights``: pause_s, reload_s."""
 
     def _dtype(self) -> str:
-        if self.cfg.dtype != "auto":
-            return self.cfg.dtype
+        if self.cfg.engine_config.dtype != "auto":
+            return self.cfg.engine_config.dtype
         import torch
 
         return "auto" if torch.cuda.is_available() else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
@@ -86,7 +90,8 @@ class VLLMDeployment(ServerProcessDeployment):
     def _command(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(self.port), "--dtype", self._dtype(), "--enforce-eager",
-                "--max-model-len", str(self.cfg.max_model_len), "--max-num-seqs", str(self.cfg.max_batch_size),
+                "--max-model-len", str(self.cfg.engine_config.max_model_len),
+                "--max-num-seqs", str(self.cfg.engine_config.max_batch_size),
                 "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
                 "--worker-extension-cls", WORKER_EXTENSION, *self.extra_args]
 
@@ -104,53 +109,40 @@ class VLLMDeployment(ServerProcessDeployment):
 
     async def server_weight_version(self) -> Optional[str]:
         """The version string vLLM reports (``GET /weight_info``); None if it has none."""
-        import aiohttp
+        status, text = await asyncio.to_thread(self._http, "GET", "/weight_info", timeout=30.0)
+        return json.loads(text).get("weight_version") if status == 200 else None
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            async with s.get(self.base_url + "/weight_info", headers=headers) as resp:
-                return (await resp.json()).get("weight_version") if resp.status == 200 else None
+    def _post(self, path: str, body: Optional[dict] = None, params: Optional[dict] = None) -> Any:
+        status, text = self._http("POST", path, body, params=params, timeout=max(self.cfg.request_timeout_s, 600.0))
+        if status != 200:
+            raise WeightSyncError(f"{self.base_url}{path}: HTTP {status or 'no answer'}: {text[:2000]}")
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return text
 
-    async def push_weights(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
-                           mode: Optional[str] = None, directory: Optional[str] = None,
-                           wait_for_inflight: bool = True) -> dict:
-        """Write the weights as safetensors and reload them in the running server (steps: module doc).
+    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
+                     wait_for_inflight: bool = True) -> dict:
+        """Reload ``<folder>/model.safetensors`` in the running server (steps 2-5 of the module doc).
 
-        Returns ``{"path", "bytes", "write_s", "pause_s", "reload_s", "total_s", "refreshed"}``.
-        Raises ``WeightSyncError`` naming the failed step; the server is resumed either way.
-        """
-        import asyncio
-
-        import aiohttp
-
-        from training.deployment.weight_sync import WeightSyncError, write_safetensors
-
-        mode = mode or ("disk" if self.cfg.weight_sync == "disk" else "shm")
-        t0 = time.perf_counter()
-        folder = self._weights_folder(mode, directory)
-        written = await asyncio.to_thread(write_safetensors, named_weights, folder / "model.safetensors")
-        t1 = time.perf_counter()
+        Returns ``{"pause_s", "reload_s", "refreshed"}``; raises ``WeightSyncError`` naming the failed
+        step. The server is resumed either way."""
         method = RELOAD_METHOD if self.refresh_tied_output else "reload_weights"
-        timeout = aiohttp.ClientTimeout(total=max(self.cfg.request_timeout_s, 600.0))
-        refreshed: Any = None
-        async with aiohttp.ClientSession(timeout=timeout) as s:
-            await self._post(s, "/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
+        t0 = time.perf_counter()
+        self._post("/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
+        t1 = time.perf_counter()
+        try:
+            out = self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}})
+            refreshed = out.get("results") if isinstance(out, dict) else out
+            reset = self._post("/reset_prefix_cache",
+                               params={"reset_running_requests": "false" if wait_for_inflight else "true"})
+            if isinstance(reset, dict) and reset.get("success") is False:
+                log.warning("vLLM /reset_prefix_cache answered success=false after the reload")
+            self._post("/update_weight_version", {"new_version": str(int(weight_version))})
+        except WeightSyncError as e:
+            raise WeightSyncError(f"vLLM refused weights v{weight_version} from {folder}: {e}") from e
+        finally:
             t2 = time.perf_counter()
-            try:
-                out = await self._post(s, "/collective_rpc", {"method": method,
-                                                              "kwargs": {"weights_path": str(folder)}})
-                refreshed = (out or {}).get("results") if isinstance(out, dict) else out
-                reset = await self._post(s, "/reset_prefix_cache",
-                                         params={"reset_running_requests": "false" if wait_for_inflight else "true"})
-                if isinstance(reset, dict) and reset.get("success") is False:
-                    log.warning("vLLM /reset_prefix_cache answered success=false after the reload")
-                await self._post(s, "/update_weight_version", {"new_version": str(int(weight_version))})
-            except WeightSyncError as e:
-                raise WeightSyncError(f"vLLM refused weights v{weight_version} from {folder}: {e}") from e
-            finally:
-                t3 = time.perf_counter()
-                await self._post(s, "/resume")
-        self.note_weights(str(folder), weight_version, mode)
-        t4 = time.perf_counter()
-        self.last_sync = {"write_s": t1 - t0, "pause_s": t2 - t1, "reload_s": t3 - t2, "total_s": t4 - t0}
-        return {"path": str(folder), "bytes": written, **self.last_sync, "refreshed": refreshed}
+            self._post("/resume")
+        self.last_sync = {"pause_s": t1 - t0, "reload_s": t2 - t1}
+        return {**self.last_sync, "refreshed": refreshed}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import logging
 import secrets
 from typing import Any, Optional
@@ -36,6 +35,7 @@ from aiohttp import web
 from training.proxy.matching import STRATEGIES, assign
 from training.proxy.records import CallRecord, SessionRecord
 from training.proxy.upstream import UpstreamError, UpstreamPool
+from training.utils.http import bearer_ok
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,7 @@ class ProxyServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            if not bearer_ok(request.headers.get("Authorization"), self.api_key):
                 return _error(401, "missing or wrong API key for the proxy", "authentication_error")
         return await handler(request)
 

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from training.utils.http import auth_headers
+
 logger = logging.getLogger(__name__)
 
 
@@ -72,9 +74,7 @@ class UpstreamPool:
                       headers: Optional[dict[str, str]] = None) -> UpstreamReply:
         """Send with retries on connection errors and 5xx; raise ``UpstreamError`` when they run out."""
         await self.open()
-        h = dict(headers or {})
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
+        h = auth_headers(self.api_key, headers)
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:

@@ -3,14 +3,14 @@
     from training.recipes.async_rl_loop import Config, main
     main(Config(base_model=...), rollout_fn_factory=make_rollout_fn, rows="data.jsonl")
 
-Phases of ``main``:
+Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``common.py``):
 1. set-up: load rows, the trainer (resume from the newest checkpoint in ``log_path``), start
    or attach the deployment, call ``make_rollout_fn(setup)`` once;
 2. a producer task submits prompt groups whenever the gate allows (``OffPolicyGate``),
    stamping each with the deployed weight version;
-3. each step: wait for ``prompt_groups_per_step`` fresh groups (stale ones are dropped and
-   counted), train on them in a worker thread while the producer keeps sampling, push the
-   new weights every ``weight_sync_interval`` steps, evaluate, checkpoint, log;
+3. each step: collect ``prompt_groups_per_step`` fresh groups (stale ones are dropped and
+   counted), train on them in the trainer's thread while the producer keeps sampling, push the
+   new weights every ``weight_sync_interval`` steps, evaluate and checkpoint when due, log;
 4. finish: final checkpoint and HF export, stop the deployment.
 
 ``synchronous_training=True`` drains in-flight rollouts before every step and submits nothing
@@ -24,13 +24,11 @@ import logging
 import time
 from typing import Any, Optional
 
-from training.recipes.common import RolloutFnFactory, RunContext, batch_metrics
-from training.trainer import distributed as dist_utils
+from training.recipes.common import RolloutFnFactory, RunContext, StepTimer, batch_metrics, run_recipe
 from training.recipes.config import Config
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
 from training.utils.rl.groups import PromptGroup
-from training.utils.rl.ppo import train_on_groups
 
 __all__ = ["Config", "main"]
 
@@ -125,7 +123,6 @@ class AsyncRLLoop:
         """Wait for ``prompt_groups_per_step`` groups fresh enough for ``step``; drop stale ones."""
         cfg = self.ctx.cfg
         need = cfg.prompt_groups_per_step
-        bound = cfg.rollout_timeout_s + 120.0
         last_progress = time.perf_counter()
         while True:
             if self.failure is not None:
@@ -147,121 +144,52 @@ class AsyncRLLoop:
                 return batch
             if exhausted:
                 return []
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), timeout=5.0)
-                last_progress = time.perf_counter()
-            except asyncio.TimeoutError:
-                if time.perf_counter() - last_progress > bound:
-                    raise RuntimeError(f"no rollout finished for {bound:.0f} s (in flight: {self.in_flight}); "
-                                       "is the deployment alive? see deployment.log") from None
+            last_progress = await self.ctx.wait_for(self.changed, self.in_flight, last_progress)
 
     async def run(self) -> dict[str, Any]:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        metrics_log = ctx.open_metrics()
-        if ctx.start_step > 0 or not ctx.deployments:
-            await ctx.sync_weights(ctx.start_step)  # a resumed run, or a server we did not start
+        ctx = self.ctx
+        await ctx.start_run()
         producer = asyncio.create_task(self.produce())
         last: dict[str, float] = {}
         step = ctx.start_step
         try:
-            if ctx.eval_due(step):
-                metrics_log.log(step, await ctx.evaluate())
             while step < ctx.total_steps:
-                t_step = time.perf_counter()
+                timer = StepTimer()
                 busy0 = self.busy.read()
-                batch = await self.collect_batch(step)
+                with timer.phase("wait_rollout"):
+                    batch = await self.collect_batch(step)
                 if not batch:
                     logger.info("rows exhausted after %d steps", step)
                     break
-                t_wait = time.perf_counter() - t_step
                 self.assembling_step = step + 1
                 self.training = True
                 self.changed.set()
-                m = batch_metrics(batch)
-                m.update(self.gate.step_metrics())
-                m.update(ctx.take_counters())
-                t_train0 = time.perf_counter()
+                m = {**batch_metrics(batch), **self.gate.step_metrics(), **ctx.take_counters()}
                 busy_train0 = self.busy.read()
-                m.update(await asyncio.to_thread(
-                    train_on_groups, ctx.trainer, batch, cfg.loss, reference=ctx.reference,
-                    ppo_epochs=cfg.ppo_epochs, ppo_mini_batches=cfg.ppo_mini_batches,
-                    temperature=cfg.temperature, seed=cfg.seed + step))
-                train_s = time.perf_counter() - t_train0
-                sync_s = 0.0
-                if (step + 1) % cfg.weight_sync_interval == 0:
-                    sync_s = await ctx.sync_weights(step + 1)
-                    self.deployed_version = step + 1
+                with timer.phase("train"):
+                    m.update(await ctx.train(batch, step))
+                with timer.phase("weight_sync"):
+                    if ctx.sync_due(step + 1):
+                        await ctx.sync_weights(step + 1)
+                        self.deployed_version = step + 1
                 self.training = False
                 self.changed.set()
                 hidden = self.busy.read() - busy_train0
                 step += 1
-                evals, ckpt_s = await ctx.finish_step(batch, step)
-                m.update(evals)
-                step_s = time.perf_counter() - t_step
-                rollout_busy = self.busy.read() - busy0
-                m.update({
-                    "perf/step_time_s": step_s, "perf/wait_rollout_s": t_wait, "perf/train_s": train_s,
-                    "perf/weight_sync_s": sync_s, "perf/checkpoint_s": ckpt_s,
-                    "perf/generated_tokens_per_s": m["rollout/generated_tokens"] / max(step_s, 1e-9),
-                    "perf/trained_tokens_per_s": m["train/tokens"] / max(train_s, 1e-9),
-                    "perf/overlap_fraction": min(1.0, hidden / max(min(train_s + sync_s, rollout_busy), 1e-9)),
-                    "offpolicy/weight_version": float(self.deployed_version),
-                })
-                metrics_log.log(step - 1, m)
-                metrics_log.log_rollouts(step - 1, batch)
+                m.update(await ctx.finish_step(batch, step, timer))
+                m.update(timer.metrics(m))
+                busy = min(timer.seconds["train"] + timer.seconds["weight_sync"], self.busy.read() - busy0)
+                m["perf/overlap_fraction"] = min(1.0, hidden / max(busy, 1e-9))
+                m["offpolicy/weight_version"] = float(self.deployed_version)
+                ctx.log_step(step - 1, m, batch)
                 last = m
         finally:
             producer.cancel()
             for t in list(self.tasks):
                 t.cancel()
             await asyncio.gather(producer, *self.tasks, return_exceptions=True)
-            metrics_log.close()
-        if cfg.dcp_save_interval > 0 and step > ctx.start_step and not ctx.checkpoint_due(step):
-            ctx.save_checkpoint(step)
+        ctx.finish_run(step)
         return {"steps": step, "last_metrics": last}
-
-
-async def _amain(ctx: RunContext, loop_cls) -> dict[str, Any]:
-    try:
-        ctx.start_deployment()
-        result = await loop_cls(ctx).run()
-    finally:
-        await ctx.sampler_close()
-    final = ctx.finish()
-    result["final_model"] = str(final) if final else None
-    return result
-
-
-def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
-               rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Build the run context, run ``loop_cls`` to the end, always stop the deployment.
-
-    Under ``torchrun`` (see ``training/trainer/distributed.py``) every rank builds the sharded
-    trainer; rank 0 runs the loop and releases the other ranks when it ends (also on errors);
-    the others follow it and return ``{"steps": <rank 0's steps>, "last_metrics": {},
-    "final_model": None}``.
-    """
-    started = dist_utils.init_distributed(cfg.trainer.device)
-    main_rank = dist_utils.is_main_rank()
-    level = logging.INFO if main_rank else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    steps = 0
-    try:
-        ctx = RunContext(cfg, rows, rollout_fn_factory, rollout_extras)
-        try:
-            ctx.build_trainer()
-            if not main_rank:
-                return {"steps": ctx.follow(), "last_metrics": {}, "final_model": None}
-            result = asyncio.run(_amain(ctx, loop_cls))
-            steps = result["steps"]
-            return result
-        finally:
-            ctx.close()
-            dist_utils.stop_followers(steps)
-    finally:
-        if started:
-            dist_utils.shutdown_distributed()
 
 
 def main(cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,

@@ -1,38 +1,53 @@
-"""The pieces both recipes share: set-up, group acceptance, weight sync, eval, checkpoints.
+"""What both recipes share: ``run_recipe`` (set-up, run, finish), the ``RunContext`` of one run, and
+the per-step helpers.
 
-``RunContext`` owns the long-lived parts of a run (trainer, reference model, deployment,
-sampler, rollout function, data cursor, metrics) and the operations on them; the recipes
-own only the order in which they happen.
+``run_recipe(loop_cls, cfg, rollout_fn_factory, rows)`` is every recipe's ``main``:
 
-Under ``torchrun`` every rank builds the same ``RunContext`` and trainer (sharded with FSDP2);
-rank 0 runs the recipe and is the only one to start the deployment, roll out, log and write
-metrics; the other ranks run ``RunContext.follow``, taking part in each training step, weight
-gather, checkpoint and export that rank 0 announces (``training/trainer/distributed.py``).
+1. set-up: process group (under ``torchrun``), rows and the resumable data cursor, the trainer and
+   the reference model (``TrainState``: resumed from the newest checkpoint in ``log_path``);
+2. on ranks other than 0: follow rank 0's commands until it stops (``follow_rank0``);
+3. on rank 0: start or attach the deployment (``DeploymentGroup``), call ``make_rollout_fn(setup)``
+   once, build the ``RunContext``, and run ``loop_cls(ctx).run()``;
+4. finish: export the final policy, stop the deployment (also on errors and Ctrl-C).
+
+``RunContext`` owns the long-lived parts (trainer, reference model, deployment, rollout function,
+data cursor, metrics) and the operations on them; a loop owns only the order in which they happen:
+collect → ``train`` → ``sync_weights`` → ``finish_step`` → log.
+
+Under ``torchrun`` every rank builds the same ``TrainState`` (the model sharded with FSDP2); rank 0
+runs the loop and is the only one to start the deployment, roll out, log and write metrics; the
+others take part in each training step, weight gather, checkpoint and export that rank 0 announces
+(``training/utils/dist.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import aiohttp
 import torch
 
+from training.deployment.group import DeploymentGroup
+from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
-from training.recipes.config import Config
-from training.trainer.distributed import Command, follow, lead
+from training.recipes.config import WAIT_POLL_S, Config
+from training.utils import dist
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
+from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
-from training.utils.rl.ppo import receive_and_train
+from training.utils.rl.ppo import receive_and_train, train_on_groups
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 logger = logging.getLogger("training.recipe")
@@ -42,6 +57,48 @@ RolloutFnFactory = Callable[[RolloutSetup], RolloutFn]
 
 class RolloutFailureError(RuntimeError):
     """Too many rollouts of a step failed: the run stops instead of training on what is left."""
+
+
+@dataclass
+class TrainState:
+    """The parts every rank builds: the data cursor, the policy trainer, the reference model, where
+    the run resumes."""
+
+    cursor: RowCursor
+    trainer: Any
+    """``PolicyTrainer``."""
+    reference: Any
+    """``ReferenceModel`` when the loss needs reference logprobs, else None."""
+    start_step: int
+    """0 for a fresh run; the step after the newest checkpoint for a resumed one."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.trainer.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.trainer.model.get_input_embeddings().weight.shape[0])
+
+
+def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Path) -> TrainState:
+    """Load the policy (and the frozen reference when the loss needs it), resume if a checkpoint exists."""
+    from training.trainer import PolicyTrainer, ReferenceModel
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    cursor = RowCursor(num_rows, cfg.epochs, cfg.seed, cfg.shuffle_rows)
+    trainer = PolicyTrainer(model_path, cfg.trainer)
+    reference = ReferenceModel(model_path, cfg.trainer) if needs_reference_logprobs(cfg.loss) else None
+    start_step = 0
+    ckpt = latest_checkpoint(log_path / "checkpoints")
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        start_step = int(state["step"])
+        cursor.load_state(state["cursor"])
+        set_rng_state(state["rng"])
+        logger.info("resumed from %s at step %d", ckpt, start_step)
+    return TrainState(cursor, trainer, reference, start_step)
 
 
 class StepCounters:
@@ -72,157 +129,91 @@ class StepCounters:
         }
 
 
-class RunContext:
-    """Set-up and shared operations of one RL run."""
+class StepTimer:
+    """Seconds of one step, in total and per phase: ``perf/step_time_s`` and ``perf/<phase>_s``."""
 
-    def __init__(self, cfg: Config, rows: Rows, rollout_fn_factory: RolloutFnFactory,
-                 rollout_extras: Optional[dict[str, Any]] = None):
-        self.cfg = cfg
-        self.rows = load_rows(rows)
-        self.eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
-        self.rollout_fn_factory = rollout_fn_factory
-        self.rollout_extras = rollout_extras or {}
-        self.model_path = resolve_model(cfg.base_model)
-        """``base_model`` as a loadable path or hub id (``tiny`` and ``smollm2`` are offline aliases)."""
-        self.log_path = Path(cfg.log_path)
-        self.log_path.mkdir(parents=True, exist_ok=True)
-        self.cursor = RowCursor(len(self.rows), cfg.epochs, cfg.seed, cfg.shuffle_rows)
-        per_step = cfg.prompt_groups_per_step
-        data_steps = max(1, self.cursor.total // per_step)
-        self.total_steps = cfg.max_steps or data_steps
-        """Planned steps; a run whose rows run out first (filtering) stops early."""
-        self.start_step = 0
-        self.counters = StepCounters()
-        self.semaphore: Optional[asyncio.Semaphore] = None
-        self.exit_stack = contextlib.ExitStack()
-        self._dist_sender = None
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.seconds: dict[str, float] = {}
 
-    # ---- set-up -------------------------------------------------------------------------
-    def build_trainer(self) -> None:
-        """Load the policy (and the frozen reference when kl_beta > 0), resume if a checkpoint exists."""
-        from training.trainer import PolicyTrainer, ReferenceModel
-
-        random.seed(self.cfg.seed)
-        torch.manual_seed(self.cfg.seed)
-        self.trainer = PolicyTrainer(self.model_path, self.cfg.trainer)
-        self.tokenizer = self.trainer.tokenizer
-        self.vocab_size = self.trainer.model.get_input_embeddings().weight.shape[0]
-        self.reference = None
-        if needs_reference_logprobs(self.cfg.loss):
-            self.reference = ReferenceModel(self.model_path, self.cfg.trainer)
-        ckpt = latest_checkpoint(self.log_path / "checkpoints")
-        if ckpt is not None:
-            state = load_checkpoint(ckpt, self.trainer.model, self.trainer.optimizer)
-            self.start_step = int(state["step"])
-            self.cursor.load_state(state["cursor"])
-            set_rng_state(state["rng"])
-            logger.info("resumed from %s at step %d", ckpt, self.start_step)
-
-    def start_deployment(self) -> None:
-        """Start the server(s) of ``deployment.engine`` (or attach to ``deployment.base_url``), build the sampler."""
-        from training.deployment.launcher import make_deployment, make_sampler
-
-        dcfg = self.cfg.deployment
-        self.deployments = []
-        """The servers this run started (empty when attached to external ones)."""
-        self.attached_deployments = []
-        """vLLM / SGLang adapters of external servers (weight sync through their own endpoints)."""
-        if dcfg.base_url is None:
-            for i in range(dcfg.num_replicas):
-                name = "deployment.log" if dcfg.num_replicas == 1 else f"deployment-{i}.log"
-                log_file = dcfg.log_file or str(self.log_path / name)
-                if dcfg.log_file and dcfg.num_replicas > 1:
-                    log_file = f"{dcfg.log_file}.{i}"
-                self.deployments.append(self.exit_stack.enter_context(
-                    make_deployment(self.model_path, dcfg, log_file=log_file)))
-            self.base_urls = [d.base_url for d in self.deployments]
-        else:
-            self.base_urls = [dcfg.base_url] if isinstance(dcfg.base_url, str) else list(dcfg.base_url)
-            if dcfg.engine != "embedded":
-                self.attached_deployments = [self.exit_stack.enter_context(
-                    make_deployment(self.model_path, dcfg, base_url=u)) for u in self.base_urls]
-        self.sampler = make_sampler(self.base_urls, dcfg, tokenizer=self.tokenizer)
-        sampling = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature, **self.cfg.sampling_kwargs}
-        self.setup = RolloutSetup(sampler=self.sampler, tokenizer=self.tokenizer, sampling_kwargs=sampling,
-                                  extras=self.rollout_extras, max_seq_len=dcfg.max_model_len)
-        self.rollout_fn = self.rollout_fn_factory(self.setup)
-        if not callable(self.rollout_fn):
-            raise TypeError("rollout_fn_factory(setup) must return an async function rollout_fn(row)")
-
-    @property
-    def weight_sync_mode(self) -> str:
-        mode = self.cfg.deployment.weight_sync
-        if mode == "auto":
-            return "shm" if self.cfg.deployment.base_url is None else "disk"
-        return mode
-
-    async def sync_weights(self, version: int) -> float:
-        """Push the trainer's weights to the deployment as ``version``; return seconds taken.
-
-        Every replica gets the weights before this returns. An embedded deployment keeps the
-        pushed file so that a restarted server comes back with the newest weights.
-        """
-        t0 = time.perf_counter()
-        mode = self.weight_sync_mode
-        directory = str(self.log_path / "weights") if mode == "disk" else None
-        hooks = self.setup.weight_sync_hooks
-        for before, _ in hooks:
-            await before()
-        try:  # returns once every replica serves the new version
-            targets = self.deployments or self.attached_deployments
-            if mode == "distributed":
-                await self.distributed_sender().push(self.trainer.named_weights(), version,
-                                                     specs=self.trainer.weight_specs())
-            elif targets:
-                await asyncio.gather(*(
-                    d.push_weights(self.trainer.named_weights(), version, mode=mode,
-                                   directory=None if directory is None else f"{directory}/{i}")
-                    for i, d in enumerate(targets)))
-            else:
-                from training.deployment.weight_sync import push_weights_to_all
-
-                await push_weights_to_all(self.base_urls, self.trainer.named_weights(), version, mode=mode,
-                                          directory=directory, api_key=self.cfg.deployment.api_key)
-            self.sampler.note_weight_version(version)  # labels completions of servers that report none
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
         finally:
-            for _, after in hooks:
-                await after()
-        return time.perf_counter() - t0
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
 
-    def distributed_sender(self):
-        """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
-        if self._dist_sender is None:
-            from training.deployment.dist_weights import DistributedWeightSender
+    def metrics(self, m: dict[str, float]) -> dict[str, float]:
+        """The ``perf/*`` metrics of the step, with token rates from ``m`` (the step's other metrics)."""
+        total = time.perf_counter() - self.t0
+        out = {"perf/step_time_s": total, **{f"perf/{k}_s": v for k, v in self.seconds.items()}}
+        out["perf/generated_tokens_per_s"] = m.get("rollout/generated_tokens", 0.0) / max(total, 1e-9)
+        out["perf/trained_tokens_per_s"] = m.get("train/tokens", 0.0) / max(self.seconds.get("train", 0.0), 1e-9)
+        return out
 
-            d = self.cfg.deployment
-            self._dist_sender = DistributedWeightSender(
-                self.base_urls, d.weight_sync_master_addr, d.weight_sync_master_port, d.weight_sync_backend,
-                api_key=d.api_key, timeout_s=d.request_timeout_s)
-            self.exit_stack.callback(self._dist_sender.close)
-        return self._dist_sender
+
+def batch_metrics(groups: list[PromptGroup]) -> dict[str, float]:
+    """``rollout/*`` metrics of the groups a step trains on."""
+    rewards = [r for g in groups for r in g.rewards]
+    lengths = [s.num_trainable_tokens for g in groups for s in g.samples]
+    n = max(len(rewards), 1)
+    mean = sum(rewards) / n
+    return {
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "rollout/groups": float(len(groups)),
+        "rollout/samples": float(sum(len(g.samples) for g in groups)),
+        "rollout/completion_tokens_mean": sum(lengths) / max(len(lengths), 1),
+        "rollout/truncated_fraction": sum(1.0 for g in groups for s in g.samples if s.finish_reason == "length")
+        / max(len(lengths), 1),
+    }
+
+
+def is_retryable(error: BaseException) -> bool:
+    """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
+    if isinstance(error, DeploymentRequestError):
+        return error.status is None or error.status >= 500
+    return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))
+
+
+class RunContext:
+    """The parts of one RL run on rank 0, and the operations the loops compose."""
+
+    def __init__(self, cfg: Config, rows: list[dict], eval_rows: list[dict], log_path: Path, state: TrainState,
+                 deployment: DeploymentGroup, setup: RolloutSetup, rollout_fn: RolloutFn):
+        self.cfg = cfg
+        self.rows = rows
+        self.eval_rows = eval_rows
+        self.log_path = log_path
+        self.trainer = state.trainer
+        self.reference = state.reference
+        self.cursor = state.cursor
+        self.start_step = state.start_step
+        self.vocab_size = state.vocab_size
+        self.deployment = deployment
+        self.setup = setup
+        self.rollout_fn = rollout_fn
+        self.total_steps = cfg.max_steps or max(1, self.cursor.total // cfg.prompt_groups_per_step)
+        """Planned steps; a run whose rows run out first (filtering) stops early."""
+        self.counters = StepCounters()
+        self.semaphore = asyncio.Semaphore(cfg.max_concurrency)
+        """Bounds the rollouts in flight (training and eval)."""
+        self.metrics = MetricsLogger(log_path, self.total_steps, cfg.wandb, cfg.to_dict(), resume_step=self.start_step)
+        self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
 
     # ---- rollouts ---------------------------------------------------------------------
-    @staticmethod
-    def is_retryable(error: BaseException) -> bool:
-        """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
-        from training.deployment.sampler import DeploymentRequestError
-
-        if isinstance(error, DeploymentRequestError):
-            return error.status is None or error.status >= 500
-        return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))
-
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
-        if self.semaphore is None:
-            self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
         row = self.rows[self.cursor.row_index(position)]
         return await run_group(self.rollout_fn, row, position, submit_version, self.cfg.completions_per_prompt,
-                               self.cfg.rollout_timeout_s, self.semaphore, self.vocab_size, self.is_retryable)
+                               self.cfg.rollout_timeout_s, self.semaphore, self.vocab_size, is_retryable)
 
     def accept_group(self, group: PromptGroup) -> bool:
         """Count the group's outcomes; True if it is kept for training (advantages set)."""
         c = self.counters
         c.add(group)
-        if c.attempts >= max(8, 2 * self.cfg.completions_per_prompt) and \
+        if c.attempts >= self.cfg.error_check_min_attempts and \
                 c.failures / c.attempts > self.cfg.max_rollout_error_fraction:
             raise RolloutFailureError(
                 f"{c.failures} of {c.attempts} rollouts failed since the last step ({c.errors} raised, "
@@ -246,7 +237,26 @@ class RunContext:
         self.counters = StepCounters()
         return m
 
-    # ---- eval, checkpoints, metrics -------------------------------------------------
+    # ---- train and sync ---------------------------------------------------------------
+    async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
+        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._train_pool, lambda: train_on_groups(
+            self.trainer, groups, cfg.loss, reference=self.reference, ppo_epochs=cfg.ppo_epochs,
+            ppo_mini_batches=cfg.ppo_mini_batches, temperature=cfg.temperature, seed=cfg.seed + step))
+
+    def sync_due(self, step_done: int) -> bool:
+        """Weights are pushed after every ``weight_sync_interval``-th step."""
+        return step_done % self.cfg.weight_sync_interval == 0
+
+    async def sync_weights(self, version: int) -> float:
+        """Push the trainer's weights to every replica as ``version``; seconds taken."""
+        t0 = time.perf_counter()
+        await self.deployment.push(self.trainer.named_weights(), version, specs=self.trainer.weight_specs())
+        return time.perf_counter() - t0
+
+    # ---- eval, checkpoints ----------------------------------------------------------
     def eval_due(self, step: int) -> bool:
         """Eval before the first step, every eval_interval steps, and after the last."""
         return bool(self.eval_rows) and self.cfg.eval_interval > 0 and (
@@ -254,8 +264,6 @@ class RunContext:
 
     async def evaluate(self) -> dict[str, float]:
         """Roll out every eval row once with the deployed weights: eval/reward_mean and eval/pass_rate."""
-        if self.semaphore is None:
-            self.semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
 
         async def one(row):
             async with self.semaphore:
@@ -270,77 +278,149 @@ class RunContext:
         return {"eval/reward_mean": sum(rewards) / len(rewards),
                 "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards)}
 
-    async def finish_step(self, groups: list[PromptGroup], step_done: int) -> tuple[dict[str, float], float]:
+    async def start_run(self) -> None:
+        """Before the first step: sync a resumed run's (or an attached server's) weights; eval at step 0."""
+        if self.start_step > 0 or not self.deployment.launched:
+            await self.sync_weights(self.start_step)
+        if self.eval_due(self.start_step):
+            self.metrics.log(self.start_step, await self.evaluate())
+
+    async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
         """After a trained step: mark its rows done, evaluate and checkpoint when due.
 
-        Returns the ``eval/*`` metrics (empty when no eval was due) and the checkpoint's seconds.
-        """
+        Returns the ``eval/*`` metrics (empty when no eval was due); the checkpoint is timed in ``timer``."""
         for g in groups:
             self.cursor.mark_done(g.position)
         evals = await self.evaluate() if self.eval_due(step_done) else {}
-        ckpt_s = self.save_checkpoint(step_done) if self.checkpoint_due(step_done) else 0.0
-        return evals, ckpt_s
+        with timer.phase("checkpoint"):
+            if self.checkpoint_due(step_done):
+                self.save_checkpoint(step_done)
+        return evals
+
+    def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
+        self.metrics.log(step, m)
+        self.metrics.log_rollouts(step, groups)
+
+    def finish_run(self, steps_done: int) -> None:
+        """After the loop: the final checkpoint (when checkpoints are on and it was not written yet)."""
+        if self.cfg.dcp_save_interval > 0 and steps_done > self.start_step and not self.checkpoint_due(steps_done):
+            self.save_checkpoint(steps_done)
 
     def checkpoint_due(self, step_done: int) -> bool:
         i = self.cfg.dcp_save_interval
         return i > 0 and (step_done % i == 0 or step_done == self.total_steps)
 
-    def save_checkpoint(self, step_done: int) -> float:
+    def save_checkpoint(self, step_done: int) -> None:
         """Write a DCP checkpoint (under torchrun: rank 0 calls this, the other ranks follow)."""
-        t0 = time.perf_counter()
         state = {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
         with lead(Command.CHECKPOINT, step_done):
-            save_checkpoint(self.log_path / "checkpoints", step_done, self.trainer.model, self.trainer.optimizer, state)
-        return time.perf_counter() - t0
+            save_checkpoint(self.log_path / "checkpoints", step_done, self.trainer.model, self.trainer.optimizer,
+                            state, keep_last=self.cfg.keep_checkpoints)
 
-    def follow(self) -> int:
-        """Non-zero ranks under torchrun: take part in what rank 0 announces until it stops.
+    async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:
+        """Wait for ``changed`` (a rollout finished); raise when nothing finished for ``stall_timeout_s``.
 
-        Returns the argument of rank 0's STOP (the steps it completed). Never starts the
-        deployment, rolls out, or writes metrics.
-        """
-        return follow({
-            Command.TRAIN: lambda _: receive_and_train(self.trainer, self.cfg.loss, reference=self.reference),
-            Command.WEIGHTS: lambda _: collections.deque(self.trainer.named_weights(), maxlen=0),
-            Command.CHECKPOINT: lambda step: save_checkpoint(self.log_path / "checkpoints", step, self.trainer.model,
-                                                             self.trainer.optimizer, None),
-            Command.EXPORT: lambda _: self.trainer.save_pretrained(self.log_path / "final"),
-        })
-
-    def open_metrics(self) -> MetricsLogger:
-        self.metrics = MetricsLogger(self.log_path, self.total_steps, self.cfg.wandb, self.cfg.to_dict(),
-                                     resume_step=self.start_step)
-        return self.metrics
-
-    def finish(self) -> Optional[Path]:
-        """Export the final policy (when configured); returns its folder."""
-        if not self.cfg.export_final_model:
-            return None
-        out = self.log_path / "final"
-        self.trainer.save_pretrained(out)
-        return out
-
-    async def sampler_close(self) -> None:
-        if getattr(self, "sampler", None) is not None:
-            await self.sampler.close()
+        Returns the time of the latest progress."""
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=WAIT_POLL_S)
+            return time.perf_counter()
+        except asyncio.TimeoutError:
+            if time.perf_counter() - last_progress > self.cfg.stall_timeout_s:
+                raise RuntimeError(f"no rollout finished for {self.cfg.stall_timeout_s:.0f} s (in flight: "
+                                   f"{in_flight}); is the deployment alive? see deployment.log") from None
+            return last_progress
 
     def close(self) -> None:
-        """Stop the embedded deployment (also on errors and Ctrl-C)."""
-        self.exit_stack.close()
+        """Close the metrics (wandb included) and the trainer's thread."""
+        self.metrics.close()
+        self._train_pool.shutdown(wait=False)
 
 
-def batch_metrics(groups: list[PromptGroup]) -> dict[str, float]:
-    """``rollout/*`` metrics of the groups a step trains on."""
-    rewards = [r for g in groups for r in g.rewards]
-    lengths = [s.num_trainable_tokens for g in groups for s in g.samples]
-    n = max(len(rewards), 1)
-    mean = sum(rewards) / n
-    return {
-        "rollout/reward_mean": mean,
-        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-        "rollout/groups": float(len(groups)),
-        "rollout/samples": float(sum(len(g.samples) for g in groups)),
-        "rollout/completion_tokens_mean": sum(lengths) / max(len(lengths), 1),
-        "rollout/truncated_fraction": sum(1.0 for g in groups for s in g.samples if s.finish_reason == "length")
-        / max(len(lengths), 1),
-    }
+def follow_rank0(cfg: Config, state: TrainState, log_path: Path) -> int:
+    """Ranks other than 0 under torchrun: take part in what rank 0 announces until it stops.
+
+    Returns the argument of rank 0's STOP (the steps it completed). Never starts the deployment,
+    rolls out, or writes metrics.
+    """
+    trainer = state.trainer
+    return dist.follow({
+        Command.TRAIN: lambda _: receive_and_train(trainer, cfg.loss, reference=state.reference),
+        Command.WEIGHTS: lambda _: collections.deque(trainer.named_weights(), maxlen=0),
+        Command.CHECKPOINT: lambda step: save_checkpoint(log_path / "checkpoints", step, trainer.model,
+                                                         trainer.optimizer, None, keep_last=cfg.keep_checkpoints),
+        Command.EXPORT: lambda _: trainer.save_pretrained(log_path / "final"),
+    })
+
+
+def start_rollouts(cfg: Config, model_path: str, log_path: Path, state: TrainState,
+                   rollout_fn_factory: RolloutFnFactory, rollout_extras: dict[str, Any]
+                   ) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
+    """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once."""
+    dcfg = cfg.deployment
+    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(state.tokenizer)
+    try:
+        sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **cfg.sampling_kwargs}
+        setup = RolloutSetup(sampler=deployment.sampler, tokenizer=state.tokenizer, sampling_kwargs=sampling,
+                             extras=rollout_extras, max_seq_len=dcfg.engine_config.max_model_len)
+        deployment.hooks = setup.weight_sync_hooks  # the same list: hooks added by make_rollout_fn count
+        rollout_fn = rollout_fn_factory(setup)
+        if not callable(rollout_fn):
+            raise TypeError("rollout_fn_factory(setup) must return an async function rollout_fn(row)")
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment, setup, rollout_fn
+
+
+def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
+               rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Set up, run ``loop_cls(ctx).run()`` to the end, export, always stop the deployment.
+
+    Returns ``{"steps", "last_metrics", "final_model"}``. Under ``torchrun`` the ranks other than 0
+    follow rank 0 and return ``{"steps": <rank 0's steps>, "last_metrics": {}, "final_model": None}``.
+    """
+    started = dist.init_distributed(cfg.trainer.device)
+    main_rank = dist.is_main_rank()
+    logging.basicConfig(level=logging.INFO if main_rank else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    steps = 0
+    try:
+        rows = load_rows(rows)
+        eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
+        model_path = resolve_model(cfg.base_model)
+        log_path = Path(cfg.log_path)
+        log_path.mkdir(parents=True, exist_ok=True)
+        state = build_train_state(cfg, model_path, len(rows), log_path)
+        try:
+            if not main_rank:
+                return {"steps": follow_rank0(cfg, state, log_path), "last_metrics": {}, "final_model": None}
+            deployment, setup, rollout_fn = start_rollouts(cfg, model_path, log_path, state, rollout_fn_factory,
+                                                           rollout_extras or {})
+            try:
+                result = asyncio.run(_run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup,
+                                               rollout_fn))
+                steps = result["steps"]
+                final = None
+                if cfg.export_final_model:
+                    final = state.trainer.save_pretrained(log_path / "final")
+                result["final_model"] = str(final) if final else None
+                return result
+            finally:
+                deployment.stop()
+        finally:
+            dist.stop_followers(steps)
+    finally:
+        if started:
+            dist.shutdown_distributed()
+
+
+async def _run_loop(loop_cls, cfg: Config, rows: list[dict], eval_rows: list[dict], log_path: Path,
+                    state: TrainState, deployment: DeploymentGroup, setup: RolloutSetup,
+                    rollout_fn: RolloutFn) -> dict[str, Any]:
+    ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    try:
+        return await loop_cls(ctx).run()
+    finally:
+        ctx.close()
+        await deployment.close_sampler()

@@ -9,6 +9,15 @@ from training.utils.config import DeployConfig, TrainerConfig, WandBConfig
 from training.utils.rl.losses.config import LossConfig
 from training.utils.rl.rollout import RolloutSample
 
+STALL_GRACE_S = 120.0
+"""A waiting trainer stops the run when no rollout finished for ``rollout_timeout_s`` plus this long
+(a rollout cannot legitimately take longer; a dead deployment would otherwise hang the run)."""
+WAIT_POLL_S = 5.0
+"""How often a trainer that waits for rollouts re-checks for that stall."""
+ERROR_CHECK_MIN_ATTEMPTS = 8
+"""``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
+groups' worth), so one early failure cannot stop a run."""
+
 
 @dataclass
 class Config:
@@ -64,6 +73,8 @@ class Config:
     """Evaluate before training, every this many steps and at the end (0 = never)."""
     dcp_save_interval: int = 0
     """Write a DCP checkpoint every this many steps (0 = off; a final one is written when > 0)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted after each write)."""
     export_final_model: bool = True
     """Save the final policy as a Hugging Face folder in <log_path>/final."""
     seed: int = 0
@@ -97,9 +108,20 @@ class Config:
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.eval_interval >= 0, "eval_interval", "must be >= 0")
         check(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         for name, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("deployment", DeployConfig),
                           ("wandb", WandBConfig)):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
+
+    @property
+    def error_check_min_attempts(self) -> int:
+        """Attempts a step needs before ``max_rollout_error_fraction`` is checked (see the constant)."""
+        return max(ERROR_CHECK_MIN_ATTEMPTS, 2 * self.completions_per_prompt)
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """Seconds without any finished rollout after which a waiting trainer stops the run."""
+        return self.rollout_timeout_s + STALL_GRACE_S
 
     def to_dict(self) -> dict:
         """A JSON-able view (callables by name) for logs and wandb."""

@@ -4,9 +4,10 @@ Under ``torchrun`` the same classes shard themselves with FSDP2 (see ``distribut
 """
 
 from training.trainer.logprobs import packed_logprobs, score_sequences
-from training.trainer.model import load_causal_lm, resolve_device, resolve_dtype
+from training.trainer.model import load_causal_lm
 from training.trainer.packing import PackedBatch, pack_sequences
 from training.trainer.trainer import PolicyTrainer, ReferenceModel, combine_metrics
+from training.utils.device import resolve_device, resolve_dtype
 
 __all__ = [
     "PackedBatch", "PolicyTrainer", "ReferenceModel", "combine_metrics", "load_causal_lm",

@@ -1,4 +1,4 @@
-"""Loading a causal LM for training: device and dtype resolution, attention choice, dropout off.
+"""Loading a causal LM for training: attention choice, dropout off (devices: ``training/utils/device.py``).
 
 Attention: the default is ``packed_sdpa``, registered here with ``transformers``'
 ``AttentionInterface``. On a packed micro-batch (the trainer passes ``cu_seq_lens_q``, the
@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from training.utils.config import DTYPES
+from training.utils.device import resolve_device, resolve_dtype  # noqa: F401 - re-exported
 
 PACKED_SDPA = "packed_sdpa"
 """Name of the per-sequence attention implementation registered with ``transformers``."""
@@ -55,31 +55,6 @@ def register_packed_sdpa() -> None:
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
     AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → ``cuda`` if available else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: {name!r} requested but CUDA is not available")
-        device = torch.device(name)
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {name!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
-        return device
-    raise ValueError(f"device: {name!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
-
-
-def resolve_dtype(name: str, device: Union[str, torch.device]) -> torch.dtype:
-    """``auto`` → bfloat16 on CUDA, float32 elsewhere; otherwise the named dtype."""
-    if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not one of {DTYPES}")
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

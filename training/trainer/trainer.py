@@ -30,12 +30,15 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
-from training.trainer import distributed as dist_utils
-from training.trainer.distributed import Command, fsdp_logprobs, full_tensor, lead, plan_micro_batches
+from training.trainer import distributed as fsdp
+from training.trainer.distributed import fsdp_logprobs, full_tensor, plan_micro_batches
+from training.utils import dist as dist_utils
+from training.utils.dist import Command, lead
 from training.trainer.logprobs import score_sequences
-from training.trainer.model import load_causal_lm, resolve_device, resolve_dtype
+from training.trainer.model import load_causal_lm
 from training.trainer.packing import PackedBatch
 from training.utils.config import TrainerConfig
+from training.utils.device import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +163,7 @@ class ReferenceModel(_ScoringModel):
         self.model.requires_grad_(False)
         self.model.eval()
         if dist_utils.is_distributed():
-            dist_utils.shard_model(self.model, self.device)
+            fsdp.shard_model(self.model, self.device)
 
 
 class PolicyTrainer(_ScoringModel):
@@ -181,7 +184,7 @@ class PolicyTrainer(_ScoringModel):
         self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
         self.model.eval()
         if dist_utils.is_distributed():
-            dist_utils.shard_model(self.model, self.device)  # before the optimizer: it must hold the sharded parameters
+            fsdp.shard_model(self.model, self.device)  # before the optimizer: it must hold the sharded parameters
         tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, **tokenizer_kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -270,7 +273,7 @@ class PolicyTrainer(_ScoringModel):
         memory is about one tensor; non-zero ranks discard what they get. A consumer that stops
         early still completes the gathers, keeping the ranks in step.
         """
-        if not dist_utils.is_sharded(self.model):
+        if not fsdp.is_sharded(self.model):
             for name, tensor in _export_state_dict(self.model, self.model.state_dict()).items():
                 yield name, tensor.detach()
             return
@@ -303,7 +306,7 @@ class PolicyTrainer(_ScoringModel):
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of each tensor ``named_weights()`` yields, in the same order,
         without gathering anything (a local call on every rank: no collective)."""
-        if not dist_utils.is_sharded(self.model):
+        if not fsdp.is_sharded(self.model):
             return [(name, t.dtype, tuple(t.shape)) for name, t in self.named_weights()]
         return [(name, dtype, shape) for name, _, dtype, shape in self._sharded_export_names(self.model.state_dict())]
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from training.trainer.distributed import barrier, is_main_rank
+from training.utils.dist import barrier, is_main_rank
 
 RECIPE_STATE = "recipe_state.json"
 

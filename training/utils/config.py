@@ -1,4 +1,4 @@
-"""Sub-configs shared by the recipes: the trainer, the deployment and wandb.
+"""Sub-configs shared by the recipes: the trainer, the inference engine, the deployment and wandb.
 
 Plain dataclasses, validated in ``__post_init__``: a bad value fails at construction with a
 message that names the field and says what is allowed. Each field's docstring is its help text.
@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+from training.utils.device import DEVICES, DTYPES, is_device_name, resolve_device, resolve_dtype
+
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
+INFLIGHT_UPDATE_KV = ("keep", "recompute")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -21,7 +22,7 @@ def _check(cond: bool, name: str, message: str) -> None:
 
 
 def _check_device(name: str, value: str) -> None:
-    _check(value in DEVICES or value.startswith("cuda:"), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
+    _check(is_device_name(value), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
 
 
 @dataclass
@@ -68,6 +69,66 @@ class TrainerConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How the inference engine loads the model, sizes its KV cache and runs its steps.
+
+    The one declaration of engine settings: ``DeployConfig.engine_config`` nests it, the launcher
+    hands it to the server process whole (``serve.py --engine-config JSON``; ``serve.py``'s own
+    flags are generated from these fields), and ``AsyncEngine`` takes it as is.
+    """
+
+    model: Optional[str] = None
+    """Local Hugging Face folder (or a hub id, which uses the transformers fallback). Inside a
+    ``DeployConfig`` leave it None: the recipe serves ``base_model``."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "auto"
+    """``auto`` is bfloat16 on CUDA and float32 on CPU; or ``float32`` / ``bfloat16`` / ``float16``."""
+    max_batch_size: int = 64
+    """KV cache slots = sequences decoded at once (running plus parked sessions)."""
+    max_model_len: int = 2048
+    """Longest prompt + completion, in tokens (the KV cache holds this many per slot)."""
+    seed: int = 0
+    """Seeds the per-request generators of requests that bring no seed of their own."""
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    """Decode batch buckets captured as CUDA graphs (clipped to ``max_batch_size``); empty = eager."""
+    use_lean_forward: bool = True
+    """Own forward for llama / qwen2 / qwen3 (fused projections); else transformers' forward."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens prefilled in one step (a longer single prompt still runs, alone)."""
+    enable_prefix_caching: bool = True
+    """Reuse K/V of any cached prompt prefix across requests (no session id needed); False: sessions only."""
+    prefix_cache_slots: int = 0
+    """KV slots beyond ``max_batch_size`` that only hold cached prefixes (finished sequences, parked sessions)."""
+    inflight_update_kv: str = "keep"
+    """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
+    ``recompute`` it under the new weights before the next decode step."""
+
+    def __post_init__(self):
+        _check(self.model is None or (isinstance(self.model, str) and self.model != ""), "model",
+               "must be a folder or hub id (or None inside a DeployConfig)")
+        _check_device("device", self.device)
+        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
+        _check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
+        _check(all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
+               f"must be positive integers, got {self.cuda_graph_batch_sizes!r}")
+        _check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
+        _check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
+        _check(self.inflight_update_kv in INFLIGHT_UPDATE_KV, "inflight_update_kv",
+               f"{self.inflight_update_kv!r} is not one of {INFLIGHT_UPDATE_KV}")
+        self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+
+    def resolve_device(self):
+        """The torch device ``device`` names (``auto`` → cuda if available)."""
+        return resolve_device(self.device)
+
+    def resolve_dtype(self, device):
+        """The torch dtype ``dtype`` names (``auto`` → bfloat16 on CUDA, float32 on CPU)."""
+        return resolve_dtype(self.dtype, device)
+
+
+@dataclass
 class DeployConfig:
     """The inference deployment the rollouts sample from.
 
@@ -87,14 +148,9 @@ class DeployConfig:
     """Port of the embedded server; 0 picks a free one."""
     api_key: Optional[str] = None
     """Bearer token the server requires (and the sampler sends); None = no auth."""
-    max_batch_size: int = 64
-    """Sequences the embedded engine decodes at once (its KV cache slots)."""
-    max_model_len: int = 2048
-    """Longest prompt + completion the embedded engine accepts, in tokens."""
-    device: str = "auto"
-    """Device of the embedded engine: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    dtype: str = "auto"
-    """Engine dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    """Settings of the inference engine (KV cache size, context length, device, dtype...): the embedded
+    server receives them whole; vLLM / SGLang get the ones they share (max_model_len, max_batch_size, dtype)."""
     weight_sync: str = "auto"
     """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when
     embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to this
@@ -109,6 +165,10 @@ class DeployConfig:
     """How long to wait for the server's /health after start."""
     request_timeout_s: float = 600.0
     """Timeout of one sampling request."""
+    max_retries: int = 4
+    """Retries of a sampling request that found no server or got a 5xx (exponential backoff)."""
+    retry_backoff_s: float = 0.5
+    """First backoff of those retries; it doubles with each attempt."""
     max_restarts: int = 3
     """How many times the launcher restarts an embedded server that died."""
     log_file: Optional[str] = None
@@ -132,10 +192,8 @@ class DeployConfig:
                                                          for k, v in self.engine_env.items()),
                "engine_env", f"must map strings to strings, got {self.engine_env!r}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
-        _check(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
-        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
-        _check_device("device", self.device)
+        _check(isinstance(self.engine_config, EngineConfig), "engine_config",
+               f"must be an EngineConfig, got {type(self.engine_config).__name__}")
         _check(self.weight_sync in WEIGHT_SYNC_MODES, "weight_sync",
                f"{self.weight_sync!r} is not one of {WEIGHT_SYNC_MODES}")
         _check(self.weight_sync_backend in ("gloo", "nccl"), "weight_sync_backend",
@@ -151,6 +209,8 @@ class DeployConfig:
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        _check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
+        _check(self.retry_backoff_s >= 0, "retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         _check(self.num_replicas >= 1, "num_replicas", f"must be >= 1, got {self.num_replicas}")
         if self.base_url is not None:
             urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)

@@ -114,8 +114,10 @@ class MetricsLogger:
         return " | ".join(p for p in parts if p)
 
     def close(self) -> None:
+        """Finish the wandb run (idempotent)."""
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(log_path: str | Path) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Engine settings, per-request sampling parameters, results and the two error types.
+"""Per-request sampling parameters, results and the error types of the engine (its settings,
+``EngineConfig``, are declared once in ``training/utils/config.py`` and re-exported here).
 
 Everything a caller of :class:`~training.deployment.engine.AsyncEngine` passes in or gets back
 is defined here, so the HTTP server can import it without loading a model.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
+from training.utils.config import EngineConfig  # noqa: F401 - the engine's settings, declared once
 
 
 class EngineError(ValueError):
@@ -25,68 +26,6 @@ class PartialWeightUpdateError(RuntimeError):
 
     The engine then reports ``weight_version = -1`` (unknown) until a later full update succeeds.
     """
-
-
-@dataclass
-class EngineConfig:
-    """How the engine loads the model and sizes its KV cache."""
-
-    model: str
-    """Local Hugging Face folder (or a hub id, which uses the transformers fallback)."""
-    device: str = "auto"
-    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
-    dtype: str = "auto"
-    """``auto`` is bfloat16 on CUDA and float32 on CPU; or ``float32`` / ``bfloat16`` / ``float16``."""
-    max_batch_size: int = 64
-    """KV cache slots = sequences decoded at once (running plus parked sessions)."""
-    max_model_len: int = 2048
-    """Prompt + output tokens per sequence."""
-    seed: int = 0
-    """Seeds the per-request generators of requests that bring no seed of their own."""
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    """Decode batch buckets captured as CUDA graphs (clipped to ``max_batch_size``); empty = eager."""
-    use_lean_forward: bool = True
-    """Own forward for llama / qwen2 / qwen3 (fused projections); else transformers' forward."""
-    max_prefill_tokens: int = 4096
-    """Prompt tokens prefilled in one step (a longer single prompt still runs, alone)."""
-    enable_prefix_caching: bool = True
-    """Reuse K/V of any cached prompt prefix across requests (no session id needed); False: sessions only."""
-    prefix_cache_slots: int = 0
-    """KV slots beyond ``max_batch_size`` that only hold cached prefixes (finished sequences, parked sessions)."""
-    inflight_update_kv: str = "keep"
-    """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
-    ``recompute`` it under the new weights before the next decode step."""
-
-    def __post_init__(self):
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {msg}")
-
-        check(bool(self.model), "model", "must be a folder or hub id")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
-              f"{self.device!r} is not one of ('auto', 'cpu', 'cuda', 'cuda:N')")
-        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
-              f"{self.dtype!r} is not one of ('auto', 'float32', 'bfloat16', 'float16')")
-        check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
-        check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
-        check(all(b > 0 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes", "must be positive")
-        check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
-        check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
-        check(self.inflight_update_kv in ("keep", "recompute"), "inflight_update_kv",
-              f"{self.inflight_update_kv!r} is not one of ('keep', 'recompute')")
-        self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
-
-    def resolve_device(self) -> torch.device:
-        """The torch device ``device`` names (``auto`` → cuda if available)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        """The torch dtype ``dtype`` names (``auto`` → bfloat16 on CUDA, float32 on CPU)."""
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
 
 
 @dataclass

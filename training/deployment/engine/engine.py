@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -74,6 +73,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, AutoTokenizer
 
+        if not config.model:
+            raise ValueError("model: EngineConfig.model must name the folder or hub id to serve")
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)

@@ -65,8 +65,8 @@ class KVCache:
         if available is not None and nbytes > 0.9 * available:
             raise MemoryError(f"KV cache needs {nbytes / gib:.1f} GiB ({num_slots} slots × {max_model_len} tokens × "
                               f"{num_layers} layers) but {available / gib:.1f} GiB is available on {device}: lower "
-                              f"max_batch_size (slots) or max_model_len (deployment.max_batch_size / "
-                              f"deployment.max_model_len)")
+                              f"max_batch_size (slots) or max_model_len (deployment.engine_config.max_batch_size / "
+                              f".max_model_len)")
         logger.info("KV cache: %.2f GiB for %d slots × %d tokens", nbytes / gib, num_slots, max_model_len)
         shape = (num_layers, num_slots + 1, num_kv_heads, max_model_len)
         self.k_all = torch.zeros(shape + (head_dim,), dtype=dtype, device=device)

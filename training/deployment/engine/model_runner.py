@@ -18,9 +18,7 @@ On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 import torch

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from training.trainer import distributed as dist_utils
-from training.trainer.distributed import Command, broadcast_tensor, lead
+from training.utils import dist as dist_utils
+from training.utils.dist import Command, broadcast_tensor, lead
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss
 from training.utils.rl.losses.common import LossInputs
@@ -154,7 +154,9 @@ def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference
                      "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
                      "weight": [batch.weights[i] for i in idx] if weighted else None}
 
-            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=len(idx)):
+            num_sequences = len(idx)
+
+            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=num_sequences):
                 inputs = LossInputs(
                     logprobs_N=logprobs_N,
                     old_logprobs_N=packed.gather(lists["old"]),

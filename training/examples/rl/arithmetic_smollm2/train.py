@@ -9,12 +9,12 @@ from pathlib import Path
 
 from rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
-from training.utils import DeployConfig, LossConfig, TrainerConfig
+from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.cli import apply_overrides
 
 HERE = Path(__file__).parent
 
-cfg = apply_overrides(Config(
+cfg = Config(
     base_model="smollm2",
     log_path="runs/arithmetic_smollm2",
     completions_per_prompt=8,
@@ -28,8 +28,8 @@ cfg = apply_overrides(Config(
     dynamic_filter_fn=lambda samples: len({s.reward for s in samples}) > 1,  # drop zero-advantage groups
     trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
-    deployment=DeployConfig(max_model_len=512),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
-))
+    deployment=DeployConfig(engine_config=EngineConfig(max_model_len=512)),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
+)
 
 if __name__ == "__main__":
-    main(cfg, rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")
+    main(apply_overrides(cfg), rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")

@@ -9,7 +9,7 @@ from training.utils.cli import apply_overrides
 
 HERE = Path(__file__).parent
 
-cfg = apply_overrides(Config(
+cfg = Config(
     base_model="tiny",
     log_path="runs/multi_turn_message_in",
     completions_per_prompt=4,
@@ -21,7 +21,7 @@ cfg = apply_overrides(Config(
     eval_interval=10,
     trainer=TrainerConfig(learning_rate=1e-3),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
-))
+)
 
 if __name__ == "__main__":
-    main(cfg, rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")
+    main(apply_overrides(cfg), rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")

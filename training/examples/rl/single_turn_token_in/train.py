@@ -18,7 +18,7 @@ from training.utils.data import load_rows
 
 HERE = Path(__file__).parent
 
-cfg = apply_overrides(Config(
+cfg = Config(
     base_model="tiny",
     log_path="runs/single_turn_token_in",
     completions_per_prompt=8,
@@ -30,16 +30,16 @@ cfg = apply_overrides(Config(
     eval_interval=30,
     trainer=TrainerConfig(learning_rate=5e-3),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
-))
-
-# Pre-tokenize the prompts once; the rollout sends ids and trains on the ids it gets back.
-tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model))
+)
 
 
-def pretokenize(path: Path) -> list[dict]:
+def pretokenize(path: Path, tokenizer) -> list[dict]:
+    """The rows of ``path`` with ``prompt_ids``: the rollout sends ids and trains on the ids it gets back."""
     return [dict(r, prompt_ids=tokenizer.encode(r["prompt"])) for r in load_rows(path)]
 
 
 if __name__ == "__main__":
-    cfg = dataclasses.replace(cfg, eval_rows=cfg.eval_rows or pretokenize(HERE / "eval.jsonl"))
-    main(cfg, rollout_fn_factory=make_rollout_fn, rows=pretokenize(HERE / "data.jsonl"))
+    cfg = apply_overrides(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model))
+    cfg = dataclasses.replace(cfg, eval_rows=cfg.eval_rows or pretokenize(HERE / "eval.jsonl", tokenizer))
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=pretokenize(HERE / "data.jsonl", tokenizer))

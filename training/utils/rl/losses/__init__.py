@@ -19,7 +19,7 @@ from training.utils.rl.losses.common import (
     diagnostic_metrics,
     validate_inputs,
 )
-from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.config import LOSS_NAMES, LossConfig
 from training.utils.rl.losses.dapo import dapo_loss
 from training.utils.rl.losses.dro import dro_loss
 from training.utils.rl.losses.grpo import grpo_loss
@@ -37,6 +37,7 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo_loss,
 }
 """Registered loss names → loss functions ``(LossInputs, LossConfig) -> LossOutput``."""
+assert tuple(LOSSES) == LOSS_NAMES, "LOSS_NAMES (config.py) and LOSSES must list the same losses"
 
 LOSSES_USING_REFERENCE = frozenset({"grpo"})
 """Built-in losses that add the k3 KL penalty (and so need reference logprobs when kl_beta > 0)."""

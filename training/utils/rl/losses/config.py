@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+LOSS_NAMES = ("grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo")
+"""The built-in policy losses (``LOSSES`` in ``__init__.py`` maps each to its function)."""
 AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
 TIS_LEVELS = ("token", "sequence", "off")
 
@@ -36,10 +38,9 @@ class LossConfig:
     """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
 
     def __post_init__(self):
-        from training.utils.rl.losses import LOSSES  # the registry; imported late to avoid a cycle
-
-        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSSES:
-            raise ValueError(f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSSES)} or pass a callable")
+        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSS_NAMES:
+            raise ValueError(f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSS_NAMES)} "
+                             "or pass a callable")
         if not isinstance(self.policy_loss, str) and not callable(self.policy_loss):
             raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")
         if self.kl_beta < 0:

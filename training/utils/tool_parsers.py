@@ -1,5 +1,8 @@
 """Tool-call parsers: model text -> ``ToolCall`` list, and tool schemas -> the prompt.
 
+On the ground floor because both the inference server (``deployment/protocol.py``, tool calls
+in chat responses) and the agents (``training/agents``) parse the same formats.
+
 Two formats:
 
 - ``HermesToolParser`` (names ``hermes``, ``qwen``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
@@ -23,7 +26,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from training.agents.tools import ToolCall
+
+@dataclass
+class ToolCall:
+    """One call the model asked for."""
+
+    id: str
+    """Call id, unique within an episode (keys ``tool_outputs``)."""
+    name: str
+    """Tool name as the model wrote it."""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Decoded JSON arguments."""
+
+
 
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)

@@ -1,0 +1,117 @@
+"""The import graph points one way: examples, benchmarks → recipes → trainer, deployment, agents, proxy →
+utils, models. Every import counts, lazy ones inside functions too (a lazy import that hides a cycle is
+still a cycle), so the check reads the source instead of importing it."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit  # no model, no server: part of the sub-minute loop
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {
+    "training": 0,  # the empty top package
+    "training.utils": 0, "training.models": 0,
+    "training.trainer": 1, "training.deployment": 1, "training.agents": 1, "training.proxy": 1,
+    "training.recipes": 2,
+    "training.examples": 3, "training.plot": 3, "benchmarks": 3,
+}
+
+
+def floor_of(module: str) -> int:
+    for prefix, floor in sorted(FLOORS.items(), key=lambda kv: -len(kv[0])):  # the longest prefix wins
+        if module == prefix or module.startswith(prefix + "."):
+            return floor
+    raise AssertionError(f"{module}: not on any floor; add its package to FLOORS")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    files = list((ROOT / "training").rglob("*.py")) + list((ROOT / "benchmarks").rglob("*.py"))
+    return {module_name(p): p for p in files}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules ``path`` imports anywhere in its body (``from a import b`` counts ``a.b`` if a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in ("training", "benchmarks"))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {m: {i for i in imports_of(p, modules) if i in modules and i != m} for m, p in modules.items()}
+
+
+def test_no_module_imports_a_higher_floor():
+    upward = sorted(f"{m} (floor {floor_of(m)}) imports {i} (floor {floor_of(i)})"
+                    for m, targets in graph().items() for i in targets if floor_of(i) > floor_of(m))
+    assert not upward, "\n".join(upward)
+
+
+def test_floor_one_packages_do_not_import_each_other():
+    """trainer, deployment, agents and proxy are siblings: what two of them need lives on the ground floor."""
+    def package(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    crossing = sorted(f"{m} imports {i}" for m, targets in graph().items() if floor_of(m) == 1
+                      for i in targets if floor_of(i) == 1 and package(i) != package(m))
+    assert not crossing, "\n".join(crossing)
+
+
+def test_import_graph_has_no_cycle():
+    g = graph()
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_the_server_and_the_ground_floor_load_without_higher_floors():
+    """Importing the inference server loads neither agents, proxy, trainer nor recipes (checked for real)."""
+    code = ("import sys, training.deployment.server, training.utils.rl.ppo, training.utils.checkpoint; "
+            "bad = [m for m in sys.modules if m.startswith(('training.agents', 'training.proxy', "
+            "'training.trainer', 'training.recipes'))]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

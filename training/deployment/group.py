@@ -1,0 +1,234 @@
+"""``DeploymentGroup``: the servers a run samples from, and the one way new weights reach them.
+
+    group = DeploymentGroup(model_path, cfg.deployment, log_dir=log_path).start(tokenizer)
+    completions = await group.sampler.sample_with_prompt_tokens(ids)
+    await group.push(trainer.named_weights(), version, specs=trainer.weight_specs())
+    group.stop()
+
+Replicas: with ``cfg.base_url`` None the group launches ``cfg.num_replicas`` servers of
+``cfg.engine`` (each supervised: a dead one is restarted with the latest weights); with URLs it
+attaches one server-process object per URL. The sampler balances requests over them with
+session affinity (``sampler.py``).
+
+``push`` is the whole weight sync, for every engine:
+
+- ``shm`` / ``disk``: the weights are written ONCE to ``<folder>/model.safetensors``
+  (``WeightFolder``: /dev/shm for ``shm``, ``<log_dir>/weights`` for ``disk``) and loaded into
+  every replica concurrently through that engine's endpoint (``ServerProcess.load_weights``). A
+  launched replica that is dead is restarted first; a load that fails because the replica died
+  meanwhile is retried once after its restart. Each replica records the folder and version, so a
+  later restart comes back with them.
+- ``distributed``: tensors are broadcast to every server over a torch.distributed group
+  (``DistributedWeightSender``), one tensor at a time.
+
+It returns once every replica serves ``weight_version``; then the sampler labels completions of
+servers that report no version with it (``DeploymentSampler.note_weight_version``). ``hooks``
+(``(before, after)`` coroutine pairs, e.g. the proxy's pause/drain) run around every push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
+
+from training.deployment.factory import make_deployment, make_sampler
+from training.deployment.server_process import ServerProcess
+from training.deployment.weight_sync import WeightFolder, WeightSyncError
+from training.utils.config import DeployConfig
+
+log = logging.getLogger(__name__)
+
+WeightSyncHook = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+class DeploymentGroup:
+    """Replicas (launched or attached), their sampler, and weight pushes to all of them at once."""
+
+    def __init__(self, model: str, cfg: DeployConfig, *, log_dir: Optional[str | Path] = None,
+                 weights_dir: Optional[str | Path] = None, replicas: Optional[list[ServerProcess]] = None):
+        self.model = model
+        self.cfg = cfg
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        """Where launched servers write their logs (``deployment.log``, ``deployment-<i>.log``)."""
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else (
+            self.log_dir / "weights" if self.log_dir is not None else None)
+        """Where ``weight_sync="disk"`` writes ``model.safetensors`` (default ``<log_dir>/weights``)."""
+        self.replicas: list[ServerProcess] = replicas if replicas is not None else self._make_replicas()
+        self.sampler: Any = None
+        """The ``DeploymentSampler`` over every replica (set by ``start``)."""
+        self.hooks: list[WeightSyncHook] = []
+        """``(before, after)`` coroutine functions run around every push (``RolloutSetup.weight_sync_hooks``)."""
+        self._folder: Optional[WeightFolder] = None
+        self._sender = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.replicas)),
+                                                           thread_name_prefix="weight-push")
+
+    @classmethod
+    def attach(cls, base_urls: Sequence[str], cfg: Optional[DeployConfig] = None, *, model: str = "",
+               weights_dir: Optional[str | Path] = None) -> "DeploymentGroup":
+        """A group over running servers of ``cfg.engine`` (no launch, no restart)."""
+        cfg = cfg or DeployConfig()
+        return cls(model, cfg, weights_dir=weights_dir,
+                   replicas=[make_deployment(model, cfg, base_url=u) for u in base_urls])
+
+    def _make_replicas(self) -> list[ServerProcess]:
+        cfg = self.cfg
+        if cfg.base_url is not None:
+            urls = [cfg.base_url] if isinstance(cfg.base_url, str) else list(cfg.base_url)
+            return [make_deployment(self.model, cfg, base_url=u) for u in urls]
+        replicas = []
+        for i in range(cfg.num_replicas):
+            if cfg.log_file:
+                log_file = cfg.log_file if cfg.num_replicas == 1 else f"{cfg.log_file}.{i}"
+            elif self.log_dir is not None:
+                log_file = str(self.log_dir / ("deployment.log" if cfg.num_replicas == 1 else f"deployment-{i}.log"))
+            else:
+                log_file = None
+            replicas.append(make_deployment(self.model, cfg, log_file=log_file))
+        return replicas
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def base_urls(self) -> list[str]:
+        return [r.base_url for r in self.replicas]
+
+    @property
+    def launched(self) -> bool:
+        """True when the group started its servers (False: attached to servers someone else runs)."""
+        return any(r.attached_url is None for r in self.replicas)
+
+    @property
+    def weight_sync_mode(self) -> str:
+        """``cfg.weight_sync`` with ``auto`` resolved: shm for launched servers, disk for attached ones."""
+        mode = self.cfg.weight_sync
+        if mode == "auto":
+            return "shm" if self.launched else "disk"
+        return mode
+
+    def start(self, tokenizer: Any = None) -> "DeploymentGroup":
+        """Start (or check) every replica, then build the sampler. Stops what started if one fails."""
+        try:
+            for r in self.replicas:
+                r.start()
+        except BaseException:
+            self.stop()
+            raise
+        self.sampler = make_sampler(self.base_urls, self.cfg, tokenizer=tokenizer)
+        return self
+
+    def __enter__(self) -> "DeploymentGroup":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop launched replicas, remove the /dev/shm weights, leave the distributed group. Idempotent."""
+        for r in self.replicas:
+            r.stop()
+        if self._folder is not None:
+            self._folder.remove()
+            self._folder = None
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        self._pool.shutdown(wait=False)
+
+    async def close_sampler(self) -> None:
+        """Close the sampler's connections of the running event loop."""
+        if self.sampler is not None:
+            await self.sampler.close()
+
+    # ------------------------------------------------------------ weights
+    async def push(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
+                   specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]] = None,
+                   wait_for_inflight: bool = True) -> dict:
+        """Load new weights into every replica as ``weight_version`` (see the module docstring).
+
+        ``specs`` (``(name, dtype, shape)`` per tensor, e.g. ``PolicyTrainer.weight_specs()``) lets the
+        distributed path stream a lazy iterator; the file paths ignore it. Returns timings
+        (``total_s`` and the path's own). Raises ``WeightSyncError`` naming the replica that refused.
+        """
+        t0 = time.perf_counter()
+        for before, _ in self.hooks:
+            await before()
+        try:
+            if self.weight_sync_mode == "distributed":
+                out = await self._distributed_sender().push(named_weights, weight_version, specs=specs,
+                                                            wait_for_inflight=wait_for_inflight)
+            else:
+                out = await self._push_file(named_weights, weight_version, wait_for_inflight)
+            if self.sampler is not None:
+                self.sampler.note_weight_version(weight_version)
+        finally:
+            for _, after in self.hooks:
+                await after()
+        out["total_s"] = time.perf_counter() - t0
+        return out
+
+    async def _push_file(self, named_weights: Iterable[tuple[str, Any]], weight_version: int,
+                         wait_for_inflight: bool) -> dict:
+        mode = self.weight_sync_mode
+        if self._folder is None:
+            if mode == "disk" and self.weights_dir is None:
+                raise ValueError("weights_dir: required for weight_sync='disk' (where the weights file goes)")
+            self._folder = WeightFolder(mode, None if mode == "shm" else str(self.weights_dir))
+        loop = asyncio.get_running_loop()
+        write = await loop.run_in_executor(self._pool, self._folder.write, named_weights)
+        t1 = time.perf_counter()
+        folder = str(self._folder.folder)
+        answers = await asyncio.gather(*(loop.run_in_executor(self._pool, self._load, r, folder, weight_version,
+                                                              mode, wait_for_inflight) for r in self.replicas))
+        return {"path": str(self._folder.file), **write, "load_s": time.perf_counter() - t1,
+                "servers": dict(zip(self.base_urls, answers))}
+
+    def _load(self, replica: ServerProcess, folder: str, weight_version: int, mode: str,
+              wait_for_inflight: bool) -> dict:
+        """Load into one replica (blocking): restart it first if dead; retry once if it died during the load."""
+        replica.ensure_alive()
+        try:
+            answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
+        except WeightSyncError:
+            if replica.attached_url is not None or replica.is_alive():
+                raise  # a refusal by a live server: its old weights stay
+            log.warning("%s died during the weight push of v%d; retrying after its restart", replica.base_url,
+                        weight_version)
+            replica.ensure_alive()
+            answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
+        replica.note_weights(folder, weight_version, mode)
+        return answer
+
+    def _distributed_sender(self):
+        """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
+        if self._sender is None:
+            from training.deployment.dist_weights import DistributedWeightSender
+
+            d = self.cfg
+            self._sender = DistributedWeightSender(
+                self.base_urls, d.weight_sync_master_addr, d.weight_sync_master_port, d.weight_sync_backend,
+                api_key=d.api_key, timeout_s=d.request_timeout_s)
+        return self._sender
+
+
+async def push_weights(base_urls: str | Sequence[str], named_weights: Iterable[tuple[str, Any]], weight_version: int,
+                       *, mode: str = "shm", directory: Optional[str] = None, api_key: Optional[str] = None,
+                       wait_for_inflight: bool = True) -> dict:
+    """One push to running servers of this package (no launch): write once, load into each, clean up.
+
+    ``mode="disk"`` writes ``<directory>/model.safetensors`` (kept); ``shm`` writes a /dev/shm file that
+    is removed afterwards. Returns the timings of ``DeploymentGroup.push``.
+    """
+    urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+    if not urls:
+        raise ValueError("base_urls: at least one server is needed")
+    if mode == "disk" and not directory:
+        raise ValueError("directory: required with mode='disk'")
+    group = DeploymentGroup.attach(urls, DeployConfig(api_key=api_key, weight_sync=mode), weights_dir=directory)
+    try:
+        return await group.push(named_weights, weight_version, wait_for_inflight=wait_for_inflight)
+    finally:
+        group.stop()

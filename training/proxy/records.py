@@ -59,6 +59,14 @@ class CallRecord:
     max_tokens_clamped: bool = False
     """True when the agent's ``max_tokens`` did not fit the context and was dropped (over-length policy)."""
     label: Optional[TurnLabel] = None
+    token_weight_versions: Optional[list[int]] = None
+    """Per output token, the weight version that produced it (in-flight updates mix versions); None when the
+    upstream reports only ``weight_version`` (then every token has that one: ``output_weight_versions``)."""
+
+    @property
+    def output_weight_versions(self) -> list[int]:
+        """The weight version of each output token."""
+        return list(self.token_weight_versions or [self.weight_version] * len(self.output_ids))
 
     @property
     def full_ids(self) -> list[int]:

@@ -292,7 +292,7 @@ class ProxyServer:
                           tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
                           response_message=response_message,
                           cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                          max_tokens_clamped=clamped)
+                          max_tokens_clamped=clamped, token_weight_versions=_token_versions(choice, len(output_ids)))
 
     @staticmethod
     def _client_body(out: dict, body: dict, endpoint: str) -> dict:
@@ -314,3 +314,13 @@ class ProxyServer:
         if isinstance(body.get("model"), str):
             out["model"] = body["model"]
         return out
+
+
+def _token_versions(choice: dict, n: int) -> Optional[list[int]]:
+    """The upstream's per-token weight versions when it reports them, one per output token; else None."""
+    versions = choice.get("token_weight_versions")
+    if versions is None:
+        return None
+    if len(versions) != n:
+        raise ValueError(f"{len(versions)} token_weight_versions for {n} output tokens")
+    return [int(v) for v in versions]

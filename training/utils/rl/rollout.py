@@ -14,6 +14,9 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
 - ``logprobs[t]`` is the sampler's logprob of ``tokens[t]`` given ``tokens[:t]`` where the
   mask is 1, and 0.0 elsewhere. Every value is finite.
 - ``tokens`` are the exact ids the server produced; never re-tokenized text.
+- ``token_weight_versions``, when given, has one entry per trainable token (``loss_mask`` 1),
+  in order: the weight version that produced it (``Completion.token_weight_versions`` of each
+  call, concatenated).
 
 Shape suffixes used across the code base: ``_T`` per token of one sequence, ``_G`` per
 sample of one prompt group, ``_N`` per token of a packed batch, ``_S`` per sequence of a
@@ -53,6 +56,9 @@ class RolloutSample:
     """Optional decoded text, for logs only: never used to rebuild training data."""
     weight: float = 1.0
     """Scales this sample's per-token loss (>= 0), e.g. ``1 / num_calls`` so a long episode split into many samples counts once."""
+    token_weight_versions: Optional[list[int]] = None
+    """Optional: per trainable token (``loss_mask`` 1, in order) the weight version that generated it; in-flight
+    weight updates mix versions within one completion. Feeds ``offpolicy/token_lag_*``; None when unknown."""
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -146,6 +152,15 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
         raise RolloutValidationError("reward", f"{sample.reward!r} is not a finite number")
     if not _finite(sample.weight) or sample.weight < 0:
         raise RolloutValidationError("weight", f"{sample.weight!r} is not a finite number >= 0")
+    versions = sample.token_weight_versions
+    if versions is not None:
+        if len(versions) != sum(sample.loss_mask):
+            raise RolloutValidationError("token_weight_versions", f"length {len(versions)} != number of trainable "
+                                         f"tokens {sum(sample.loss_mask)} (one version per loss_mask 1)")
+        for i, v in enumerate(versions):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RolloutValidationError("token_weight_versions", f"token_weight_versions[{i}]={v!r} is not "
+                                             "a non-negative int")
 
 
 def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> list[RolloutSample]:

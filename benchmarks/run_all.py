@@ -4,7 +4,8 @@
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
-``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
+``benchmarks/results.json``; with ``--only`` the other figures' saved lines are kept (each line
+carries the date it was measured), so re-running one figure never regenerates the rest. ``--from-json`` rebuilds BENCHMARKS.md from such a file without
 running anything. Benchmarks are not tests: CI never runs them.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "engine_throughput", "trainer_throughput", "weight_sync", "exactness"]
+SCRIPTS = ["async_overlap", "engine_throughput", "engine_rl_shapes", "trainer_throughput", "weight_sync", "exactness"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,8 +37,16 @@ def run_script(name: str, quick: bool, timeout_s: float) -> dict:
     if out.returncode != 0 or not lines:
         return {"figure": name, "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
     result = json.loads(lines[-1])
+    result.setdefault("date", datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
     print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return result
+
+
+def merge_results(fresh: list[dict], saved: list[dict]) -> list[dict]:
+    """The saved figures with the freshly run ones replacing theirs, in ``SCRIPTS`` order."""
+    by_name = {r["figure"]: r for r in saved}
+    by_name.update({r["figure"]: r for r in fresh})
+    return [by_name[n] for n in SCRIPTS if n in by_name]
 
 
 def main() -> None:
@@ -57,6 +66,9 @@ def main() -> None:
             raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
         t0 = time.perf_counter()
         results = [run_script(n, a.quick, a.timeout) for n in names]
+        saved_path = ROOT / "benchmarks" / "results.json"
+        if set(names) != set(SCRIPTS) and saved_path.exists() and not a.quick:
+            results = merge_results(results, json.loads(saved_path.read_text())["results"])
         saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}

@@ -42,3 +42,12 @@ def test_report_flags_a_figure_worse_than_its_baseline():
     assert "3 **(worse)**" in md
     assert "Worse than its baseline:** slow vs b" in md
     assert "Not measured in this run:** timed out" in md
+
+
+def test_running_one_figure_keeps_the_other_figures_saved_results():
+    from benchmarks.run_all import merge_results
+
+    saved = [{"figure": "async_overlap", "v": 1}, {"figure": "engine_throughput", "v": 2}, {"figure": "exactness", "v": 3}]
+    merged = merge_results([{"figure": "engine_rl_shapes", "v": 9}, {"figure": "exactness", "v": 4}], saved)
+    assert [(r["figure"], r["v"]) for r in merged] == [("async_overlap", 1), ("engine_throughput", 2),
+                                                       ("engine_rl_shapes", 9), ("exactness", 4)]

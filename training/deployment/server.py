@@ -28,7 +28,6 @@ from aiohttp import web
 
 from training.deployment.engine.config import EngineError, PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import (
-    SESSION_HEADER,
     ParsedRequest,
     RequestError,
     build_chat_response,
@@ -37,7 +36,7 @@ from training.deployment.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from training.utils.http import bearer_ok
+from training.utils.http import bearer_ok, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -100,21 +99,23 @@ async def _read_json(request: web.Request) -> Any:
         raise RequestError(f"the request body is not valid JSON: {e}") from e
 
 
-def _session_id(request: web.Request, choice: int) -> Optional[str]:
-    """Engine session of a choice: the header value for choice 0, ``<value>:<i>`` for the others."""
-    sid = request.headers.get(SESSION_HEADER)
+def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
+    """Engine session of a choice: the request's session id (``x-multi-turn-session-id``, else
+    ``x-session-affinity``, else the body's ``user``) for choice 0, ``<id>:<i>`` for the others."""
+    sid = session_id_of(request.headers, body)
     if not sid:
         return None
     return sid if choice == 0 else f"{sid}:{choice}"
 
 
-async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[Any]]:
+async def _generate_all(request: web.Request, req: ParsedRequest, body: Any) -> list[list[Any]]:
     """Run every (prompt, choice) as its own engine request, concurrently; results[p][i].
 
     The first error (or a client disconnect) cancels the request's other choices.
     """
     engine = request.app[ENGINE_KEY]
-    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i), session_id=_session_id(request, i)))
+    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i),
+                                                    session_id=_session_id(request, body, i)))
               for i in range(req.n)] for prompt in req.prompts]
     flat = [t for row in tasks for t in row]
     try:
@@ -129,15 +130,17 @@ async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[A
 
 async def completions(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    req = parse_completion_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
-    results = await _generate_all(request, req)
+    body = await _read_json(request)
+    req = parse_completion_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    results = await _generate_all(request, req, body)
     return web.json_response(build_completion_response(req, results, engine.tokenizer))
 
 
 async def chat_completions(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    req = parse_chat_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
-    results = await _generate_all(request, req)
+    body = await _read_json(request)
+    req = parse_chat_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    results = await _generate_all(request, req, body)
     return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
 
 

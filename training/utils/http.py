@@ -7,6 +7,9 @@
 - ``request_json``: the asyncio counterpart over an ``aiohttp`` session, raising the caller's
   error type with the URL, status and the server's message.
 - ``free_port``: a port that was free a moment ago, for launching servers.
+- ``session_id_of``: the multi-turn session a request belongs to (``x-multi-turn-session-id``, else
+  ``x-session-affinity``, else the body's ``user`` field): the one rule the server (KV reuse), the
+  sampler and the proxy (replica affinity, recording) share.
 
 The sampler keeps one pooled session per event loop for its many requests
 (``training/deployment/sampler.py``); one-off control calls open a session per call.
@@ -20,7 +23,28 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+SESSION_HEADER = "x-multi-turn-session-id"
+"""Header naming a request's multi-turn session (KV reuse across turns, one replica per session)."""
+AFFINITY_HEADER = "x-session-affinity"
+"""The same session id under the name sticky-routing load balancers use; read when ``SESSION_HEADER`` is absent."""
+
+
+def session_id_of(headers: Mapping[str, str], body: Any = None) -> Optional[str]:
+    """A request's session id: ``SESSION_HEADER``, else ``AFFINITY_HEADER``, else ``body["user"]`` (a non-empty
+    string); None when none is given."""
+    for name in (SESSION_HEADER, AFFINITY_HEADER):
+        value = headers.get(name)
+        if value:
+            return value
+    user = body.get("user") if isinstance(body, dict) else None
+    return user if isinstance(user, str) and user else None
+
+
+def session_headers(session_id: Optional[str]) -> dict[str, str]:
+    """Both session headers for ``session_id`` (empty for None): our servers read the first, routers the second."""
+    return {SESSION_HEADER: session_id, AFFINITY_HEADER: session_id} if session_id else {}
 
 
 def auth_headers(api_key: Optional[str], extra: Optional[dict[str, str]] = None) -> dict[str, str]:

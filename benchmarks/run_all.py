@@ -4,9 +4,9 @@
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
-``benchmarks/results.json``; with ``--only`` the other figures' saved lines are kept (each line
-carries the date it was measured), so re-running one figure never regenerates the rest. ``--from-json`` rebuilds BENCHMARKS.md from such a file without
-running anything. Benchmarks are not tests: CI never runs them.
+``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
+running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
+re-measured without regenerating the rest). Benchmarks are not tests: CI never runs them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,21 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "engine_throughput", "engine_rl_shapes", "trainer_throughput", "weight_sync", "exactness"]
+SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "engine_rl_shapes", "trainer_throughput", "weight_sync",
+           "exactness"]
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with the figures of ``new`` replaced or added (in ``SCRIPTS`` order); dates of both kept."""
+    by_name = {r["figure"]: r for r in old["results"]}
+    for r in new["results"]:
+        r["date"] = new["date"]
+        by_name[r["figure"]] = r
+    order = {n: i for i, n in enumerate(SCRIPTS)}
+    results = sorted(by_name.values(), key=lambda r: order.get(r["figure"], len(order)))
+    return {**old, "results": results, "updated": new["date"]}
 
 
 def run_script(name: str, quick: bool, timeout_s: float) -> dict:
@@ -37,16 +50,8 @@ def run_script(name: str, quick: bool, timeout_s: float) -> dict:
     if out.returncode != 0 or not lines:
         return {"figure": name, "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
     result = json.loads(lines[-1])
-    result.setdefault("date", datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
     print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return result
-
-
-def merge_results(fresh: list[dict], saved: list[dict]) -> list[dict]:
-    """The saved figures with the freshly run ones replacing theirs, in ``SCRIPTS`` order."""
-    by_name = {r["figure"]: r for r in saved}
-    by_name.update({r["figure"]: r for r in fresh})
-    return [by_name[n] for n in SCRIPTS if n in by_name]
 
 
 def main() -> None:
@@ -66,13 +71,12 @@ def main() -> None:
             raise SystemExit(f"--only: unknown script(s) {unknown}; choose from {SCRIPTS}")
         t0 = time.perf_counter()
         results = [run_script(n, a.quick, a.timeout) for n in names]
-        saved_path = ROOT / "benchmarks" / "results.json"
-        if set(names) != set(SCRIPTS) and saved_path.exists() and not a.quick:
-            results = merge_results(results, json.loads(saved_path.read_text())["results"])
         saved = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
                  "total_s": round(time.perf_counter() - t0), "results": results}
-        (ROOT / "benchmarks" / "results.json").write_text(json.dumps(saved, indent=1) + "\n")
+        if a.only != p.get_default("only") and RESULTS.exists():
+            saved = merge_results(json.loads(RESULTS.read_text()), saved)
+        RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)
 

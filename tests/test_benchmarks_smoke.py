@@ -44,10 +44,14 @@ def test_report_flags_a_figure_worse_than_its_baseline():
     assert "Not measured in this run:** timed out" in md
 
 
-def test_running_one_figure_keeps_the_other_figures_saved_results():
+def test_rerunning_one_figure_keeps_the_others():
     from benchmarks.run_all import merge_results
 
-    saved = [{"figure": "async_overlap", "v": 1}, {"figure": "engine_throughput", "v": 2}, {"figure": "exactness", "v": 3}]
-    merged = merge_results([{"figure": "engine_rl_shapes", "v": 9}, {"figure": "exactness", "v": 4}], saved)
-    assert [(r["figure"], r["v"]) for r in merged] == [("async_overlap", 1), ("engine_throughput", 2),
-                                                       ("engine_rl_shapes", 9), ("exactness", 4)]
+    old = {"date": "d0", "command": "c", "total_s": 9, "results": [
+        {"figure": "async_overlap", "rows": [1]}, {"figure": "async_agentic", "rows": [2]},
+        {"figure": "exactness", "rows": [3]}]}
+    new = {"date": "d1", "results": [{"figure": "async_agentic", "rows": [4]}]}
+    merged = merge_results(old, new)
+    assert [r["figure"] for r in merged["results"]] == ["async_overlap", "async_agentic", "exactness"]
+    assert [r["rows"] for r in merged["results"]] == [[1], [4], [3]]
+    assert merged["date"] == "d0" and merged["results"][1]["date"] == "d1"

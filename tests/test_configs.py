@@ -31,6 +31,7 @@ def test_unknown_loss_name_lists_the_allowed_ones():
     (lambda: Config(base_model="m", weight_sync_interval=3, max_head_offpolicy_versions=1),
      "max_head_offpolicy_versions"),
     (lambda: Config(base_model="m", temperature=0), "temperature"),
+    (lambda: Config(base_model="m", stale_policy="discard"), "stale_policy"),
 ])
 def test_bad_values_name_the_field(make, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -42,6 +43,7 @@ def test_defaults_are_the_documented_ones():
     assert (t.learning_rate, t.adam_betas, t.weight_decay) == (1e-5, (0.9, 0.95), 0.01)
     assert (l.policy_loss, l.kl_beta, l.tis_cap, l.aggregation) == ("grpo", 0.001, 5.0, "token_mean")
     assert DeployConfig().host == "127.0.0.1"
+    assert (Config(base_model="m").stale_policy, Config(base_model="m").inflight_weight_updates) == ("wait", False)
     assert not WandBConfig().enabled and WandBConfig(project="p", mode="offline").enabled
     c = Config(base_model="m")
     assert c.max_head_offpolicy_versions == 0 and c.completions_per_prompt == 4

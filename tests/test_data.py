@@ -52,3 +52,16 @@ def test_cursor_resume_reruns_only_rows_not_done():
     resumed.load_state(state)
     assert list(resumed.positions()) == [3, 5, 6, 7]
     assert taken == list(range(6))
+
+
+def test_requeued_position_is_taken_again_first_and_survives_resume_as_not_done():
+    c = RowCursor(num_rows=6, shuffle=False)
+    taken = [c.take() for _ in range(4)]
+    c.mark_done(0)
+    c.mark_done(2)
+    c.requeue(1)  # dropped as stale: given back, not done
+    assert c.has_next() and c.take() == 1 and c.take() == 4
+    resumed = RowCursor(num_rows=6, shuffle=False)
+    resumed.load_state(c.state())  # killed now: 1, 3, 4 in flight, 5 never taken
+    assert list(resumed.positions()) == [1, 3, 4, 5]
+    assert taken == [0, 1, 2, 3] and not resumed.has_next()

@@ -57,10 +57,11 @@ class Recorder:
             (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
             out = c.full_tokens[c.prompt_len:]
             self.versions.append(c.weight_version)
+            versions = getattr(c, "token_weight_versions", None) or [c.weight_version] * len(out)
             return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
                                  loss_mask=[0] * c.prompt_len + [1] * len(out),
                                  reward=sum(t % 2 == 0 for t in out) / len(out) + random.random() * 1e-3,
-                                 text=str(c.weight_version))
+                                 text=str(c.weight_version), token_weight_versions=versions)
         return rollout_fn
 
 
@@ -93,21 +94,105 @@ def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
         assert {"step", "reward", "advantage", "submit_version", "text"} <= set(trained[0])
 
 
+def trained_positions(log_path) -> dict[int, list[int]]:
+    """Row position -> the steps whose batch trained it (from rollouts.jsonl, one line per sample)."""
+    steps: dict[int, set] = {}
+    for line in (log_path / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        steps.setdefault(r["row_position"], set()).add(r["step"])
+    return {p: sorted(s) for p, s in steps.items()}
+
+
 @pytest.mark.parametrize("O", [0, 1, 2])
-def test_gate_bound_holds_with_a_straggler(tiny_model_path, server, tmp_path, monkeypatch, O):
+def test_straggler_is_trained_within_the_bound_and_no_row_is_lost_or_trained_twice(
+        tiny_model_path, server, tmp_path, monkeypatch, O):
     trained = spy_training(monkeypatch, recipes_common)
-    slow = {ROWS[3]["id"]: 4.0}  # one group lags several steps behind the others
-    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=O, max_steps=5,
+    slow = {ROWS[1]["id"]: 3.0, ROWS[3]["id"]: 4.0}  # two groups lag several steps behind the others
+    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=O, max_steps=None,
                  prompt_groups_per_step=1, shuffle_rows=False)
-    async_rl_loop.main(cfg, rollout_fn_factory=Recorder(delay_for=slow), rows=ROWS)
-    assert len(trained) == 5
+    async_rl_loop.main(cfg, rollout_fn_factory=Recorder(delay_for=slow), rows=ROWS[:8])
+    assert len(trained) == 8  # every row of the single pass, each in its own step
     for step, versions in enumerate(trained):
         # the server-reported version of every trained sample is within O of the step's weights
         assert all(step - v <= O for v in versions), (step, versions)
     metrics = read_metrics(cfg.log_path)
     assert max(r["offpolicy/staleness_max"] for r in metrics) <= O
+    assert max(r["offpolicy/token_lag_max"] for r in metrics) <= O  # per token, from token_weight_versions
+    assert sum(r["offpolicy/dropped_stale"] for r in metrics) == 0  # stale_policy="wait" is the default
+    positions = trained_positions(tmp_path / "run")
+    assert sorted(positions) == list(range(8)) and all(len(s) == 1 for s in positions.values())
     if O == 0:
         assert all(v == step for step, vs in enumerate(trained) for v in vs)
+    assert all("offpolicy/trainer_wait_s" in r and "offpolicy/window_occupancy" in r for r in metrics)
+
+
+def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path, server, tmp_path, monkeypatch):
+    deployed = [0]
+    real_sync = recipes_common.RunContext.sync_weights
+
+    async def spy_sync(self, version):
+        deployed[0] = version
+        return await real_sync(self, version)
+
+    monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy_sync)
+    late_calls = []
+
+    def factory(setup):
+        inner = Recorder()(setup)
+
+        async def rollout_fn(row):
+            if row["id"] == 1 and len(late_calls) < 2:  # the first submission of row 1 finishes after step 2
+                late_calls.append(row["id"])
+                while deployed[0] < 3:
+                    await asyncio.sleep(0.02)
+            return await inner(row)
+        return rollout_fn
+
+    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=1, max_steps=None,
+                 prompt_groups_per_step=1, shuffle_rows=False, stale_policy="drop")
+    async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS[:6])
+    metrics = read_metrics(cfg.log_path)
+    assert sum(r["offpolicy/dropped_stale_groups"] for r in metrics if "train/loss" in r) == 1
+    positions = trained_positions(tmp_path / "run")
+    assert sorted(positions) == list(range(6)) and all(len(s) == 1 for s in positions.values())
+    assert positions[1][0] >= 3  # trained after its requeue, not in its original place
+
+
+def test_inflight_weight_updates_push_without_draining(tiny_model_path, server, tmp_path, monkeypatch):
+    waits = []
+    real = recipes_common.DeploymentGroup.push
+
+    async def spy(self, named_weights, version, **kw):
+        waits.append(kw.get("wait_for_inflight"))
+        return await real(self, named_weights, version, **kw)
+
+    monkeypatch.setattr(recipes_common.DeploymentGroup, "push", spy)
+    for inflight in (False, True):
+        waits.clear()
+        cfg = config(tiny_model_path, server, tmp_path / str(inflight), max_head_offpolicy_versions=1,
+                     inflight_weight_updates=inflight)
+        assert async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)["steps"] == 2
+        assert waits and all(w is (not inflight) for w in waits), waits
+
+
+def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path, server, tmp_path, monkeypatch):
+    pushed = []
+    real = recipes_common.RunContext.sync_weights
+
+    async def spy(self, version):
+        pushed.append(version)
+        return await real(self, version)
+
+    monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy)
+    rec = Recorder()
+    cfg = config(tiny_model_path, server, tmp_path, max_steps=5, weight_sync_interval=2,
+                 max_head_offpolicy_versions=1, prompt_groups_per_step=1)
+    rl_loop.main(cfg, rollout_fn_factory=rec, rows=ROWS)
+    assert pushed == [0, 2, 4]  # the initial push to the attached server, then after steps 2 and 4
+    # samples of step k were generated under the last pushed version: 0, 0, 2, 2, 4
+    per_step = [r["offpolicy/weight_version"] for r in read_metrics(cfg.log_path) if "train/loss" in r]
+    assert per_step == [0, 2, 2, 4, 4]
+    assert [int(v) for v in rec.versions[::2]] == [0, 0, 2, 2, 4]
 
 
 def test_resume_continues_at_next_step_with_next_rows(tiny_model_path, server, tmp_path):

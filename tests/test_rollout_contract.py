@@ -17,6 +17,7 @@ def good(**kw):
 
 def test_valid_sample_passes():
     validate_sample(good(), vocab_size=10)
+    validate_sample(good(token_weight_versions=[3, 4]), vocab_size=10)
     assert good().num_trainable_tokens == 2
 
 
@@ -33,6 +34,8 @@ def test_valid_sample_passes():
     (dict(tokens=[5, 6, 70, 8]), "tokens"),
     (dict(tokens=[5, -1, 7, 8]), "tokens"),
     (dict(tokens=[], logprobs=[], loss_mask=[]), "tokens"),
+    (dict(token_weight_versions=[0, 0, 0, 0]), "token_weight_versions"),  # one per trainable token, not per token
+    (dict(token_weight_versions=[0, -1]), "token_weight_versions"),
 ])
 def test_malformed_sample_names_field(kw, field):
     with pytest.raises(RolloutValidationError) as e:

@@ -8,9 +8,12 @@ Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``common.py``):
    or attach the deployment, call ``make_rollout_fn(setup)`` once;
 2. a producer task submits prompt groups whenever the gate allows (``OffPolicyGate``),
    stamping each with the deployed weight version;
-3. each step: collect ``prompt_groups_per_step`` fresh groups (stale ones are dropped and
-   counted), train on them in the trainer's thread while the producer keeps sampling, push the
-   new weights every ``weight_sync_interval`` steps, evaluate and checkpoint when due, log;
+3. each step: collect ``prompt_groups_per_step`` finished groups, oldest-submitted first
+   (``OffPolicyGate.plan_batch``: under ``stale_policy="wait"`` the trainer waits for an older
+   running group when the next step would push it past the bound; under ``"drop"`` a late group
+   is dropped and its row requeued), train on them in the trainer's thread while the producer
+   keeps sampling, push the new weights every ``weight_sync_interval`` steps (in flight when
+   ``inflight_weight_updates``), evaluate and checkpoint when due, log;
 4. finish: final checkpoint and HF export, stop the deployment.
 
 ``synchronous_training=True`` drains in-flight rollouts before every step and submits nothing
@@ -65,16 +68,24 @@ class AsyncRLLoop:
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         cfg = ctx.cfg
-        self.gate = OffPolicyGate(cfg.max_head_offpolicy_versions, cfg.prompt_groups_per_step)
+        self.gate = OffPolicyGate(cfg.max_head_offpolicy_versions, cfg.prompt_groups_per_step, cfg.stale_policy)
         self.deployed_version = ctx.start_step
         self.assembling_step = ctx.start_step
         self.training = False
         self.ready: list[PromptGroup] = []
+        """Finished, accepted groups, oldest-submitted first."""
         self.in_flight = 0
-        self.producer_done = False
         self.changed = asyncio.Event()
         self.busy = BusyClock()
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[asyncio.Task, int] = {}
+        """Running groups and the version each was submitted under."""
+        self.tickets: dict[int, int] = {}
+        """Submission order of each outstanding row position (``ready`` is kept sorted by it)."""
+        self.submitted = 0
+        self.trainer_wait_s = 0.0
+        """Seconds the current step waited for older groups although enough younger ones had finished."""
+        self.window_metrics: dict[str, float] = {}
+        """``batch_window_metrics`` of the batch last taken."""
         self.failure: Optional[BaseException] = None
         """An error raised while accepting a group; the consumer re-raises it."""
 
@@ -86,24 +97,24 @@ class AsyncRLLoop:
         return self.gate.can_submit(self.deployed_version, self.assembling_step, len(self.ready) + self.in_flight)
 
     async def produce(self) -> None:
+        """Submit groups while the gate allows; idle (never exit) when the rows run out, since a
+        dropped group's row may be requeued. Cancelled by ``run`` at the end."""
         while True:
-            if not self.may_submit():
+            if not self.may_submit() or not self.ctx.cursor.has_next():
                 self.changed.clear()
                 await self.changed.wait()
                 continue
             position = self.ctx.cursor.take()
-            if position is None:
-                break
             self.in_flight += 1
             self.busy.start()
+            self.tickets[position] = self.submitted
+            self.submitted += 1
             task = asyncio.create_task(self.ctx.run_group(position, self.deployed_version))
-            self.tasks.add(task)
+            self.tasks[task] = self.deployed_version
             task.add_done_callback(self.on_group_done)
-        self.producer_done = True
-        self.changed.set()
 
     def on_group_done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+        self.tasks.pop(task, None)
         self.in_flight -= 1
         self.busy.stop()
         if task.cancelled():
@@ -111,40 +122,86 @@ class AsyncRLLoop:
         if task.exception() is not None:
             self.failure = task.exception()
         else:
+            group = task.result()
             try:
-                if self.ctx.accept_group(task.result()):
-                    self.ready.append(task.result())
+                if self.ctx.accept_group(group):
+                    self.ready.append(group)
+                    self.ready.sort(key=lambda g: self.tickets[g.position])
+                else:
+                    self.tickets.pop(group.position, None)
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer, which stops the run
                 self.failure = e
         self.changed.set()
 
     # ---- consumer -------------------------------------------------------------------------
+    def exhausted(self) -> bool:
+        """No group runs and no row is left to submit: the remaining ``ready`` groups are the last."""
+        return self.in_flight == 0 and not self.ctx.cursor.has_next()
+
+    def drop_stale(self, step: int) -> None:
+        """Drop finished groups past their deadline (only ``drop`` produces them) and requeue their rows."""
+        kept = []
+        for g in self.ready:
+            if self.gate.is_fresh(g.submit_version, step):
+                kept.append(g)
+            else:
+                self.gate.admit(g.submit_version, step, len(g.samples))  # counts the drop
+                self.tickets.pop(g.position, None)
+                self.ctx.cursor.requeue(g.position)
+                self.changed.set()
+        self.ready = kept
+
     async def collect_batch(self, step: int) -> list[PromptGroup]:
-        """Wait for ``prompt_groups_per_step`` groups fresh enough for ``step``; drop stale ones."""
+        """Wait until ``OffPolicyGate.plan_batch`` releases a batch for ``step``; [] when the rows ran out."""
         cfg = self.ctx.cfg
         need = cfg.prompt_groups_per_step
         last_progress = time.perf_counter()
+        self.trainer_wait_s = 0.0
         while True:
             if self.failure is not None:
                 raise self.failure
-            kept = []
-            for g in self.ready:
-                if self.gate.is_fresh(g.submit_version, step):
-                    kept.append(g)
-                else:
-                    self.gate.admit(g.submit_version, step, len(g.samples))  # counts the drop
-                    self.ctx.cursor.mark_done(g.position)
-            self.ready = kept
+            self.drop_stale(step)
             drained = not (cfg.synchronous_training and self.in_flight > 0)
-            exhausted = self.producer_done and self.in_flight == 0
+            exhausted = self.exhausted()
+            plan = None
             if (len(self.ready) >= need and drained) or (exhausted and self.ready):
-                batch, self.ready = self.ready[:need], self.ready[need:]
+                running = list(self.tasks.values())
+                plan = self.gate.plan_batch(step, [g.submit_version for g in self.ready], running)
+            if plan is not None:
+                self.window_metrics = self.batch_window_metrics(step, plan)
+                batch = [self.ready[i] for i in plan]
+                taken = set(plan)
+                self.ready = [g for i, g in enumerate(self.ready) if i not in taken]
                 for g in batch:
+                    self.tickets.pop(g.position, None)
                     self.gate.admit(g.submit_version, step, len(g.samples))
+                    for sample in g.samples:
+                        self.gate.record_token_versions(step, sample.token_weight_versions)
                 return batch
             if exhausted:
                 return []
+            waiting_for_older = len(self.ready) >= need and drained
+            if waiting_for_older and self.trainer_wait_s == 0.0:
+                logger.info("step %d waits for %d older running group(s) so that every group trains within "
+                            "max_head_offpolicy_versions=%d", step, self.in_flight, cfg.max_head_offpolicy_versions)
+            t0 = time.perf_counter()
             last_progress = await self.ctx.wait_for(self.changed, self.in_flight, last_progress)
+            if waiting_for_older:
+                self.trainer_wait_s += time.perf_counter() - t0
+
+    def batch_window_metrics(self, step: int, plan: list[int]) -> dict[str, float]:
+        """``offpolicy/*`` facts of the batch about to be taken: window, bypasses, occupancy."""
+        running = list(self.tasks.values())
+        outstanding = [g.submit_version for g in self.ready] + running
+        capacity = self.gate.submit_capacity(self.deployed_version, step)
+        ready_positions = {g.position for g in self.ready}
+        oldest_running = min((t for p, t in self.tickets.items() if p not in ready_positions), default=None)
+        bypassed = 0 if oldest_running is None else sum(
+            1 for i in plan if self.tickets[self.ready[i].position] > oldest_running)
+        return {"offpolicy/bypass_window": float(self.gate.bypass_window(step, outstanding)),
+                "offpolicy/bypassed_groups": float(bypassed),
+                "offpolicy/window_occupancy": len(outstanding) / max(capacity, 1),
+                "offpolicy/trainer_wait_s": self.trainer_wait_s}
 
     async def run(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -164,7 +221,8 @@ class AsyncRLLoop:
                 self.assembling_step = step + 1
                 self.training = True
                 self.changed.set()
-                m = {**batch_metrics(batch), **self.gate.step_metrics(), **ctx.take_counters()}
+                m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics,
+                     **ctx.take_counters()}
                 busy_train0 = self.busy.read()
                 with timer.phase("train"):
                     m.update(await ctx.train(batch, step))

@@ -259,7 +259,8 @@ class RunContext:
     async def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to every replica as ``version``; seconds taken."""
         t0 = time.perf_counter()
-        await self.deployment.push(self.trainer.named_weights(), version, specs=self.trainer.weight_specs())
+        await self.deployment.push(self.trainer.named_weights(), version, specs=self.trainer.weight_specs(),
+                                   wait_for_inflight=not self.cfg.inflight_weight_updates)
         return time.perf_counter() - t0
 
     # ---- eval, checkpoints ----------------------------------------------------------

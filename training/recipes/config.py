@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from training.utils.config import DeployConfig, TrainerConfig, WandBConfig
+from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
 from training.utils.rl.groups import PromptGroup
 
@@ -67,6 +68,13 @@ class Config:
     """Drain every in-flight rollout before each step and submit nothing while training."""
     weight_sync_interval: int = 1
     """Push weights to the deployment every this many steps (needs max_head_offpolicy_versions >= interval - 1)."""
+    # -- off-policy pacing (async_rl_loop; see training/utils/rl/gate.py for the bound and the window) --
+    stale_policy: str = "wait"
+    """``wait``: the trainer waits for the oldest groups so every rollout is trained within the bound (nothing dropped);
+    ``drop``: never wait, drop a group that finished past the bound and requeue its row."""
+    inflight_weight_updates: bool = False
+    """Push weights without draining the deployment: running sequences continue under the new weights from the next
+    decode step (PipelineRL). False: a push waits until running sequences finish on the old weights."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     ppo_mini_batches: int = 1
@@ -129,6 +137,8 @@ class Config:
         check(self.max_head_offpolicy_versions >= self.weight_sync_interval - 1, "max_head_offpolicy_versions",
               f"must be >= weight_sync_interval - 1 = {self.weight_sync_interval - 1}: samples from a deployment "
               "that lags the trainer by interval - 1 versions would otherwise never be fresh enough")
+        check(self.stale_policy in STALE_POLICIES, "stale_policy",
+              f"{self.stale_policy!r} is not one of {STALE_POLICIES}")
         check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         check(self.ppo_mini_batches >= 1, "ppo_mini_batches", "must be >= 1")
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")

@@ -75,6 +75,8 @@ class RowCursor:
     next_position: int = 0
     done_floor: int = 0
     done_after_floor: set = field(default_factory=set)
+    requeued: list = field(default_factory=list)
+    """Positions handed out before and given back (``requeue``); taken again first."""
     _orders: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -92,7 +94,9 @@ class RowCursor:
         return self._orders[epoch][i]
 
     def take(self) -> int | None:
-        """The next position to submit, or None when every pass is submitted."""
+        """The next position to submit (requeued ones first), or None when every pass is submitted."""
+        if self.requeued:
+            return self.requeued.pop(0)
         while self.next_position < self.total and self.next_position in self.done_after_floor:
             self.next_position += 1
         if self.next_position >= self.total:
@@ -100,6 +104,19 @@ class RowCursor:
         p = self.next_position
         self.next_position += 1
         return p
+
+    def has_next(self) -> bool:
+        """True if ``take`` would return a position."""
+        if self.requeued:
+            return True
+        p = self.next_position
+        while p < self.total and p in self.done_after_floor:
+            p += 1
+        return p < self.total
+
+    def requeue(self, position: int) -> None:
+        """Give back a taken position that was not trained (e.g. dropped as stale): it is taken again next."""
+        self.requeued.append(position)
 
     def mark_done(self, position: int) -> None:
         self.done_after_floor.add(position)
@@ -114,6 +131,7 @@ class RowCursor:
         self.done_floor = int(state["done_floor"])
         self.done_after_floor = set(int(p) for p in state["done_after_floor"])
         self.next_position = self.done_floor
+        self.requeued = []
 
     def positions(self) -> Iterator[int]:
         while (p := self.take()) is not None:

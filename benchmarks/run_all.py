@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.report import render
 
 SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "engine_rl_shapes", "trainer_throughput", "weight_sync",
-           "exactness"]
+           "exactness", "sampling_cost"]
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
 

@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-open-bind", action="store_true",
                    help="start on a --host other than loopback without an API key (anyone who reaches the port "
                         "can then pause the server and load weights into it)")
+    p.add_argument("--weight-dir", action="append", default=None, metavar="DIR",
+                   help="a folder /update_weights_from_disk may read (repeat for several; symlinks are resolved "
+                        "and must stay inside; default: the temp dir, /dev/shm and the working directory)")
+    p.add_argument("--weight-peer", action="append", default=None, metavar="HOST",
+                   help="a host /init_weight_update_group may connect to (repeat; default: loopback only)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="shut down when process PID is no longer this server's parent")
@@ -111,8 +116,11 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
 
     engine = AsyncEngine(engine_config_from_args(args))
     await engine.start()
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False,
+                     weight_dirs=args.weight_dir, weight_peers=args.weight_peer)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                           handler_cancellation=True)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -26,17 +26,18 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import EngineError, PartialWeightUpdateError, WeightUpdateError
+from training.deployment.engine.config import (EngineError, PartialWeightUpdateError, SequenceFailedError,
+                                              WeightUpdateError)
 from training.deployment.protocol import (
     ParsedRequest,
     RequestError,
-    build_chat_response,
-    build_completion_response,
     error_body,
     parse_chat_request,
     parse_completion_request,
 )
-from training.utils.http import bearer_ok, session_id_of
+from training.deployment.responses import build_chat_response, build_completion_response
+from training.deployment.streaming import DONE, ChunkStream, sse
+from training.utils.http import bearer_ok, parse_json_body, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ DIST_KEY = web.AppKey("dist_weights", dict)
 """The torch.distributed weight-update state: ``group`` (or None) and ``busy`` (a join or update runs)."""
 _OPEN_PATHS = ("/health",)
 """Paths that never require the API key."""
+
+
+LOOPBACK_PEERS = ("127.0.0.1", "localhost", "::1")
+"""Hosts ``/init_weight_update_group`` may connect to unless the server was given others."""
 
 
 def shm_roots() -> list[Path]:
@@ -59,6 +64,10 @@ def _json_error(status: int, message: str, err_type: str = "invalid_request_erro
     return web.json_response(error_body(message, err_type, param), status=status)
 
 
+_CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose handler is cancelled (and sequences aborted) when the client disconnects."""
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     """API-key check (all paths but /health) and the mapping of errors to JSON responses."""
@@ -68,13 +77,20 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
             return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error")
     try:
-        return await handler(request)
+        if request.path in _CANCEL_ON_DISCONNECT:
+            return await handler(request)
+        # a control request (weights, pause, ...) runs to its end even if its client goes away: a weight
+        # push cut half-way would leave a joined group unrecorded or a /dev/shm file behind
+        return await _run_to_end(handler(request))
     except RequestError as e:
         return _json_error(e.status, e.message, e.err_type, e.param)
     except WeightUpdateError as e:
         return _json_error(400, f"weight update refused: {e}", "invalid_request_error")
     except EngineError as e:
         return _json_error(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+    except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
+        log.error("request failed in the engine: %s", e)
+        return _json_error(500, f"generation failed: {e}", "internal_error")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -82,6 +98,16 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     except Exception as e:  # a server bug: log it, answer 500, keep serving
         log.exception("unhandled error on %s", request.path)
         return _json_error(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
+
+
+async def _run_to_end(coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Await ``coro`` in its own task that a cancellation of the caller does not stop (its outcome is then dropped)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
+        raise
 
 
 def _engine_error_param(message: str) -> Optional[str]:
@@ -94,9 +120,9 @@ def _engine_error_param(message: str) -> Optional[str]:
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+        return parse_json_body(await request.read())
+    except ValueError as e:
+        raise RequestError(str(e)) from e
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
@@ -128,18 +154,71 @@ async def _generate_all(request: web.Request, req: ParsedRequest, body: Any) -> 
     return [[t.result() for t in row] for row in tasks]
 
 
-async def completions(request: web.Request) -> web.Response:
+async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: bool) -> web.StreamResponse:
+    """Answer with server-sent events; every (prompt, choice) streams from its own engine request.
+
+    A client that goes away (a failed write, or aiohttp cancelling the handler) cancels the
+    consumers, which aborts their sequences at the engine's next step.
+    """
+    engine = request.app[ENGINE_KEY]
+    chunks = ChunkStream(req, chat, engine.tokenizer)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def consume(p: int, i: int) -> None:
+        try:
+            async for delta in engine.generate_stream(req.prompts[p], req.params_for(i),
+                                                      session_id=_session_id(request, body, i)):
+                queue.put_nowait((p, i, delta))
+        except Exception as e:  # reported in the stream; the other choices are cancelled
+            queue.put_nowait((p, i, e))
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    tasks = [asyncio.ensure_future(consume(p, i)) for p in range(len(req.prompts)) for i in range(req.n)]
+    try:
+        for chunk in chunks.opening():
+            await resp.write(sse(chunk))
+        running = len(tasks)
+        while running:
+            p, i, item = await queue.get()
+            if isinstance(item, Exception):
+                log.error("streamed request failed: %s: %s", type(item).__name__, item)
+                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}",
+                                                "internal_error")))
+                break
+            for chunk in chunks.update(p, i, item):
+                await resp.write(sse(chunk))
+            running -= item.result is not None
+        else:
+            for chunk in chunks.closing():
+                await resp.write(sse(chunk))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away: stop its sequences
+        log.info("client disconnected from a streamed request")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await _read_json(request)
     req = parse_completion_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, body, chat=False)
     results = await _generate_all(request, req, body)
     return web.json_response(build_completion_response(req, results, engine.tokenizer))
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await _read_json(request)
     req = parse_chat_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, body, chat=True)
     results = await _generate_all(request, req, body)
     return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
 
@@ -163,7 +242,9 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE_KEY].stats(), dumps=lambda o: json.dumps(o, default=str))
 
 
-def _update_fields(body: Any) -> tuple[str, int, bool]:
+def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
+    """``path``, ``weight_version``, ``wait_for_inflight`` of a weight push. A version below the one
+    served is refused (409) unless ``force`` is true: a stale trainer must not roll weights back."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     path, version = body.get("path"), body.get("weight_version")
@@ -174,40 +255,75 @@ def _update_fields(body: Any) -> tuple[str, int, bool]:
     wait = body.get("wait_for_inflight", True)
     if not isinstance(wait, bool):
         raise RequestError("'wait_for_inflight' must be a boolean", "wait_for_inflight")
+    force = body.get("force", False)
+    if not isinstance(force, bool):
+        raise RequestError("'force' must be a boolean", "force")
+    served = request.app[ENGINE_KEY].weight_version
+    if version < served and not force:
+        raise RequestError(f"'weight_version' {version} is older than the served {served}; send \"force\": true "
+                           "to roll back on purpose", "weight_version", status=409)
     return path, version, wait
+
+
+def _confined(path: str, roots: list[Path]) -> Path:
+    """``path`` with symlinks resolved, if it lies under one of ``roots``; the error never says
+    whether a path outside them exists."""
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(r) for r in roots):
+        raise RequestError(f"'path' is not under the server's weight folders ({', '.join(map(str, roots))}; "
+                           "set them with --weight-dir)", "path")
+    return resolved
+
+
+def _finite_tensors(tensors: dict) -> dict:
+    """Refuse NaN or inf weights (400 naming the first such tensor); they would poison every answer."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise RequestError(f"tensor {name!r} holds NaN or inf values; the served weights are unchanged", "path")
+    return tensors
+
+
+def _read_weights(path: Path) -> dict:
+    """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle)."""
+    from training.deployment.engine.weights import load_safetensors
+
+    return load_safetensors(str(path))
+
+
+async def _load_checked(path: Path, shown: str) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    try:
+        tensors = await asyncio.to_thread(_read_weights, path)
+    except Exception as e:  # a file that is not safetensors, truncated, unreadable: the client's mistake
+        raise RequestError(f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {e}", "path") from e
+    if not tensors:
+        raise RequestError(f"no safetensors tensors at {shown!r}", "path")
+    return await asyncio.to_thread(_finite_tensors, tensors), time.perf_counter() - t0
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    path, version, wait = _update_fields(await _read_json(request))
-    if not os.path.exists(path):
+    path, version, wait = _update_fields(request, await _read_json(request))
+    resolved = _confined(path, request.app[SETTINGS_KEY]["weight_dirs"])
+    if not resolved.exists():
         raise RequestError(f"'path' {path!r} does not exist on the server", "path")
     t0 = time.perf_counter()
-    await engine.update_weights_from_disk(path, version, wait_for_inflight=wait)
-    return web.json_response({"weight_version": engine.weight_version, "load_s": time.perf_counter() - t0})
-
-
-def _load_safetensors(path: str) -> dict:
-    """Read every tensor of a safetensors file (memory-mapped read; never pickle)."""
-    from safetensors.torch import load_file
-    return load_file(path, device="cpu")
+    tensors, read_s = await _load_checked(resolved, path)
+    await engine.update_weights(tensors, version, wait_for_inflight=wait)
+    return web.json_response({"weight_version": engine.weight_version, "read_s": read_s,
+                              "load_s": time.perf_counter() - t0})
 
 
 async def update_weights_from_shm(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    path, version, wait = _update_fields(await _read_json(request))
-    resolved = Path(path).resolve()
-    roots = shm_roots()
-    if not any(resolved.is_relative_to(r) for r in roots):
-        raise RequestError(f"'path' {path!r} is not under {', '.join(map(str, roots))}", "path")
+    path, version, wait = _update_fields(request, await _read_json(request))
+    resolved = _confined(path, shm_roots())
     if not resolved.is_file() or resolved.suffix != ".safetensors":
         raise RequestError(f"'path' {path!r} is not an existing .safetensors file", "path")
     t0 = time.perf_counter()
-    try:
-        tensors = await asyncio.to_thread(_load_safetensors, str(resolved))
-    except Exception as e:
-        raise RequestError(f"could not read safetensors file {path!r}: {e}", "path") from e
-    read_s = time.perf_counter() - t0
+    tensors, read_s = await _load_checked(resolved, path)
     await engine.update_weights(tensors, version, wait_for_inflight=wait)
     return web.json_response({"weight_version": engine.weight_version, "read_s": read_s,
                               "load_s": time.perf_counter() - t0})
@@ -218,6 +334,10 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
     from training.deployment.dist_weights_receiver import WeightUpdateGroup, parse_group_body
 
     spec = parse_group_body(await _read_json(request))
+    peers = request.app[SETTINGS_KEY]["weight_peers"]
+    if spec.master_addr not in peers:
+        raise RequestError(f"'master_addr' {spec.master_addr!r} is not an allowed weight peer ({', '.join(peers)}; "
+                           "start the server with --weight-peer HOST to allow it)", "master_addr", status=403)
     device = request.app[ENGINE_KEY].engine.device
     if spec.backend == "nccl" and device.type != "cuda":
         raise RequestError(f"'backend' nccl needs the engine on CUDA; this engine runs on {device}: use gloo",
@@ -233,11 +353,14 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
         group = WeightUpdateGroup(spec)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(group.join)  # blocks until every rank joined; the loop keeps serving
+            # blocks until every rank joined (the loop keeps serving); gives up after the body's timeout_s
+            await asyncio.wait_for(asyncio.to_thread(group.join), spec.timeout_s)
         except Exception as e:
             group.close()
+            reason = f"not every rank joined within timeout_s={spec.timeout_s:g}" \
+                if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
             raise RequestError(f"could not join the weight-update group at {spec.master_addr}:"
-                               f"{spec.master_port} as rank {spec.rank}/{spec.world_size}: {e}", "master_addr",
+                               f"{spec.master_port} as rank {spec.rank}/{spec.world_size}: {reason}", "master_addr",
                                status=503) from e
         state["group"] = group
     finally:
@@ -293,15 +416,28 @@ async def resume(request: web.Request) -> web.Response:
 
 
 def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-               manage_engine: bool = True) -> web.Application:
-    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup."""
+               manage_engine: bool = True, weight_dirs: Optional[list[str]] = None,
+               weight_peers: Optional[list[str]] = None) -> web.Application:
+    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
+
+    Serve it with ``handler_cancellation=True`` (``web.AppRunner`` / ``web.run_app``, as serve.py
+    does) so that a non-streamed request whose client disconnects is aborted; streamed requests
+    notice a disconnect on their next write either way. Control endpoints are shielded: they
+    finish even when their client goes away.
+
+    ``weight_dirs``: the folders ``/update_weights_from_disk`` may read (symlinks resolved; default
+    the temp dir, /dev/shm and the working directory). ``weight_peers``: the hosts
+    ``/init_weight_update_group`` may connect to (default loopback only).
+    """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     name = served_model_name or engine.model_name
     model_arg = getattr(getattr(engine, "config", None), "model", engine.model_name)  # the --model value
     aliases = tuple(dict.fromkeys([name, engine.model_name, model_arg]))
-    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases,
-                         "started": int(time.time())}
+    dirs = weight_dirs if weight_dirs else [tempfile.gettempdir(), *map(str, shm_roots()), os.getcwd()]
+    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases, "started": int(time.time()),
+                         "weight_dirs": [Path(d).resolve() for d in dirs],
+                         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS)}
     app[DIST_KEY] = {"group": None, "busy": False}
     app.add_routes([
         web.post("/v1/completions", completions),

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from training.proxy.records import CallRecord, SessionRecord
 from training.proxy.upstream import UpstreamError, UpstreamPool
-from training.utils.http import SESSION_HEADER, bearer_ok, session_headers, session_id_of
+from training.utils.http import SESSION_HEADER, bearer_ok, parse_json_body, session_headers, session_id_of
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error", p
 async def _json_or_none(request: web.Request) -> Any:
     """The request's JSON body, or None when it is not JSON (the caller reports that; aiohttp keeps the body)."""
     try:
-        return await request.json()
+        return parse_json_body(await request.read())
     except ValueError:
         return None
 
@@ -211,9 +211,9 @@ class ProxyServer:
         if err is not None:
             return err
         try:
-            body = await request.json()
+            body = parse_json_body(await request.read())
         except ValueError as e:
-            return _error(400, f"the request body is not valid JSON: {e}")
+            return _error(400, str(e))
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if body.get("stream"):

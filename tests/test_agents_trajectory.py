@@ -116,6 +116,7 @@ def test_three_turn_episode_masks_exactly_the_server_tokens(server, tokenizer):
     assert [lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m] == \
         [lp for _, c, _ in rec.calls for lp in c.inference_logprobs]
     assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if not m)
+    assert sample.token_weight_versions == [v for _, c, _ in rec.calls for v in c.token_weight_versions]
     # prompt k+1 = prompt k + output k + glue (mask 0), and the glue carries the tool results
     for (p0, c0, _), (p1, _, _) in zip(rec.calls, rec.calls[1:]):
         assert p1[:len(p0) + len(c0.output_tokens)] == p0 + c0.output_tokens

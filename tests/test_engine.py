@@ -306,8 +306,9 @@ def test_update_during_generation_respects_wait_for_inflight(tiny_model_path, wa
     ref, res, done_before_update = run_engine(tiny_model_path, body)
     if wait:  # finished entirely under the old weights before the swap
         assert done_before_update and res.weight_version == 0 and res.output_token_ids == ref.output_token_ids
-    else:  # swapped mid-sequence: it continues under (and reports) the new version
-        assert res.weight_version == 1 and len(res.output_token_ids) == 150
+    else:  # swapped mid-sequence: it continues under the new weights, labelled by its oldest token
+        assert res.weight_version == 0 and len(res.output_token_ids) == 150
+        assert res.token_weight_versions[0] == 0 and res.token_weight_versions[-1] == 1
         assert res.output_token_ids != ref.output_token_ids
 
 

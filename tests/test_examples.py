@@ -136,6 +136,7 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
             assert s.tokens[:len(prompt)] == prompt  # every turn's prompt is a prefix of the sample
         generated = [t for t, m in zip(s.tokens, s.loss_mask) if m == 1]
         assert generated == [t for _, c in turns for t in c.output_tokens]
+        assert s.token_weight_versions == [v for _, c in turns for v in c.token_weight_versions]
         assert [lp for lp, m in zip(s.logprobs, s.loss_mask) if m == 1] == \
             [lp for _, c in turns for lp in c.inference_logprobs]
     rollout_mod = sys.modules.pop("rollout")

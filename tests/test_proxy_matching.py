@@ -128,6 +128,22 @@ def test_stitch_truncates_over_length_and_drops_empty_segments():
     assert seg.tokens == [1, 2, 3, 7] and seg.finish_reason == "length" and res.dropped_segments == 1
 
 
+def test_stitched_and_transition_samples_carry_each_generated_tokens_weight_version():
+    c1 = call([1, 2, 3], [7, 8, 9])
+    c1.token_weight_versions = [4, 4, 5]  # an in-flight update landed during this call
+    c2 = call([1, 2, 3, 7, 8, 9, 4], [10, 11])
+    c2.weight_version = 5  # an upstream that reports one version per call
+    s = run_session([c1, c2], "tokens")
+    [seg] = stitch_calls(s.calls).samples
+    validate_sample(seg)
+    assert seg.token_weight_versions == [4, 4, 5, 5, 5]
+    [masked] = stitch_calls(s.calls, on_drift="mask", max_seq_len=5).samples  # cut inside c1's output
+    assert masked.token_weight_versions == [4, 4]
+    first, second = build_transitions(s.calls, 1.0, max_seq_len=8).samples  # the second call is cut to 1 token
+    validate_sample(second)
+    assert first.token_weight_versions == [4, 4, 5] and second.token_weight_versions == [5]
+
+
 def test_transitions_credit_functions_and_episode_weights():
     c1 = call([1], [2], [USER], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]})

@@ -42,6 +42,7 @@ def test_completions_carry_exact_tokens_and_one_logprob_per_output_token(sampler
         assert c.prompt_tokens == PROMPT and c.prompt_len == len(PROMPT)
         assert 1 <= len(c.output_tokens) <= 7 and len(c.inference_logprobs) == len(c.output_tokens)
         assert all(lp <= 0 for lp in c.inference_logprobs) and c.weight_version == 0
+        assert c.token_weight_versions == [0] * len(c.output_tokens)
         assert c.finish_reason in ("stop", "length") and c.tool_calls == [] and c.message is None
 
 
@@ -82,7 +83,8 @@ def test_chat_returns_message_and_token_detail(sampler):
 
 def test_session_header_reuses_kv(sampler):
     async def go():
-        [a] = await sampler.sample_with_prompt_tokens(PROMPT, session_id="s1", max_tokens=4, ignore_eos=True)
+        fresh = [77, 78, 79, 80, 81, 82]  # no other test sent it: nothing of it is cached yet
+        [a] = await sampler.sample_with_prompt_tokens(fresh, session_id="s1", max_tokens=4, ignore_eos=True)
         [b] = await sampler.sample_with_prompt_tokens(a.full_tokens + [40, 41], session_id="s1", max_tokens=2)
         return a, b
     a, b = asyncio.run(go())
@@ -150,6 +152,31 @@ def test_5xx_is_retried_with_backoff_then_succeeds():
     assert len(hits) == 3 and hits == ["abc"] * 3  # the session header is sent on every attempt
     assert elapsed >= 0.05 + 0.1 - 0.01  # backoff 0.05 then 0.1
     assert out[0].weight_version == 5 and out[0].full_tokens == PROMPT + [0, 1]
+
+
+def test_token_weight_versions_from_the_server_else_the_version_sent_under():
+    """Per-token versions as reported; a server without versions (vLLM) gets the one noted at send time."""
+    per_token = _fake_completion(3)
+    per_token["choices"][0]["token_weight_versions"] = [4, 4, 5]
+    no_version = _fake_completion(3)
+    del no_version["choices"][0]["weight_version"], no_version["weight_version"]
+    only_choice_version = _fake_completion(3)
+
+    async def go(url):
+        s = DeploymentSampler(url, max_retries=0)
+        s.note_weight_version(2)
+        try:
+            return [(await s.sample_with_prompt_tokens(PROMPT, max_tokens=3))[0] for _ in range(3)]
+        finally:
+            await s.close()
+
+    script = [(200, per_token, 0)]
+    (reported, *_), _ = asyncio.run(_with_fake(script, go))
+    assert reported.token_weight_versions == [4, 4, 5] and reported.weight_version == 5
+    (unversioned, *_), _ = asyncio.run(_with_fake([(200, no_version, 0)], go))
+    assert unversioned.token_weight_versions == [2, 2, 2] and unversioned.weight_version == 2
+    (partial, *_), _ = asyncio.run(_with_fake([(200, only_choice_version, 0)], go))
+    assert partial.token_weight_versions is None and partial.weight_version == 5
 
 
 def test_4xx_is_not_retried_and_retries_are_bounded():

@@ -29,7 +29,7 @@ def rows(logits_V: torch.Tensor, params: SamplingParams, n: int, prompt=(1, 2), 
     for i in range(n):
         seq = Sequence(list(prompt), params, torch.Generator().manual_seed(i), frozenset(stop_ids))
         for t in output:
-            seq.append(t, 0.0)
+            seq.append(t, 0.0, 0)
         seqs.append(seq)
     return logits_V.expand(n, -1).clone(), seqs
 

@@ -94,6 +94,7 @@ def test_completion_token_ids_logprobs_usage_version(server):
     assert u["prompt_tokens"] == len(PROMPT) and u["completion_tokens"] == len(ch["token_ids"])
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert u["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ch["token_weight_versions"] == [0] * len(ch["token_ids"])
 
 
 def test_string_prompt_and_list_of_one_prompt(server):
@@ -228,6 +229,8 @@ def test_chat_renders_template_with_tools(server, tiny_model_path):
     assert out["prompt_token_ids"] == expected == out["choices"][0]["prompt_token_ids"]
     assert "calculator" in tok.decode(expected)
     assert [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]] and out["weight_version"] == 0
+    ch = out["choices"][0]
+    assert ch["token_weight_versions"] == [0] * len(ch["token_ids"])
 
 
 def test_tool_call_blocks_become_openai_tool_calls():
@@ -276,15 +279,48 @@ def test_sampled_logprobs_match_transformers_forward(server, tiny_model_path):
 
 def test_session_reuses_kv_on_the_next_turn(server):
     headers = {**AUTH, "x-multi-turn-session-id": "session-a"}
+    fresh = [61, 62, 63, 64, 65, 66, 67]  # no other test sent it: nothing of it is cached yet
     s1, out1 = call(server, "POST", "/v1/completions",
-                    {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}, headers)
+                    {"prompt": fresh, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}, headers)
     assert s1 == 200 and out1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    turn2 = PROMPT + out1["choices"][0]["token_ids"] + [30, 31, 32]
+    turn2 = fresh + out1["choices"][0]["token_ids"] + [30, 31, 32]
     s2, out2 = call(server, "POST", "/v1/completions",
                     {"prompt": turn2, "max_tokens": 4, "return_token_ids": True}, headers)
     assert s2 == 200
     cached = out2["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < len(turn2), out2["usage"]
+
+
+def _concurrent_completions(server, bodies: list[dict]) -> list[dict]:
+    async def go():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async def one(body):
+                async with s.post(server.base_url + "/v1/completions", json={"model": "tiny", **body}) as r:
+                    assert r.status == 200
+                    return await r.json()
+            return await asyncio.gather(*[one(b) for b in bodies])
+    return asyncio.run(go())
+
+
+def test_grpo_group_over_http_computes_its_prompt_once_and_reports_cached_tokens(server):
+    prompt = [300 + (7 * i) % 97 for i in range(40)]  # fresh: no other test sent it
+    before = call(server, "GET", "/stats")[1]
+    outs = _concurrent_completions(server, [{"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": i,
+                                             "ignore_eos": True, "return_token_ids": True} for i in range(8)])
+    after = call(server, "GET", "/stats")[1]
+    cached = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
+    assert cached[0] == 0 and all(c >= len(prompt) - 1 for c in cached[1:])  # one member computed it
+    assert after["prefill_tokens"] - before["prefill_tokens"] <= len(prompt) + 7
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == sum(cached)
+    # n > 1 on a fresh prompt: the prompt is computed once, the request reports what that computation reused
+    fresh = [400 + (11 * i) % 89 for i in range(30)]
+    before = call(server, "GET", "/stats")[1]
+    out = complete(server, prompt=fresh, n=4, max_tokens=3, temperature=1.0, seed=1, return_token_ids=True)
+    after = call(server, "GET", "/stats")[1]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert after["prefill_tokens"] - before["prefill_tokens"] <= len(fresh) + 3
+    again = complete(server, prompt=fresh, n=2, max_tokens=3, temperature=1.0, seed=5, return_token_ids=True)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(fresh) - 1
 
 
 def test_pause_holds_requests_until_resume(server):
@@ -347,6 +383,34 @@ def test_weight_update_changes_greedy_output_and_version(server, tiny_model_path
                              api_key=API_KEY))
     again, v2 = greedy_ids(server, PROMPT)
     assert v2 == 2 and again == before
+
+
+def test_in_flight_update_over_http_labels_every_token_with_its_version(server, tiny_model_path):
+    v = call(server, "GET", "/weight_version")[1]["weight_version"]
+
+    async def go():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True, "logprobs": 0}
+            long = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
+            while (await (await s.get(server.base_url + "/stats")).json())["running"] == 0:
+                assert not long.done(), "the request ended before it was seen running"  # fail, never spin
+                await asyncio.sleep(0.005)
+            await s.post(server.base_url + "/pause")  # hold it mid-sequence: the push lands between two steps
+            await push_weights(server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY,
+                               wait_for_inflight=False)
+            await s.post(server.base_url + "/resume")
+            async with await long as r:
+                assert r.status == 200
+                return await r.json()
+
+    out = asyncio.run(go())
+    ch = out["choices"][0]
+    versions = ch["token_weight_versions"]
+    assert len(versions) == len(ch["token_ids"]) == 200
+    k = versions.index(v + 1)
+    assert 0 < k and versions == [v] * k + [v + 1] * (200 - k)
+    assert ch["weight_version"] == out["weight_version"] == v  # the oldest among its tokens
 
 
 def test_refused_update_keeps_old_weights(server, tiny_model_path):

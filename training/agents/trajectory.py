@@ -49,6 +49,8 @@ class Segment:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    token_weight_versions: list[int] = field(default_factory=list)
+    """Per generated token (``loss_mask`` 1), the weight version that produced it."""
     start_turn: int = 0
     reason: str = "start"
     """Why this segment began: ``start`` or ``compaction``."""
@@ -58,12 +60,15 @@ class Segment:
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
 
-    def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_generated(self, ids: list[int], logprobs: list[float], weight_versions: list[int]) -> None:
         if len(ids) != len(logprobs):
             raise ValueError(f"logprobs: {len(logprobs)} values for {len(ids)} generated tokens")
+        if len(ids) != len(weight_versions):
+            raise ValueError(f"weight_versions: {len(weight_versions)} values for {len(ids)} generated tokens")
         self.tokens += ids
         self.logprobs += [float(x) for x in logprobs]
         self.loss_mask += [1] * len(ids)
+        self.token_weight_versions += [int(v) for v in weight_versions]
 
     @property
     def num_generated(self) -> int:
@@ -162,7 +167,7 @@ class TrajectoryEngine:
                 raise RuntimeError("the server's prompt_token_ids differ from the prompt sent (token drift)")
             prompts.append(list(seg.tokens))
             out = c.output_tokens
-            seg.add_generated(out, c.inference_logprobs)
+            seg.add_generated(out, c.inference_logprobs, c.token_weight_versions or [c.weight_version] * len(out))
             last_text = self.tokenizer.decode(out, skip_special_tokens=True)
             action = agent.act(last_text)
             t1 = time.perf_counter()
@@ -201,6 +206,7 @@ class TrajectoryEngine:
             total += final_reward
         closed.append(seg)
         samples = [RolloutSample(tokens=s.tokens, logprobs=s.logprobs, loss_mask=s.loss_mask, reward=total,
+                                 token_weight_versions=s.token_weight_versions,
                                  finish_reason=finish_reason if s is seg else "stop",
                                  text=last_text if s is seg else "")
                    for s in closed if s.num_generated > 0]

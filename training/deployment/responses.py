@@ -1,7 +1,7 @@
 """Whole (non-streamed) OpenAI responses, and the pieces the streamed chunks share with them.
 
 Building turns the engine's ``GenerationResult`` objects into OpenAI / vLLM-shaped JSON, with
-the extras an RL trainer needs: per-choice ``token_ids`` / ``prompt_token_ids``
+the extras an RL trainer needs: per-choice ``token_ids`` / ``token_weight_versions`` / ``prompt_token_ids``
 (``return_token_ids``), the sampled tokens' logprobs and the k most likely alternatives,
 ``stop_reason``, ``usage.prompt_tokens_details.cached_tokens`` and a ``weight_version`` at the
 top level and on every choice.
@@ -61,10 +61,11 @@ def chat_logprobs(tokenizer: Any, req: ParsedRequest, token_ids: list[int], logp
 
 
 def usage(req: ParsedRequest, results: list[list[GenerationResult]]) -> dict:
-    """OpenAI ``usage`` over every choice; ``cached_tokens`` counts each prompt once (its best choice)."""
+    """OpenAI ``usage`` over every choice; ``cached_tokens`` counts each prompt once (its fewest)."""
     prompt_tokens = sum(len(p) for p in req.prompts)
     completion_tokens = sum(len(r.output_token_ids) for rs in results for r in rs)
-    cached = sum(max((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
+    # a prompt is computed once for all its choices (the others reuse it): what that computation reused
+    cached = sum(min((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -88,6 +89,7 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
                       "stop_reason": r.stop_reason, "weight_version": r.weight_version}
             if req.return_token_ids:
                 choice["token_ids"] = list(r.output_token_ids)
+                choice["token_weight_versions"] = list(r.token_weight_versions)
                 choice["prompt_token_ids"] = list(r.prompt_token_ids)
             choices.append(choice)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -127,6 +129,7 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
                   "weight_version": r.weight_version}
         if req.return_token_ids:
             choice["token_ids"] = list(r.output_token_ids)
+            choice["token_weight_versions"] = list(r.token_weight_versions)
             choice["prompt_token_ids"] = list(r.prompt_token_ids)
         choices.append(choice)
     out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

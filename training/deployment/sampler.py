@@ -61,11 +61,16 @@ class Completion:
     text: str
     """Decoded output (for chat: ``message.content``, the text outside parsed tool-call blocks)."""
     weight_version: int
-    """Weight version that produced this completion."""
+    """Weight version that produced this completion: the OLDEST one among its tokens."""
     message: Optional[dict] = None
     """Chat only: the OpenAI-style assistant message (``content``, ``tool_calls``)."""
     cached_tokens: int = 0
     """Prompt tokens the server reused from its KV cache (per request, shared by its choices)."""
+    token_weight_versions: Optional[list[int]] = None
+    """Per output token (parallel to ``output_tokens``): the weight version that produced it, as the
+    server reports it (in-flight updates mix versions). A server that reports no version at all
+    (vLLM, SGLang) gets the version the request was sent under for every token, the same rule as
+    ``weight_version``; None when the server reports a version but not per token."""
 
     @property
     def output_tokens(self) -> list[int]:
@@ -353,10 +358,18 @@ def _completion(prompt: list[int], ch: dict, lps: Optional[list[float]], text: s
         raise DeploymentRequestError(f"the server returned {0 if lps is None else len(lps)} logprobs "
                                      f"for {len(tokens)} tokens")
     version = ch.get("weight_version", out.get("weight_version"))
+    per_token = ch.get("token_weight_versions")
+    if per_token is not None:
+        if len(per_token) != len(tokens):
+            raise DeploymentRequestError(f"the server returned {len(per_token)} token_weight_versions "
+                                         f"for {len(tokens)} tokens")
+        per_token = [int(v) for v in per_token]
+    elif version is None:
+        per_token = [sent_under] * len(tokens)
     return Completion(full_tokens=list(prompt) + list(tokens), prompt_len=len(prompt),
                       inference_logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason") or "stop",
                       text=text, weight_version=sent_under if version is None else int(version), message=message,
-                      cached_tokens=cached)
+                      cached_tokens=cached, token_weight_versions=per_token)
 
 
 def build_deployment_sampler(setup: Any) -> DeploymentSampler:

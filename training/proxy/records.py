@@ -48,6 +48,14 @@ class CallRecord:
     label: Optional[TurnLabel] = None
     posted_rewards: list[float] = field(default_factory=list)
     """Rewards the agent posted for this call (``POST /sessions/{id}/reward``); per-call credit adds them."""
+    token_weight_versions: Optional[list[int]] = None
+    """Per output token, the weight version that produced it (in-flight updates mix versions); None when the
+    upstream reports only ``weight_version`` (then every token has that one: ``output_weight_versions``)."""
+
+    @property
+    def output_weight_versions(self) -> list[int]:
+        """The weight version of each output token."""
+        return list(self.token_weight_versions or [self.weight_version] * len(self.output_ids))
 
     @property
     def full_ids(self) -> list[int]:
@@ -125,4 +133,14 @@ def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: s
                       tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
                       response_message=response_message,
                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                      max_tokens_clamped=clamped)
+                      max_tokens_clamped=clamped, token_weight_versions=_token_versions(choice, len(output_ids)))
+
+
+def _token_versions(choice: dict, n: int) -> Optional[list[int]]:
+    """The upstream's per-token weight versions when it reports them, one per output token; else None."""
+    versions = choice.get("token_weight_versions")
+    if versions is None:
+        return None
+    if len(versions) != n:
+        raise ValueError(f"{len(versions)} token_weight_versions for {n} output tokens")
+    return [int(v) for v in versions]

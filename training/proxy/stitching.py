@@ -37,6 +37,8 @@ class SegmentBuilder:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    """Parallel to ``tokens``: the weight version of a generated token, -1 on context."""
     calls: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
 
@@ -44,16 +46,18 @@ class SegmentBuilder:
         self.tokens += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
+        self.weight_versions += [-1] * len(ids)
 
     def add_output(self, call: CallRecord) -> None:
         self.tokens += call.output_ids
         self.logprobs += call.output_logprobs
         self.loss_mask += [1] * len(call.output_ids)
+        self.weight_versions += call.output_weight_versions
         self.calls.append(call.index)
         self.finish_reason = call.finish_reason
 
     def truncate(self, n: int) -> None:
-        del self.tokens[n:], self.logprobs[n:], self.loss_mask[n:]
+        del self.tokens[n:], self.logprobs[n:], self.loss_mask[n:], self.weight_versions[n:]
 
     def to_sample(self, reward: float, max_seq_len: Optional[int]) -> Optional[RolloutSample]:
         finish = self.finish_reason
@@ -62,8 +66,10 @@ class SegmentBuilder:
             finish = "length"
         if sum(self.loss_mask) == 0:
             return None
+        versions = [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
         return RolloutSample(tokens=list(self.tokens), logprobs=list(self.logprobs), loss_mask=list(self.loss_mask),
-                             reward=reward, finish_reason=finish)
+                             reward=reward, finish_reason=finish,
+                             token_weight_versions=versions if all(v >= 0 for v in versions) else None)
 
 
 @dataclass

@@ -197,14 +197,17 @@ def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn:
         tokens = c.prompt_ids + c.output_ids
         mask = [0] * len(c.prompt_ids) + [1] * len(c.output_ids)
         logprobs = [0.0] * len(c.prompt_ids) + list(c.output_logprobs)
+        versions = c.output_weight_versions
         finish = c.finish_reason
         if max_seq_len is not None and len(tokens) > max_seq_len:
             tokens, mask, logprobs, finish = tokens[:max_seq_len], mask[:max_seq_len], logprobs[:max_seq_len], "length"
+            versions = versions[:sum(mask)]
         if sum(mask) == 0:
             continue
         reward = g * float(episode_return) + i
-        result.samples.append(RolloutSample(tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward,
-                                            finish_reason=finish))
+        result.samples.append(RolloutSample(
+            tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward, finish_reason=finish,
+            token_weight_versions=versions if all(v >= 0 for v in versions) else None))
         result.rewards.append(reward)
         result.calls.append(c.index)
         result.return_weights.append(g)

@@ -14,6 +14,7 @@ from training.utils.device import DEVICES, DTYPES, is_device_name, resolve_devic
 
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
+INFLIGHT_UPDATE_KV = ("keep", "recompute")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -128,6 +129,13 @@ class EngineConfig:
     """Own forward for llama / qwen2 / qwen3 (fused projections); else transformers' forward."""
     max_prefill_tokens: int = 4096
     """Prompt tokens prefilled in one step (a longer single prompt still runs, alone)."""
+    enable_prefix_caching: bool = True
+    """Reuse K/V of any cached prompt prefix across requests (no session id needed); False: sessions only."""
+    prefix_cache_slots: int = 0
+    """KV slots beyond ``max_batch_size`` that only hold cached prefixes (finished sequences, parked sessions)."""
+    inflight_update_kv: str = "keep"
+    """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
+    ``recompute`` it under the new weights before the next decode step."""
 
     def __post_init__(self):
         _check(self.model is None or (isinstance(self.model, str) and self.model != ""), "model",
@@ -139,6 +147,9 @@ class EngineConfig:
         _check(all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
                f"must be positive integers, got {self.cuda_graph_batch_sizes!r}")
         _check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
+        _check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
+        _check(self.inflight_update_kv in INFLIGHT_UPDATE_KV, "inflight_update_kv",
+               f"{self.inflight_update_kv!r} is not one of {INFLIGHT_UPDATE_KV}")
         self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
 
     def resolve_device(self):

@@ -1,4 +1,4 @@
-"""Generation engine: continuous batching over KV slots, session reuse, live weight updates.
+"""Generation engine: continuous batching over KV slots, prefix caching, in-flight weight updates.
 
     from training.deployment.engine import AsyncEngine, EngineConfig, SamplingParams
     engine = AsyncEngine(EngineConfig(model="path/to/hf_folder"))

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Continuous-batching generation engine with session KV reuse and live weight updates."""
+    """Continuous-batching generation engine with prefix caching and in-flight weight updates."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -244,7 +244,9 @@ class AsyncEngine:
         """Validate a full weight set (WeightUpdateError names the problem), then swap it in.
 
         ``wait_for_inflight``: stop admitting, let running sequences finish on the old weights,
-        swap, resume. False: swap between two decode steps. Parked session K/V is dropped.
+        swap, resume. False: swap between two decode steps; running sequences go on under the new
+        weights (their K/V kept or recomputed: ``EngineConfig.inflight_update_kv``) and each token
+        records its version. Cached and parked K/V of the old weights is dropped.
         """
         runner = self.engine.runner
         checked = await asyncio.to_thread(validate_update, tensors, runner.weight_shapes, runner.tied)

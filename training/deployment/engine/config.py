@@ -101,11 +101,13 @@ class GenerationResult:
     finish_reason: str
     """``stop`` (eos, stop token or stop string), ``length`` (max_tokens / max_model_len) or ``abort``."""
     weight_version: int
-    """Version of the weights live when the sequence finished (all of it unless ``wait_for_inflight=False``)."""
+    """The OLDEST version among ``token_weight_versions`` (conservative for the off-policy gate)."""
     cached_prompt_tokens: int
-    """Prompt tokens whose KV was reused from the session's parked slot."""
+    """Prompt tokens whose K/V was reused (prefix cache or session), not computed for this request."""
     text: str
     """Decoded output without special tokens; a matched stop string and what follows it are removed."""
+    token_weight_versions: list[int] = field(default_factory=list)
+    """One per output token: the weight version whose forward produced it (in-flight updates mix versions)."""
     stop_reason: Union[int, str, None] = None
     """What ended a ``stop``: the matched stop string, or the token id when it is one of ``stop_token_ids``;
     None for an eos token and for every other finish reason (as vLLM)."""

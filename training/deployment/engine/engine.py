@@ -1,15 +1,19 @@
 """The synchronous engine: ``step()`` = schedule → run → postprocess.
 
-One step admits waiting requests (prefills their new tokens as one packed batch and samples
-their first token), then runs one batched decode step over every running sequence, then
-finishes sequences that hit a stop condition (their slot is freed or parked at once). Not
-thread-safe: :class:`~training.deployment.engine.async_engine.AsyncEngine` drives it from one
-thread and hands requests in between steps.
+One step admits waiting requests (reuses cached prefixes, prefills the new tokens as one packed
+batch, samples their first token; followers of an identical prompt share its logits), then runs
+one batched decode step over every running sequence, then finishes sequences that hit a stop
+condition (their slot is cached, parked or freed at once). Not thread-safe:
+:class:`~training.deployment.engine.async_engine.AsyncEngine` drives it from one thread and
+hands requests in between steps.
 
 Weight updates are applied between steps: ``wait_for_inflight`` stops admission until the
-running set is empty (no sequence mixes two weight sets); otherwise at the next step boundary.
-Either way every parked session is dropped (its K/V came from the old weights). A streamed
-update that fails half-way leaves ``weight_version = -1`` (the weights are a mix).
+running set is empty (no sequence mixes two weight sets); otherwise at the next step boundary,
+and running sequences go on under the new weights (in-flight update): they keep the K/V computed
+so far (``inflight_update_kv="keep"``, as PipelineRL does) or have it recomputed first
+(``"recompute"``). Every output token records the version that produced it. Either way no cached
+or parked K/V of the old weights is reused afterwards. A streamed update that fails half-way
+leaves ``weight_version = -1`` (the weights are a mix).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import torch
 
 from training.deployment.engine.config import (EngineConfig, GenerationResult, PartialWeightUpdateError,
                                               SamplingParams, SequenceFailedError, validate_request)
-from training.deployment.engine.model_runner import LeanModelRunner, lean_supported
+from training.deployment.engine.kv_cache import SlotState
+from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, lean_supported
 from training.deployment.engine.sampling import SampleOutput, sample
-from training.deployment.engine.scheduler import Scheduler
+from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -77,8 +82,9 @@ class LLMEngine:
         self.hf_config = AutoConfig.from_pretrained(config.model)
         local = Path(config.model).is_dir() and any(Path(config.model).glob("*.safetensors"))
         reason = lean_supported(self.hf_config) if local else "not a local safetensors folder"
+        num_slots = config.max_batch_size + config.prefix_cache_slots
         if config.use_lean_forward and reason is None:
-            self.runner = LeanModelRunner(config.model, self.hf_config, config.max_batch_size,
+            self.runner = LeanModelRunner(config.model, self.hf_config, num_slots,
                                           config.max_model_len, self.dtype, self.device)
             if self.device.type == "cuda" and config.cuda_graph_batch_sizes:
                 from training.deployment.engine.cuda_graphs import CudaGraphDecoder
@@ -88,16 +94,17 @@ class LLMEngine:
             if config.use_lean_forward:
                 log.info("transformers forward fallback: %s", reason)
             from training.deployment.engine.hf_runner import HFModelRunner
-            self.runner = HFModelRunner(config.model, self.dtype, self.device)
+            self.runner = HFModelRunner(config.model, self.dtype, self.device, num_slots, config.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
-        self.scheduler = Scheduler(config.max_batch_size, config.max_prefill_tokens)
+        self.scheduler = Scheduler(num_slots, config.max_batch_size, config.max_model_len, config.max_prefill_tokens,
+                                   self.runner.copy_kv, self.runner.cache.scratch_slot, config.enable_prefix_caching)
         self.weight_version = 0
         self._rng = random.Random(config.seed)
         self.pending_updates: list[PendingUpdate] = []
         self.counters = {"tokens_generated": 0, "steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
                          "max_running": 0, "requests_finished": 0, "requests_failed": 0,
-                         "requests_aborted": 0}
+                         "requests_aborted": 0, "recomputed_tokens": 0}
 
     # ----------------------------------------------------------------- requests
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None,
@@ -132,18 +139,28 @@ class LLMEngine:
         self._apply_ready_update()
         admitted = self.scheduler.admit()
         if admitted:
-            seqs = [s for s, _ in admitted]
-            logits = self.runner.prefill([item for _, item in admitted])
-            self.counters["prefill_tokens"] += sum(len(item.token_ids) for _, item in admitted)
-            self.counters["cached_prompt_tokens"] += sum(s.cached_prompt_tokens for s in seqs)
-            self._sample_and_postprocess(seqs, logits)
+            self._prefill(admitted)
+        self.scheduler.compact()
         running = sorted(self.scheduler.running, key=lambda s: s.slot)
         if running:
-            self.counters["max_running"] = max(self.counters["max_running"], len(self.scheduler.running))
+            self.counters["max_running"] = max(self.counters["max_running"], len(running))
             logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running],
                                         [len(s.token_ids) - 1 for s in running])
             self._sample_and_postprocess(running, logits)
         self.counters["steps"] += 1
+
+    def _prefill(self, adm: Admission) -> None:
+        """Prefill the admitted prompts, give followers their leader's K/V and logits row, sample."""
+        seqs = [s for s, _ in adm.prefill]
+        logits = self.runner.prefill([item for _, item in adm.prefill])
+        self.scheduler.prefilled(adm)
+        if adm.followers:
+            row = {id(s): i for i, s in enumerate(seqs)}
+            logits = logits[[*range(len(seqs)), *(row[id(leader)] for _, leader in adm.followers)]]
+            seqs += [f for f, _ in adm.followers]
+        self.counters["prefill_tokens"] += sum(len(item.token_ids) for _, item in adm.prefill)
+        self.counters["cached_prompt_tokens"] += sum(s.cached_prompt_tokens for s in seqs)
+        self._sample_and_postprocess(seqs, logits)
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         try:
@@ -165,7 +182,7 @@ class LLMEngine:
                 self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {failed}"))
                 continue
             try:
-                seq.append(tok, lp, top)
+                seq.append(tok, lp, self.weight_version, top)
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     self._finish(seq, reason)
@@ -245,18 +262,35 @@ class LLMEngine:
             except BaseException as exc:  # validated before; a failure here is a bug, OOM or a lost peer
                 log.exception("weight update failed while copying")
                 if isinstance(exc, PartialWeightUpdateError):  # some tensors are new: no known version
-                    self.scheduler.slots.drop_parked()
                     self.weight_version = -1
+                    self.scheduler.weights_changed()
                 upd.done(exc)
                 continue
-            self.scheduler.slots.drop_parked()
             self.weight_version = upd.weight_version
+            self.scheduler.weights_changed()
+            if self.scheduler.running and self.config.inflight_update_kv == "recompute":
+                self._recompute_running_kv()
             upd.done(None)
         self.scheduler.admitting = True
 
+    def _recompute_running_kv(self) -> None:
+        """Recompute the K/V of every running sequence under the live weights (prefill, logits unused)."""
+        seqs = list(self.scheduler.running)
+        budget = self.config.max_prefill_tokens
+        while seqs:
+            batch = [seqs.pop(0)]
+            while seqs and sum(s.num_cached for s in batch) + seqs[0].num_cached <= budget:
+                batch.append(seqs.pop(0))
+            self.runner.prefill([PrefillItem(s.slot, s.token_ids[:s.num_cached], 0) for s in batch])
+            self.counters["recomputed_tokens"] += sum(s.num_cached for s in batch)
+            for s in batch:
+                self.scheduler.mark_recomputed(s)
+
     def stats(self) -> dict:
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "parked_sessions": len(s.slots.parked),
-                "free_slots": s.slots.num_free, "weight_version": self.weight_version,
+        t = s.slots
+        return {"running": len(s.running), "waiting": len(s.waiting), "parked_sessions": len(t.parked),
+                "cached_slots": t.count(SlotState.CACHED), "free_slots": t.num_slots - len(s.running),
+                "weight_version": self.weight_version,
                 "pending_weight_updates": len(self.pending_updates), **self.counters}
 

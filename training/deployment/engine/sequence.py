@@ -5,6 +5,8 @@ Invariants:
   the sequence's slot (positions ``0 .. num_cached-1``). After a prefill or a decode step the
   last token (just sampled) is the only one without K/V: ``num_cached == len(token_ids) - 1``.
 - A sequence holds exactly one KV slot while RUNNING and none while WAITING or FINISHED.
+- ``token_weight_versions[i]`` is the weight version whose forward produced the logits output
+  token ``i`` was sampled from; the result's ``weight_version`` is the oldest of them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
+        self.token_weight_versions: list[int] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         """Per output token the ``params.top_logprobs`` best (id, logprob); empty when not asked."""
         self.params = params
@@ -74,23 +77,28 @@ class Sequence:
     def last_token(self) -> int:
         return self.token_ids[-1]
 
-    def append(self, token_id: int, logprob: float, top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
-        """Record one sampled token; the K/V of the token before it is now cached."""
+    def append(self, token_id: int, logprob: float, weight_version: int,
+               top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
+        """Record one token sampled under ``weight_version``; the K/V of the token before it is now cached."""
         self.num_cached = len(self.token_ids)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        self.token_weight_versions.append(weight_version)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 
     def result(self, weight_version: int) -> GenerationResult:
+        """The finished output; ``weight_version`` (the live one) labels a result without tokens."""
+        versions = list(self.token_weight_versions)
         return GenerationResult(
             prompt_token_ids=list(self.prompt_token_ids),
             output_token_ids=self.output_token_ids,
             output_logprobs=list(self.output_logprobs),
             finish_reason=self.finish_reason or "abort",
-            weight_version=weight_version,
+            weight_version=min(versions, default=weight_version),
             cached_prompt_tokens=self.cached_prompt_tokens,
             text=self.text,
+            token_weight_versions=versions,
             stop_reason=self.stop_reason,
             output_top_logprobs=[list(t) for t in self.output_top_logprobs] if self.params.top_logprobs else None,
         )

@@ -33,6 +33,7 @@ def make_rollout_fn(setup: RolloutSetup):
             reward=1.0 if final_number(c.text) == row["answer"] else 0.0,
             finish_reason=c.finish_reason,
             text=c.text,
+            token_weight_versions=c.token_weight_versions,  # per generated token (in-flight updates mix versions)
         )
 
     return rollout_fn

@@ -40,6 +40,7 @@ def make_rollout_fn(setup: RolloutSetup):
                                                tokenize=True, return_dict=False)
         logprobs = [0.0] * len(tokens)
         loss_mask = [0] * len(tokens)
+        versions = []  # weight version of each generated token, in order
         session = uuid.uuid4().hex  # lets the server reuse this episode's KV cache between turns
         reward = 0.0
         for turn in range(MAX_TURNS):
@@ -48,6 +49,7 @@ def make_rollout_fn(setup: RolloutSetup):
             tokens = tokens + output
             logprobs += c.inference_logprobs
             loss_mask += [1] * len(output)
+            versions += c.token_weight_versions or [c.weight_version] * len(output)
             if score(c.text, row["answer"]) > 0:
                 reward = RETRY_DISCOUNT ** turn
                 break
@@ -62,6 +64,6 @@ def make_rollout_fn(setup: RolloutSetup):
             logprobs += [0.0] * len(glue)
             loss_mask += [0] * len(glue)
         return RolloutSample(tokens=tokens, logprobs=logprobs, loss_mask=loss_mask, reward=reward,
-                             finish_reason=c.finish_reason, text=c.text)
+                             finish_reason=c.finish_reason, text=c.text, token_weight_versions=versions)
 
     return rollout_fn

@@ -29,6 +29,7 @@ def make_rollout_fn(setup: RolloutSetup):
             reward=reward(c.text, row["answer"]),
             finish_reason=c.finish_reason,
             text=c.text,
+            token_weight_versions=c.token_weight_versions,  # per generated token (in-flight updates mix versions)
         )
 
     return rollout_fn

@@ -1,0 +1,162 @@
+"""Automatic prefix caching: reuse across requests without a session id, exactness, versions, LRU eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from training.deployment.engine import SamplingParams
+from training.deployment.engine.weights import load_safetensors
+from tests.test_engine import greedy, run_engine
+
+PROMPT = [7, 300, 12, 45, 99, 101, 5, 6, 250, 251, 252, 40, 41, 42, 43, 8, 9, 10, 11, 13, 14, 15, 16, 17]
+
+
+def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
+
+
+def cold(path: str, requests: list[tuple[list[int], SamplingParams]]):
+    """Each request alone, prefix caching off: the reference every cached run must reproduce."""
+    async def body(eng):
+        return [await eng.generate(p, sp) for p, sp in requests]
+    return run_engine(path, body, enable_prefix_caching=False)
+
+
+def assert_same_outputs(warm, ref, atol=1e-5):
+    for w, r in zip(warm, ref):
+        assert w.output_token_ids == r.output_token_ids
+        assert w.output_logprobs == pytest.approx(r.output_logprobs, abs=atol)
+
+
+def test_group_of_8_identical_prompts_computes_the_prompt_about_once(tiny_model_path):
+    requests = [(PROMPT, sampled(seed=100 + i)) for i in range(4)] + [(PROMPT, greedy(16)) for _ in range(4)]
+
+    async def body(eng):
+        results = await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests])
+        return results, eng.stats()
+
+    results, stats = run_engine(tiny_model_path, body, max_batch_size=8)
+    p = len(PROMPT)
+    assert stats["prefill_tokens"] <= p + 7  # the leader's prompt, at most one token per other member
+    assert stats["cached_prompt_tokens"] >= 7 * (p - 1)
+    assert sum(r.cached_prompt_tokens for r in results) == stats["cached_prompt_tokens"]
+    assert sorted(r.cached_prompt_tokens for r in results)[0] == 0  # exactly the leader computed it
+    assert_same_outputs(results, cold(tiny_model_path, requests))
+    assert len({tuple(r.output_token_ids) for r in results[:4]}) == 4  # different seeds, different samples
+
+
+def test_same_step_followers_share_the_leaders_logits_and_kv(tiny_model_path):
+    """Requests queued before the engine's first step arrive together: followers prefill nothing."""
+    requests = [(PROMPT, sampled(seed=i, max_tokens=12)) for i in range(8)]
+
+    async def body(eng):
+        await eng.pause()
+        tasks = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in requests]
+        await asyncio.sleep(0.05)
+        await eng.resume()
+        return await asyncio.gather(*tasks), eng.stats()
+
+    results, stats = run_engine(tiny_model_path, body, max_batch_size=8)
+    assert stats["prefill_tokens"] == len(PROMPT)
+    assert sorted(r.cached_prompt_tokens for r in results) == [0] + [len(PROMPT)] * 7
+    assert_same_outputs(results, cold(tiny_model_path, requests))
+
+
+def test_next_turn_without_session_id_reuses_the_previous_turn(tiny_model_path):
+    async def body(eng):
+        first = await eng.generate(PROMPT, greedy(10))
+        turn2 = PROMPT + first.output_token_ids + [31, 32, 33]
+        second = await eng.generate(turn2, greedy(10))
+        other = await eng.generate(PROMPT[:10] + [400, 401, 402], greedy(10))  # shares 10 tokens
+        return first, turn2, second, other
+
+    first, turn2, second, other = run_engine(tiny_model_path, body)
+    assert first.cached_prompt_tokens == 0
+    assert second.cached_prompt_tokens == len(PROMPT) + 10 - 1  # all tokens with K/V: the last sampled has none
+    assert other.cached_prompt_tokens == 10
+    ref = cold(tiny_model_path, [(turn2, greedy(10)), (PROMPT[:10] + [400, 401, 402], greedy(10))])
+    assert_same_outputs([second, other], ref)
+
+
+def test_cache_off_reuses_nothing_but_sessions(tiny_model_path):
+    async def body(eng):
+        await eng.generate(PROMPT, greedy(6))
+        again = await eng.generate(PROMPT, greedy(6))
+        first = await eng.generate(PROMPT, greedy(6), session_id="s")
+        turn2 = await eng.generate(PROMPT + first.output_token_ids + [3], greedy(6), session_id="s")
+        return again, turn2, eng.stats()
+
+    again, turn2, stats = run_engine(tiny_model_path, body, enable_prefix_caching=False)
+    assert again.cached_prompt_tokens == 0 and stats["cached_slots"] == 0
+    assert turn2.cached_prompt_tokens == len(PROMPT) + 6 - 1
+
+
+def test_no_reuse_across_a_weight_update_even_with_the_same_weights(tiny_model_path):
+    async def body(eng):
+        before = await eng.generate(PROMPT, greedy(8))
+        warm = await eng.generate(PROMPT + [3], greedy(8))
+        await eng.update_weights(load_safetensors(tiny_model_path), weight_version=0)  # same version, same weights
+        after = await eng.generate(PROMPT + [3], greedy(8))
+        return before, warm, after, eng.stats()
+
+    before, warm, after, stats = run_engine(tiny_model_path, body)
+    assert warm.cached_prompt_tokens == len(PROMPT)
+    assert after.cached_prompt_tokens == 0 and stats["cached_slots"] == 1
+    assert after.output_token_ids == warm.output_token_ids
+
+
+def test_lru_eviction_under_a_two_slot_budget(tiny_model_path):
+    a, b, c = PROMPT, [200 + i for i in range(20)], [100 + i for i in range(20)]
+
+    async def body(eng):
+        for p in (a, b):
+            await eng.generate(p, greedy(4))      # slots: one running, the other keeps what finished
+        a2 = await eng.generate(a + [1], greedy(4))  # hit on a: a is now the most recently used
+        await eng.generate(c, greedy(4))            # needs a slot: evicts b (least recent), keeps a
+        a3 = await eng.generate(a + [2], greedy(4))
+        b2 = await eng.generate(b + [3], greedy(4))
+        return a2, a3, b2
+
+    a2, a3, b2 = run_engine(tiny_model_path, body, max_batch_size=1, prefix_cache_slots=1)
+    assert a2.cached_prompt_tokens == len(a)
+    assert a3.cached_prompt_tokens == len(a)
+    assert b2.cached_prompt_tokens == 0
+
+
+def test_prefix_cache_slots_hold_more_prefixes_than_the_batch(tiny_model_path):
+    prompts = [[50 + 7 * i + j for j in range(12)] for i in range(4)]
+
+    async def body(eng):
+        for p in prompts:
+            await eng.generate(p, greedy(3))
+        again = [await eng.generate(p + [9], greedy(3)) for p in prompts]
+        return again, eng.stats()
+
+    again, stats = run_engine(tiny_model_path, body, max_batch_size=2, prefix_cache_slots=3)
+    assert [r.cached_prompt_tokens for r in again] == [len(p) for p in prompts]
+    assert stats["free_slots"] == 5
+
+
+def test_random_traffic_with_shared_prefixes_matches_cold_runs(tiny_model_path):
+    """Compaction, swaps, evictions and followers under churn never change an output."""
+    rng = random.Random(0)
+    stems = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 30))] for _ in range(4)]
+    requests = []
+    for i in range(40):
+        stem = stems[rng.randrange(len(stems))]
+        prompt = stem[:rng.randint(1, len(stem))] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))]
+        requests.append((prompt, greedy(rng.randint(1, 20)) if i % 2 else sampled(i, rng.randint(1, 20))))
+
+    async def body(eng):
+        out = []
+        for chunk in range(0, len(requests), 10):  # bursts of 10 over 3 running slots
+            out += await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[chunk:chunk + 10]])
+        return out, eng.stats()
+
+    results, stats = run_engine(tiny_model_path, body, max_batch_size=3, prefix_cache_slots=2)
+    assert stats["cached_prompt_tokens"] > 0
+    assert stats["prefill_tokens"] + stats["cached_prompt_tokens"] == sum(len(p) for p, _ in requests)
+    assert_same_outputs(results, cold(tiny_model_path, requests))

@@ -39,6 +39,10 @@ METHOD = {
                  "scores the same ids. Per batch: mean / max |ℓ_sampler − ℓ_trainer| and mean k3 mismatch KL "
                  "(exp(d) − d − 1, d = ℓ_trainer − ℓ_sampler); figure = median over 3 batches. Baseline: engine and "
                  "trainer both fp32.",
+    "sampling_cost": "`engine.sampling.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
+                     "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
+                     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
+                     "`temperature=1` sampling in the same run. The model's decode step is not included.",
 }
 
 WHY = {
@@ -74,6 +78,15 @@ WHY = {
                           "instead (no full-vocabulary logits for the whole batch).",
     "weight_sync": "",
     "exactness": "bf16 is worse than fp32 by construction (8-bit mantissa): that is the figure, not a defect.",
+    "sampling_cost": "A field costs what it adds to plain sampling (which is log-softmax, exp, cumsum and a "
+                     "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
+                     "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
+                     "logits every row does (the dominant cost); a peaked model distribution mostly does not. With a "
+                     "`top_k` only the top k are sorted. Penalties, "
+                     "`logit_bias` and `min_tokens` copy the logits and take a second log-softmax over them "
+                     "(the reported logprob stays the model's, so the sampling distribution is a separate one); "
+                     "the penalties themselves touch only the tokens a row has seen. `top_logprobs` adds one "
+                     "`topk` over the vocabulary.",
 }
 
 ALWAYS_EXPLAINED = ("async_agentic",)

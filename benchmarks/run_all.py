@@ -21,7 +21,8 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness"]
+SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "trainer_throughput", "weight_sync", "exactness",
+           "sampling_cost"]
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
 

@@ -67,3 +67,22 @@ def test_deploy_engine_is_validated_and_lists_the_allowed_ones():
         DeployConfig(engine="vllm", engine_args="--seed 1")
     with pytest.raises(ValueError, match="^engine_env:"):
         DeployConfig(engine="vllm", engine_env={"A": 1})
+
+
+def test_dependency_floors_in_pyproject_are_the_versions_ci_tests():
+    """pyproject's `>=` floors equal scripts/floors.txt, the pins .venv-floor is built from."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = dict(re.match(r"([A-Za-z0-9_.-]+)>=([0-9][^,;]*)", d).groups() for d in deps)
+    pins = dict(line.split("==") for line in (root / "scripts" / "floors.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+    assert set(floors) == set(pins)
+    for name, floor in floors.items():
+        pinned = tuple(int(x) for x in pins[name].split("."))
+        stated = tuple(int(x) for x in floor.split("."))
+        assert pinned[:len(stated)] == stated, f"{name}: pyproject says >={floor}, floors.txt pins {pins[name]}"

@@ -174,3 +174,27 @@ def test_push_to_all_replicas_returns_when_every_one_serves_the_new_version(tiny
     finally:
         for d in deps:
             d.stop()
+
+
+def test_weight_push_right_after_a_server_kill_waits_for_the_restart_and_lands(tiny_model_path, tmp_path):
+    from training.deployment.group import DeploymentGroup
+
+    from training.utils.http import control_request
+
+    group = DeploymentGroup(tiny_model_path, _cfg(tmp_path, max_restarts=2, weight_sync="shm"), log_dir=tmp_path).start()
+    try:
+        key = group.cfg.api_key
+        assert key  # launched without a key: the group made one, so no other process can drive the server
+        assert control_request("POST", group.base_urls[0] + "/pause", {})[0] == 401
+        assert control_request("GET", group.base_urls[0] + "/weight_version", api_key=key)[0] == 200
+        new = _perturbed(tiny_model_path)
+        asyncio.run(group.push(new.items(), 1))
+        os.kill(group.replicas[0].pid, signal.SIGKILL)  # dies just before the next push
+        out = asyncio.run(group.push(new.items(), 2))
+        assert list(out["servers"]) == group.base_urls
+        tokens, version = _greedy(group.replicas[0])
+        assert version == 2 and group.replicas[0].restart_count == 1
+        shm_folder = group._folder.folder
+    finally:
+        group.stop()
+    assert not shm_folder.exists()  # the /dev/shm copy goes with the group

@@ -36,3 +36,19 @@ def test_fresh_run_leaves_files_alone(tmp_path):
     MetricsLogger(tmp_path, total_steps=6, console=False)
     assert steps_in(tmp_path / "metrics.jsonl") == [0, 1, 2]
     assert not (tmp_path / "metrics.replaced.jsonl").exists()
+
+
+def test_wandb_environment_wins_over_the_config_defaults(monkeypatch):
+    from training.utils.config import WandBConfig
+    from training.utils.metrics import wandb_settings
+
+    cfg = WandBConfig(project="p", entity="e", mode="online")
+    assert wandb_settings(cfg, "run", env={}) == {"project": "p", "entity": "e", "name": "run", "mode": "online",
+                                                  "tags": []}
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "q", "WANDB_NAME": "n"}
+    got = wandb_settings(cfg, "run", env=env)
+    assert (got["mode"], got["project"], got["entity"], got["name"]) == ("offline", "q", "e", "n")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert not cfg.enabled
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert cfg.enabled

@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.proxy.matching import assign, classify, message_hash
+from training.utils.rl.rollout.turn_matching import assign, classify, message_hash
 from training.proxy.records import APPEND, NEW, WIPE, CallRecord, SessionRecord
 from training.proxy.stitching import stitch_calls
 from training.proxy.transitions import build_transitions, discounted, episode_weights, with_tool_status

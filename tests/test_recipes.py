@@ -319,7 +319,8 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
     async def sync_and_check(ctx, version):
         out = await real_sync(ctx, version)
         for url in ctx.deployment.base_urls:  # the barrier: every replica already serves the new version
-            versions.setdefault(url, []).append(await DeploymentSampler(url).weight_version())
+            versions.setdefault(url, []).append(
+                await DeploymentSampler(url, api_key=ctx.deployment.cfg.api_key).weight_version())
         return out
 
     monkeypatch.setattr(async_rl_loop.RunContext, "sync_weights", sync_and_check)

@@ -218,3 +218,32 @@ def test_replica_choice_is_sticky_per_session_and_least_loaded_otherwise():
     assert s.with_defaults(max_tokens=2).base_urls == s.base_urls
     with pytest.raises(ValueError, match="base_url"):
         DeploymentSampler(["http://ok:1", "ftp://bad"])
+
+
+def test_dead_replica_is_skipped_its_sessions_remapped_and_it_comes_back(deployment, tiny_model_path, tmp_path):
+    """Replica failover: one live server and one port nobody listens on (a real refused connection)."""
+    dead_port = free_port()
+    dead = f"http://127.0.0.1:{dead_port}"
+    live = deployment.base_url
+    s = DeploymentSampler([dead, live], api_key=API_KEY, max_retries=2, backoff_s=0.05, down_s=1.0)
+    pinned_to_dead = next(sid for sid in (f"s{i}" for i in range(100))
+                          if DeploymentSampler([dead, live]).pick_replica(sid) == dead)
+
+    async def burst():
+        return await asyncio.gather(*(s.sample_with_prompt_tokens(PROMPT, max_tokens=2) for _ in range(8)),
+                                    s.sample_with_prompt_tokens(PROMPT, max_tokens=2, session_id=pinned_to_dead))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(burst())
+    assert all(len(r) == 1 and len(r[0].output_tokens) == 2 for r in results)
+    assert time.perf_counter() - t0 < 5  # failed over at once, not after the backoff schedule
+    assert s.live_replicas() == [live] and s.pick_replica(pinned_to_dead) == live  # marked down, session re-mapped
+
+    cfg = DeployConfig(api_key=API_KEY, port=dead_port, startup_timeout_s=120, log_file=str(tmp_path / "b.log"),
+                       engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"))
+    with EmbeddedDeployment(tiny_model_path, cfg):
+        time.sleep(1.1)  # the down mark expires
+        assert s.pick_replica(pinned_to_dead) == dead
+        (c,) = asyncio.run(s.sample_with_prompt_tokens(PROMPT, max_tokens=2, session_id=pinned_to_dead))
+        assert len(c.output_tokens) == 2 and s.live_replicas() == [dead, live]
+        asyncio.run(s.close())

@@ -16,8 +16,9 @@ import torch
 
 from training.deployment.engine.config import GenerationResult
 from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.protocol import ParsedRequest, build_chat_response, parse_tool_calls
 from training.deployment.group import push_weights
+from training.deployment.protocol import ParsedRequest
+from training.deployment.responses import build_chat_response, parse_tool_calls
 from training.deployment.weight_sync import WeightSyncError, shm_dir
 from training.utils.config import DeployConfig, EngineConfig
 
@@ -155,7 +156,6 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "seed": "x"}, "seed"),
     ({"prompt": PROMPT, "logprobs": "yes"}, "logprobs"),
     ({"prompt": PROMPT, "return_token_ids": "yes"}, "return_token_ids"),
-    ({"prompt": PROMPT, "stream": True}, "stream"),
     ({"prompt": PROMPT, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"prompt": list(range(1, MAX_MODEL_LEN + 1))}, "prompt"),
 ]
@@ -244,7 +244,7 @@ def test_tool_call_blocks_become_openai_tool_calls():
     assert parse_tool_calls("plain answer") == ("plain answer", [])
     from training.deployment.engine.config import SamplingParams
     req = ParsedRequest(prompts=[[1, 2]], n=1, params=SamplingParams(), seed=None, logprobs=0,
-                        return_token_ids=True, model="tiny", tools=[{"type": "function"}])
+                        return_token_ids=True, model="tiny", tools=[{"type": "function"}], parse_tool_calls=True)
     res = GenerationResult([1, 2], [5, 6], [-0.1, -0.2], "stop", 4, 0, text)
 
     class Tok:

@@ -36,7 +36,7 @@ class EmbeddedDeployment(ServerProcess):
                  watchdog_interval_s: float = 1.0, stop_grace_s: float = 10.0, extra_args: Iterable[str] = ()):
         super().__init__(model, cfg, log_file=log_file, base_url=base_url, watchdog_interval_s=watchdog_interval_s,
                          stop_grace_s=stop_grace_s, extra_args=extra_args)
-        self.served_model_name = served_model_name
+        self.served_model_name = served_model_name or self.cfg.deployment_id
 
     def _command(self) -> list[str]:
         engine_config = dataclasses.replace(self.cfg.engine_config, model=self.model)

@@ -43,7 +43,7 @@ def make_sampler(base_urls: list[str], cfg: DeployConfig, tokenizer: Any = None)
     from training.deployment.sampler import DeploymentSampler
 
     kwargs = dict(api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                  backoff_s=cfg.retry_backoff_s)
+                  backoff_s=cfg.retry_backoff_s, model=cfg.deployment_id)
     if cfg.engine == "sglang":
         from training.deployment.sglang import SGLangSampler
 

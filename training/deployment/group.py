@@ -6,7 +6,8 @@
     group.stop()
 
 Replicas: with ``cfg.base_url`` None the group launches ``cfg.num_replicas`` servers of
-``cfg.engine`` (each supervised: a dead one is restarted with the latest weights); with URLs it
+``cfg.engine`` (each supervised: a dead one is restarted with the latest weights; each locked with
+``cfg.api_key``, a random one when none is given); with URLs it
 attaches one server-process object per URL. The sampler balances requests over them with
 session affinity (``sampler.py``).
 
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
@@ -51,7 +54,12 @@ class DeploymentGroup:
     def __init__(self, model: str, cfg: DeployConfig, *, log_dir: Optional[str | Path] = None,
                  weights_dir: Optional[str | Path] = None, replicas: Optional[list[ServerProcess]] = None):
         self.model = model
+        if cfg.base_url is None and replicas is None and cfg.api_key is None:
+            cfg = dataclasses.replace(cfg, api_key=secrets.token_urlsafe(24))
         self.cfg = cfg
+        """The deployment config; a group that launches its servers without a key gets a random one
+        (``cfg.api_key``), which its sampler and pushes send, so no other local process can pause the
+        servers or load weights into them."""
         self.log_dir = Path(log_dir) if log_dir is not None else None
         """Where launched servers write their logs (``deployment.log``, ``deployment-<i>.log``)."""
         self.weights_dir = Path(weights_dir) if weights_dir is not None else (
@@ -190,14 +198,14 @@ class DeploymentGroup:
               wait_for_inflight: bool) -> dict:
         """Load into one replica (blocking): restart it first if dead; retry once if it died during the load."""
         replica.ensure_alive()
+        restarts = replica.restart_count
         try:
             answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
         except WeightSyncError:
-            if replica.attached_url is not None or replica.is_alive():
-                raise  # a refusal by a live server: its old weights stay
+            if not replica.recover(restarts):
+                raise  # a refusal by a live server (its old weights stay), or an attached server
             log.warning("%s died during the weight push of v%d; retrying after its restart", replica.base_url,
                         weight_version)
-            replica.ensure_alive()
             answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
         replica.note_weights(folder, weight_version, mode)
         return answer

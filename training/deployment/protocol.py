@@ -1,31 +1,25 @@
-"""OpenAI-compatible request parsing and response building for the deployment server.
+"""OpenAI-compatible request parsing for the deployment server.
 
 Parsing turns a JSON body into a ``ParsedRequest`` (token-id prompts + ``SamplingParams``)
 or raises ``RequestError`` naming the offending field; the server answers that with
-400 ``{"error": {"message", "type": "invalid_request_error", "param"}}``. Building turns the
-engine's ``GenerationResult`` objects back into OpenAI / vLLM-shaped JSON, with the extras an
-RL trainer needs: per-choice ``token_ids`` / ``prompt_token_ids`` (``return_token_ids``),
-the sampled tokens' logprobs, ``usage.prompt_tokens_details.cached_tokens`` and a
-``weight_version`` at the top level and on every choice.
-
-Unknown fields are ignored (clients send many optional OpenAI fields); known fields are
-type-checked. ``stream`` and ``echo`` are refused (not implemented).
+400 ``{"error": {"message", "type": "invalid_request_error", "param"}}``. Every field is
+honoured, accepted as metadata, or refused (``fields.py``); known fields are type-checked here
+and range-checked by the engine's ``validate_request``, so a request that reaches the engine
+can always be sampled. Responses are built in ``responses.py`` (whole) and ``streaming.py``
+(server-sent events).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from training.deployment.engine.config import GenerationResult, SamplingParams
-from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
+from training.deployment.engine.config import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
+from training.deployment.fields import refusal
 
 MAX_N = 256
 """Upper bound on ``n`` (choices per prompt) in one request."""
-MAX_TOP_LOGPROBS = 20
-"""Upper bound on ``logprobs`` (completions) / ``top_logprobs`` (chat), as OpenAI."""
 SESSION_HEADER = "x-multi-turn-session-id"
 """Request header whose value becomes the engine ``session_id`` (KV reuse across turns)."""
 
@@ -61,14 +55,21 @@ class ParsedRequest:
     seed: Optional[int]
     """Base seed; choice ``i`` uses ``seed + i``."""
     logprobs: Optional[int]
-    """None = no logprobs in the response; k >= 0 = sampled-token logprobs (+ k top entries, see README)."""
+    """None = no logprobs in the response; k >= 0 = sampled-token logprobs plus the k most likely tokens."""
     return_token_ids: bool
     """Add ``token_ids`` and ``prompt_token_ids`` to every choice."""
     model: str
     """The model name echoed in the response."""
     tools: Optional[list[dict]] = None
-    """Chat only: the tool schemas; when given, ``<tool_call>`` blocks become ``message.tool_calls``."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    """Chat only: the tool schemas; rendered into the prompt by the chat template."""
+    parse_tool_calls: bool = False
+    """Chat only: turn ``<tool_call>`` blocks into ``tool_calls`` (``tools`` given, ``tool_choice`` not "none")."""
+    stream: bool = False
+    """Answer with server-sent events (OpenAI chunks) instead of one JSON body."""
+    include_usage: bool = False
+    """Streaming: end with a chunk that carries ``usage`` (``stream_options.include_usage``)."""
+    tokens_as_ids: bool = False
+    """Token strings in logprobs are ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
 
     def params_for(self, choice_index: int) -> SamplingParams:
         """Sampling params of choice ``choice_index`` (seed + index when a seed was given)."""
@@ -104,8 +105,8 @@ def _float(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if not _is_number(v):
-        raise RequestError(f"'{name}' must be a number, got {type(v).__name__} {v!r}", name)
+    if not _is_number(v) or not math.isfinite(v):
+        raise RequestError(f"'{name}' must be a finite number, got {type(v).__name__} {v!r}", name)
     return float(v)
 
 
@@ -154,12 +155,53 @@ def _check_model(body: dict, served_names: tuple[str, ...]) -> str:
     return served_names[0]
 
 
-def _sampling(body: dict, prompt_len: int, max_model_len: int, default_max_tokens: Optional[int],
-              max_tokens_names: tuple[str, ...]) -> tuple[SamplingParams, Optional[int], int]:
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise RequestError("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise RequestError(f"'logit_bias' key {key!r} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if not _is_number(bias) or not math.isfinite(bias):
+            raise RequestError(f"'logit_bias'[{key!r}] must be a finite number, got {bias!r}", "logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
+def _top_k(body: dict) -> int:
+    k = _int(body, "top_k", 0, lo=-1)
+    return 0 if k == -1 else k  # vLLM: -1 and 0 both mean "all tokens"
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """``include_usage`` from ``stream_options`` (only valid with ``stream``)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(opts, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    for key, value in opts.items():
+        if key == "include_usage":
+            if not isinstance(value, bool):
+                raise RequestError("'stream_options.include_usage' must be a boolean", "stream_options")
+        elif value not in (None, False):
+            raise RequestError(f"'stream_options.{key}' is not supported by this server", "stream_options")
+    return bool(opts.get("include_usage"))
+
+
+def _sampling(body: dict, prompt_len: int, max_model_len: int, vocab_size: int, top_logprobs: int,
+              default_max_tokens: Optional[int], max_tokens_names: tuple[str, ...]
+              ) -> tuple[SamplingParams, Optional[int], int]:
     """Shared sampling fields -> (SamplingParams without seed, seed, n)."""
-    for name in ("stream", "echo"):
-        if body.get(name):
-            raise RequestError(f"'{name}' is not supported by this server", name)
     max_tokens, name_used = None, max_tokens_names[0]
     for name in max_tokens_names:
         if body.get(name) is not None:
@@ -174,26 +216,44 @@ def _sampling(body: dict, prompt_len: int, max_model_len: int, default_max_token
     elif max_tokens > room:
         raise RequestError(f"'{name_used}'={max_tokens} plus the prompt's {prompt_len} tokens exceeds "
                            f"max_model_len={max_model_len}", name_used)
-    temperature = _float(body, "temperature", 1.0)
-    if temperature < 0:
-        raise RequestError(f"'temperature' must be >= 0, got {temperature}", "temperature")
-    top_p = _float(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
-    seed = _int(body, "seed", None)
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise RequestError(f"'best_of'={best_of} is not supported: only best_of == n ({n}) is (every sample is "
+                           "returned)", "best_of")
+    seed = _int(body, "seed", None, lo=-2**63, hi=2**64 - n)  # choice i uses seed + i: a 64-bit generator seed
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=None,
-                            stop=_stop(body), stop_token_ids=list(stop_token_ids),
-                            ignore_eos=_bool(body, "ignore_eos", False))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0),
+        seed=None, stop=_stop(body), stop_token_ids=list(stop_token_ids), ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=_top_k(body), min_p=_float(body, "min_p", 0.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0), logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=_int(body, "min_tokens", 0, lo=0), top_logprobs=top_logprobs,
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
     return params, seed, n
 
 
-def _as_dict(body: Any) -> dict:
+def _validate(prompts: list[list[int]], params: SamplingParams, engine: Any) -> None:
+    """The engine's own range checks, at parse time (so a streamed request fails before its first byte)."""
+    for prompt in prompts:
+        try:
+            validate_request(prompt, params, engine.vocab_size, engine.max_model_len)
+        except EngineError as e:
+            head = str(e).split(":", 1)[0].split("[", 1)[0].strip()
+            raise RequestError(str(e), {"prompt_token_ids": "prompt"}.get(head, head)
+                               ) from None
+
+
+def _as_dict(body: Any, endpoint: str) -> dict:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    refused = refusal(body, endpoint)
+    if refused is not None:
+        raise RequestError(refused[1], refused[0])
     return body
 
 
@@ -201,7 +261,7 @@ def _as_dict(body: Any) -> dict:
 
 def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
     """Validate a /v1/completions body against the engine's vocabulary and context length."""
-    body = _as_dict(body)
+    body = _as_dict(body, "completions")
     model = _check_model(body, served_names)
     if "prompt" not in body:
         raise RequestError("'prompt' is required", "prompt")
@@ -210,66 +270,27 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
         raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+    add_special = _bool(body, "add_special_tokens", True)
     prompts: list[list[int]] = []
     for p in raw:
         if isinstance(p, str):
             if not p:
                 raise RequestError("'prompt' is an empty string", "prompt")
-            ids = engine.tokenizer.encode(p, add_special_tokens=True)
+            ids = engine.tokenizer.encode(p, add_special_tokens=add_special)
             if not ids:
                 raise RequestError("'prompt' tokenized to no tokens", "prompt")
             prompts.append(list(ids))
         else:
             prompts.append(_token_ids(p, engine.vocab_size, "prompt"))
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    params, seed, n = _sampling(body, max(len(p) for p in prompts), engine.max_model_len, 16, ("max_tokens",))
+    stream = _bool(body, "stream", False)
+    params, seed, n = _sampling(body, max(len(p) for p in prompts), engine.max_model_len, engine.vocab_size,
+                                logprobs or 0, 16, ("max_tokens",))
+    _validate(prompts, params, engine)
     return ParsedRequest(prompts=prompts, n=n, params=params, seed=seed, logprobs=logprobs,
-                         return_token_ids=_bool(body, "return_token_ids", False), model=model)
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-def _completion_logprobs(tokenizer: Any, r: GenerationResult, k: int) -> dict:
-    tokens = [_token_text(tokenizer, t) for t in r.output_token_ids]
-    offsets, pos = [], 0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    top = [{s: lp} for s, lp in zip(tokens, r.output_logprobs)] if k > 0 else None
-    return {"tokens": tokens, "token_logprobs": list(r.output_logprobs), "top_logprobs": top, "text_offset": offsets}
-
-
-def _usage(req: ParsedRequest, results: list[list[GenerationResult]]) -> dict:
-    prompt_tokens = sum(len(p) for p in req.prompts)
-    completion_tokens = sum(len(r.output_token_ids) for rs in results for r in rs)
-    cached = sum(max((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _response_version(results: list[list[GenerationResult]]) -> int:
-    """Top-level weight version: the oldest version among the choices."""
-    return min(r.weight_version for rs in results for r in rs)
-
-
-def build_completion_response(req: ParsedRequest, results: list[list[GenerationResult]], tokenizer: Any) -> dict:
-    """OpenAI ``text_completion`` JSON; ``results[p][i]`` is choice ``i`` of prompt ``p``."""
-    choices = []
-    for p, rs in enumerate(results):
-        for i, r in enumerate(rs):
-            choice = {"index": p * req.n + i, "text": r.text,
-                      "logprobs": None if req.logprobs is None else _completion_logprobs(tokenizer, r, req.logprobs),
-                      "finish_reason": r.finish_reason, "stop_reason": None, "weight_version": r.weight_version}
-            if req.return_token_ids:
-                choice["token_ids"] = list(r.output_token_ids)
-                choice["prompt_token_ids"] = list(r.prompt_token_ids)
-            choices.append(choice)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": choices, "usage": _usage(req, results),
-            "weight_version": _response_version(results)}
+                         return_token_ids=_bool(body, "return_token_ids", False), model=model, stream=stream,
+                         include_usage=_stream_options(body, stream),
+                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -298,9 +319,23 @@ def _normalise_message(i: int, m: Any) -> dict:
     return out
 
 
+def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
+    """Whether tool calls are parsed: ``auto`` (default) and ``none`` are honoured; forcing a call is refused."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return bool(tools)
+    if choice == "none":
+        return False
+    if choice == "required" or isinstance(choice, dict):
+        raise RequestError(f"'tool_choice'={choice!r} is not supported: forcing a tool call needs constrained "
+                           "decoding, which this server does not implement; use 'auto' or 'none'", "tool_choice")
+    raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}",
+                       "tool_choice")
+
+
 def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
     """Validate a /v1/chat/completions body and render its messages with the chat template."""
-    body = _as_dict(body)
+    body = _as_dict(body, "chat")
     model = _check_model(body, served_names)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -309,12 +344,27 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")
+    parse_calls = _tool_choice(body, tools)
+    if body.get("parallel_tool_calls") is False:
+        raise RequestError("'parallel_tool_calls': false is not supported: this server does not limit a reply to "
+                           "one tool call", "parallel_tool_calls")
+    _bool(body, "parallel_tool_calls", True)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if template_kwargs.get("chat_template") is not None:
+        raise RequestError("'chat_template_kwargs.chat_template' is not supported: request-supplied chat templates "
+                           "are not rendered (the model's own template is used)", "chat_template_kwargs")
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if continue_final and add_generation_prompt:
+        raise RequestError("'continue_final_message': true needs 'add_generation_prompt': false",
+                           "continue_final_message")
     try:
-        ids = engine.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False, **template_kwargs)
+        ids = engine.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final, tokenize=True,
+                                                   return_dict=False, **template_kwargs)
     except Exception as e:  # jinja errors name the template problem
         raise RequestError(f"the chat template could not render 'messages': {e}", "messages") from e
     if not ids:
@@ -324,57 +374,13 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not wants_logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    params, seed, n = _sampling(body, len(prompt), engine.max_model_len, None,
-                                ("max_completion_tokens", "max_tokens"))
+    stream = _bool(body, "stream", False)
+    params, seed, n = _sampling(body, len(prompt), engine.max_model_len, engine.vocab_size,
+                                (top or 0) if wants_logprobs else 0, None, ("max_completion_tokens", "max_tokens"))
+    _validate([prompt], params, engine)
     return ParsedRequest(prompts=[prompt], n=n, params=params, seed=seed,
                          logprobs=(top or 0) if wants_logprobs else None,
                          return_token_ids=_bool(body, "return_token_ids", False), model=model,
-                         tools=tools or None)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks out of ``text``.
-
-    Returns (content, OpenAI ``tool_calls``), parsed by ``HermesToolParser``. The
-    content is the text outside the blocks; if any block was malformed, it is the whole reply,
-    so nothing the model wrote is hidden from the client. Call ids are unique per response.
-    """
-    parsed = HermesToolParser().parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
-    if not parsed.calls:
-        return text, []
-    return (text if parsed.errors else parsed.content), to_openai_tool_calls(parsed.calls)
-
-
-def _chat_logprobs(tokenizer: Any, r: GenerationResult, k: int) -> dict:
-    content = []
-    for t, lp in zip(r.output_token_ids, r.output_logprobs):
-        s = _token_text(tokenizer, t)
-        entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-        if k > 0:
-            entry["top_logprobs"] = [{"token": s, "logprob": lp, "bytes": entry["bytes"]}]
-        content.append(entry)
-    return {"content": content}
-
-
-def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tokenizer: Any) -> dict:
-    """OpenAI ``chat.completion`` JSON with tool calls parsed when the request gave ``tools``."""
-    choices = []
-    for i, r in enumerate(results):
-        content, calls = parse_tool_calls(r.text) if req.tools else (r.text, [])
-        finish = r.finish_reason
-        if calls and finish != "length":
-            finish = "tool_calls"
-        message = {"role": "assistant", "content": content if (content or not calls) else None, "tool_calls": calls}
-        choice = {"index": i, "message": message,
-                  "logprobs": None if req.logprobs is None else _chat_logprobs(tokenizer, r, req.logprobs),
-                  "finish_reason": finish, "stop_reason": None, "weight_version": r.weight_version}
-        if req.return_token_ids:
-            choice["token_ids"] = list(r.output_token_ids)
-            choice["prompt_token_ids"] = list(r.prompt_token_ids)
-        choices.append(choice)
-    out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-           "model": req.model, "choices": choices, "usage": _usage(req, [results]),
-           "weight_version": _response_version([results])}
-    if req.return_token_ids:
-        out["prompt_token_ids"] = list(req.prompts[0])
-    return out
+                         tools=tools or None, parse_tool_calls=parse_calls, stream=stream,
+                         include_usage=_stream_options(body, stream),
+                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))

@@ -4,10 +4,15 @@
 vLLM, SGLang): it always asks for ``return_token_ids`` and sampled-token ``logprobs`` and
 returns ``Completion`` objects whose ``full_tokens`` are exactly the server's ids.
 
-Failure policy: connection errors and 5xx answers are retried with exponential backoff
-(``backoff_s * 2**attempt``, ``max_retries`` times); a 4xx answer raises
-``DeploymentRequestError`` at once with the server's message and field; a request that
-exceeds ``timeout_s`` raises ``DeploymentRequestError`` (not retried: the server is busy).
+Failure policy: connection errors and 5xx answers are retried (``max_retries`` times); a 4xx
+answer raises ``DeploymentRequestError`` at once with the server's message and field; a request
+that exceeds ``timeout_s`` raises ``DeploymentRequestError`` (not retried: the server is busy).
+
+Replica failover: a replica that refuses connections is marked down for ``down_s`` seconds and
+skipped by ``pick_replica``; the failed request is retried at once on a live replica (sessions
+pinned to the dead one are re-mapped over the live ones). When every replica is down, or there
+is only one, retries wait ``backoff_s * 2**attempt`` between attempts. A down mark expires by
+itself: the next request tries the replica again and a success brings it back.
 One ``aiohttp.ClientSession`` is created lazily per event loop and shared by every sampler
 made with ``with_defaults``.
 """
@@ -17,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import aiohttp
 
-from training.utils.http import auth_headers
+from training.utils.http import SESSION_HEADER, auth_headers, session_headers
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-multi-turn-session-id"
+__all__ = ["Completion", "DeploymentRequestError", "DeploymentSampler", "SESSION_HEADER", "build_deployment_sampler"]
 
 
 class DeploymentRequestError(RuntimeError):
@@ -90,6 +96,8 @@ class _HttpClient:
         """Requests in flight per replica URL (shared by related samplers: the load balancer's view)."""
         self.noted_weight_version = 0
         """The newest weight version known to be served everywhere (``note_weight_version``)."""
+        self.down_until: dict[str, float] = {}
+        """Replica URL -> monotonic time until which it is skipped (it refused a connection)."""
 
     def _drop_dead(self) -> None:
         for loop in [lp for lp in self._sessions if lp.is_closed()]:
@@ -135,11 +143,12 @@ class DeploymentSampler:
 
     With several URLs a request with a session id always goes to the same replica (a stable hash
     of the id, so its KV cache is reused there); any other request goes to the replica with the
-    fewest requests in flight.
+    fewest requests in flight. The id travels as both ``x-multi-turn-session-id`` and
+    ``x-session-affinity`` (``training.utils.http.session_headers``).
     """
 
     def __init__(self, base_url: Union[str, Sequence[str]], *, api_key: Optional[str] = None, model: Optional[str] = None,
-                 timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 0.5,
+                 timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 0.5, down_s: float = 5.0,
                  sampling_defaults: Optional[dict] = None, _client: Optional[_HttpClient] = None):
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
@@ -160,6 +169,8 @@ class DeploymentSampler:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.down_s = down_s
+        """Seconds a replica that refused a connection is skipped before it is tried again."""
         self.sampling_defaults = dict(sampling_defaults or {})
         self._client = _client or _HttpClient(timeout_s)
 
@@ -167,7 +178,7 @@ class DeploymentSampler:
         """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""
         return type(self)(self.base_urls, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s,
                                  max_retries=self.max_retries, backoff_s=self.backoff_s,
-                                 sampling_defaults={**self.sampling_defaults, **sampling}, _client=self._client)
+                                 down_s=self.down_s, sampling_defaults={**self.sampling_defaults, **sampling}, _client=self._client)
 
     async def close(self) -> None:
         """Close this event loop's session (other samplers made by ``with_defaults`` share it)."""
@@ -185,54 +196,77 @@ class DeploymentSampler:
         self._client.noted_weight_version = int(version)
 
     def _headers(self, session_id: Optional[str]) -> dict[str, str]:
-        return auth_headers(self.api_key, {SESSION_HEADER: session_id} if session_id else None)
+        return auth_headers(self.api_key, session_headers(session_id))
+
+    def live_replicas(self) -> list[str]:
+        """Replicas not marked down (every replica when all are down: someone has to be tried)."""
+        now = time.monotonic()
+        live = [u for u in self.base_urls if self._client.down_until.get(u, 0.0) <= now]
+        return live or list(self.base_urls)
+
+    def mark_down(self, url: str) -> None:
+        """Skip ``url`` for ``down_s`` seconds (it refused a connection)."""
+        if len(self.base_urls) > 1 and self._client.down_until.get(url, 0.0) <= time.monotonic():
+            log.warning("replica %s is down; sending its requests to the other replicas for %.0f s", url, self.down_s)
+        self._client.down_until[url] = time.monotonic() + self.down_s
 
     def pick_replica(self, session_id: Optional[str]) -> str:
-        """The replica for one request: the session's own (stable hash), else the least loaded."""
+        """The replica for one request: the session's own (stable hash), else the least loaded live one.
+
+        A session whose replica is down is hashed over the live replicas instead (and returns to its
+        own replica once that is back).
+        """
         if len(self.base_urls) == 1:
             return self.base_url
+        live = self.live_replicas()
         if session_id:
-            digest = hashlib.sha256(session_id.encode()).digest()
-            return self.base_urls[int.from_bytes(digest[:8], "big") % len(self.base_urls)]
-        return min(self.base_urls, key=lambda u: self._client.in_flight.get(u, 0))
+            digest = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big")
+            own = self.base_urls[digest % len(self.base_urls)]
+            return own if own in live else live[digest % len(live)]
+        return min(live, key=lambda u: self._client.in_flight.get(u, 0))
 
     async def request(self, method: str, path: str, body: Optional[dict] = None,
                       session_id: Optional[str] = None, base_url: Optional[str] = None) -> dict:
-        """Send one JSON request with the retry policy; return the decoded JSON answer.
+        """Send one JSON request with the retry and failover policy; return the decoded JSON answer.
 
-        ``base_url`` pins the replica; by default ``pick_replica`` chooses it.
+        ``base_url`` pins the replica (no failover); by default ``pick_replica`` chooses it, again
+        for every attempt.
         """
-        base = base_url or self.pick_replica(session_id)
         in_flight = self._client.in_flight
-        in_flight[base] = in_flight.get(base, 0) + 1
-        try:
-            return await self._request(method, base + path, body, session_id)
-        finally:
-            in_flight[base] -= 1
-
-    async def _request(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
         last: Optional[BaseException] = None
+        failed: Optional[str] = None
         for attempt in range(self.max_retries + 1):
-            if attempt:
+            base = base_url or self.pick_replica(session_id)
+            if attempt and base == failed:  # no other replica to go to: back off
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            in_flight[base] = in_flight.get(base, 0) + 1
             try:
-                async with self._client.session().request(method, url, json=body,
-                                                          headers=self._headers(session_id)) as resp:
-                    if resp.status < 400:
-                        return await resp.json(content_type=None)
-                    text = await resp.text()
-                    message, param = _error_message(text)
-                    err = DeploymentRequestError(message, status=resp.status, param=param, url=url)
-                    if resp.status < 500:
-                        raise err
-                    last = err
+                return await self._attempt(method, base + path, body, session_id)
             except aiohttp.ClientConnectionError as e:
                 last = e
-            except asyncio.TimeoutError as e:
-                raise DeploymentRequestError(f"no answer within {self.timeout_s} s", url=url) from e
-            log.warning("deployment %s attempt %d/%d failed: %s", url, attempt + 1, self.max_retries + 1, last)
-        raise DeploymentRequestError(f"gave up after {self.max_retries + 1} attempts: {last}", url=url,
+                self.mark_down(base)
+            except DeploymentRequestError as e:
+                if e.status is None or e.status < 500:
+                    raise
+                last = e
+            finally:
+                in_flight[base] -= 1
+            failed = base
+            log.warning("deployment %s%s attempt %d/%d failed: %s", base, path, attempt + 1, self.max_retries + 1, last)
+        raise DeploymentRequestError(f"gave up after {self.max_retries + 1} attempts: {last}", url=failed or "",
                                      status=getattr(last, "status", None)) from last
+
+    async def _attempt(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
+        """One HTTP exchange: the JSON answer, or ``DeploymentRequestError`` with the status (connection errors pass)."""
+        try:
+            async with self._client.session().request(method, url, json=body,
+                                                      headers=self._headers(session_id)) as resp:
+                if resp.status < 400:
+                    return await resp.json(content_type=None)
+                message, param = _error_message(await resp.text())
+                raise DeploymentRequestError(message, status=resp.status, param=param, url=url)
+        except asyncio.TimeoutError as e:
+            raise DeploymentRequestError(f"no answer within {self.timeout_s} s", url=url) from e
 
     def _body(self, n: int, sampling: dict) -> dict:
         body = {**self.sampling_defaults, **sampling, "n": n, "return_token_ids": True}

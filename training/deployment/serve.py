@@ -34,8 +34,6 @@ from training.utils.config import EngineConfig
 READY_PREFIX = "DEPLOYMENT READY"
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Server flags, then one flag per ``EngineConfig`` field (``--max-batch-size 16``...), generated
     from the dataclass: its annotation converts the value, its docstring is the help."""
@@ -45,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("DEPLOYMENT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $DEPLOYMENT_API_KEY; unset = no auth)")
+    p.add_argument("--allow-open-bind", action="store_true",
+                   help="start on a --host other than loopback without an API key (anyone who reaches the port "
+                        "can then pause the server and load weights into it)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="shut down when process PID is no longer this server's parent")
@@ -111,7 +112,9 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
     engine = AsyncEngine(engine_config_from_args(args))
     await engine.start()
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                           handler_cancellation=True)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -136,9 +139,24 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
         print("deployment server stopped", flush=True)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def check_bind(args: argparse.Namespace) -> None:
+    """Refuse a non-loopback ``--host`` without ``--api-key`` unless ``--allow-open-bind`` says it is meant."""
+    if args.host in LOOPBACK_HOSTS or args.host.startswith("127.") or args.api_key:
+        return
+    if not args.allow_open_bind:
+        raise SystemExit(f"--host {args.host}: binding beyond this host without --api-key lets anyone who reaches "
+                         "the port pause the server and load weights into it; set --api-key (or "
+                         "$DEPLOYMENT_API_KEY), or pass --allow-open-bind if this network is trusted")
+    logging.getLogger(__name__).warning("serving on %s without an API key (--allow-open-bind)", args.host)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     engine_config_from_args(args)  # a bad setting stops here, before logging and model loading
+    check_bind(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args))
 

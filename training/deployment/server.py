@@ -26,18 +26,18 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import EngineError, PartialWeightUpdateError, WeightUpdateError
+from training.deployment.engine.config import (EngineError, PartialWeightUpdateError, SequenceFailedError,
+                                              WeightUpdateError)
 from training.deployment.protocol import (
-    SESSION_HEADER,
     ParsedRequest,
     RequestError,
-    build_chat_response,
-    build_completion_response,
     error_body,
     parse_chat_request,
     parse_completion_request,
 )
-from training.utils.http import bearer_ok
+from training.deployment.responses import build_chat_response, build_completion_response
+from training.deployment.streaming import DONE, ChunkStream, sse
+from training.utils.http import bearer_ok, parse_json_body, session_id_of
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ def _json_error(status: int, message: str, err_type: str = "invalid_request_erro
     return web.json_response(error_body(message, err_type, param), status=status)
 
 
+_CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose handler is cancelled (and sequences aborted) when the client disconnects."""
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     """API-key check (all paths but /health) and the mapping of errors to JSON responses."""
@@ -69,13 +73,20 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
             return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error")
     try:
-        return await handler(request)
+        if request.path in _CANCEL_ON_DISCONNECT:
+            return await handler(request)
+        # a control request (weights, pause, ...) runs to its end even if its client goes away: a weight
+        # push cut half-way would leave a joined group unrecorded or a /dev/shm file behind
+        return await _run_to_end(handler(request))
     except RequestError as e:
         return _json_error(e.status, e.message, e.err_type, e.param)
     except WeightUpdateError as e:
         return _json_error(400, f"weight update refused: {e}", "invalid_request_error")
     except EngineError as e:
         return _json_error(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+    except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
+        log.error("request failed in the engine: %s", e)
+        return _json_error(500, f"generation failed: {e}", "internal_error")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -83,6 +94,16 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     except Exception as e:  # a server bug: log it, answer 500, keep serving
         log.exception("unhandled error on %s", request.path)
         return _json_error(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
+
+
+async def _run_to_end(coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Await ``coro`` in its own task that a cancellation of the caller does not stop (its outcome is then dropped)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
+        raise
 
 
 def _engine_error_param(message: str) -> Optional[str]:
@@ -95,26 +116,28 @@ def _engine_error_param(message: str) -> Optional[str]:
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+        return parse_json_body(await request.read())
+    except ValueError as e:
+        raise RequestError(str(e)) from e
 
 
-def _session_id(request: web.Request, choice: int) -> Optional[str]:
-    """Engine session of a choice: the header value for choice 0, ``<value>:<i>`` for the others."""
-    sid = request.headers.get(SESSION_HEADER)
+def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
+    """Engine session of a choice: the request's session id (``x-multi-turn-session-id``, else
+    ``x-session-affinity``, else the body's ``user``) for choice 0, ``<id>:<i>`` for the others."""
+    sid = session_id_of(request.headers, body)
     if not sid:
         return None
     return sid if choice == 0 else f"{sid}:{choice}"
 
 
-async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[Any]]:
+async def _generate_all(request: web.Request, req: ParsedRequest, body: Any) -> list[list[Any]]:
     """Run every (prompt, choice) as its own engine request, concurrently; results[p][i].
 
     The first error (or a client disconnect) cancels the request's other choices.
     """
     engine = request.app[ENGINE_KEY]
-    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i), session_id=_session_id(request, i)))
+    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i),
+                                                    session_id=_session_id(request, body, i)))
               for i in range(req.n)] for prompt in req.prompts]
     flat = [t for row in tasks for t in row]
     try:
@@ -127,17 +150,72 @@ async def _generate_all(request: web.Request, req: ParsedRequest) -> list[list[A
     return [[t.result() for t in row] for row in tasks]
 
 
-async def completions(request: web.Request) -> web.Response:
+async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: bool) -> web.StreamResponse:
+    """Answer with server-sent events; every (prompt, choice) streams from its own engine request.
+
+    A client that goes away (a failed write, or aiohttp cancelling the handler) cancels the
+    consumers, which aborts their sequences at the engine's next step.
+    """
     engine = request.app[ENGINE_KEY]
-    req = parse_completion_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
-    results = await _generate_all(request, req)
+    chunks = ChunkStream(req, chat, engine.tokenizer)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def consume(p: int, i: int) -> None:
+        try:
+            async for delta in engine.generate_stream(req.prompts[p], req.params_for(i),
+                                                      session_id=_session_id(request, body, i)):
+                queue.put_nowait((p, i, delta))
+        except Exception as e:  # reported in the stream; the other choices are cancelled
+            queue.put_nowait((p, i, e))
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    tasks = [asyncio.ensure_future(consume(p, i)) for p in range(len(req.prompts)) for i in range(req.n)]
+    try:
+        for chunk in chunks.opening():
+            await resp.write(sse(chunk))
+        running = len(tasks)
+        while running:
+            p, i, item = await queue.get()
+            if isinstance(item, Exception):
+                log.error("streamed request failed: %s: %s", type(item).__name__, item)
+                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}",
+                                                "internal_error")))
+                break
+            for chunk in chunks.update(p, i, item):
+                await resp.write(sse(chunk))
+            running -= item.result is not None
+        else:
+            for chunk in chunks.closing():
+                await resp.write(sse(chunk))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away: stop its sequences
+        log.info("client disconnected from a streamed request")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    body = await _read_json(request)
+    req = parse_completion_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, body, chat=False)
+    results = await _generate_all(request, req, body)
     return web.json_response(build_completion_response(req, results, engine.tokenizer))
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_chat_request(await _read_json(request), engine, request.app[SETTINGS_KEY]["served_names"])
-    results = await _generate_all(request, req)
+    body = await _read_json(request)
+    req = parse_chat_request(body, engine, request.app[SETTINGS_KEY]["served_names"])
+    if req.stream:
+        return await _stream(request, req, body, chat=True)
+    results = await _generate_all(request, req, body)
     return web.json_response(build_chat_response(req, results[0], engine.tokenizer))
 
 
@@ -291,7 +369,13 @@ async def resume(request: web.Request) -> web.Response:
 
 def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
                manage_engine: bool = True) -> web.Application:
-    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup."""
+    """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
+
+    Serve it with ``handler_cancellation=True`` (``web.AppRunner`` / ``web.run_app``, as serve.py
+    does) so that a non-streamed request whose client disconnects is aborted; streamed requests
+    notice a disconnect on their next write either way. Control endpoints are shielded: they
+    finish even when their client goes away.
+    """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=256 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     name = served_model_name or engine.model_name

@@ -176,6 +176,26 @@ class ServerProcess:
             self._restart()
             return True
 
+    def recover(self, restarts_before: int, timeout_s: float = 15.0) -> bool:
+        """After a request to this launched server failed: True when the server had died and is serving
+        again (restarted here or by the watchdog), so the request may be retried; False when it is
+        alive and answering (the failure was its answer) or nothing changed within ``timeout_s``."""
+        if self.attached_url:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.restart_count > restarts_before:
+                with self._lock:  # waits for a restart in progress
+                    return self.is_alive()
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                self.ensure_alive()
+                return True
+            if self._http("GET", self.health_path, timeout=2.0)[0] == 200:
+                return False
+            time.sleep(HEALTH_POLL_S)
+        return False
+
     # ------------------------------------------------------------ weights
     def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
                      wait_for_inflight: bool = True) -> dict:

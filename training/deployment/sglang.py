@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from training.deployment.protocol import parse_tool_calls
+from training.deployment.responses import parse_tool_calls
 from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
 from training.deployment.server_process import ServerProcess
 from training.deployment.weight_sync import WeightSyncError

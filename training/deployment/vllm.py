@@ -93,7 +93,8 @@ class VLLMDeployment(ServerProcess):
                 "--max-model-len", str(self.cfg.engine_config.max_model_len),
                 "--max-num-seqs", str(self.cfg.engine_config.max_batch_size),
                 "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
-                "--worker-extension-cls", WORKER_EXTENSION, *self.extra_args]
+                "--worker-extension-cls", WORKER_EXTENSION,
+                *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []), *self.extra_args]
 
     def _env(self) -> dict[str, str]:
         env = super()._env()

@@ -5,6 +5,12 @@
 - ``WeightFolder`` is where a push writes: a private folder under /dev/shm (``shm``, same host:
   the server memory-maps the file) or a folder on disk (``disk``, any host that sees it).
 
+A /dev/shm copy is a full model in RAM, so none is left behind: a failed write removes its temp
+file; an owned shm folder is removed by ``remove()`` (``DeploymentGroup.stop``), at interpreter
+exit (normal exit, an exception, Ctrl-C, and SIGTERM under the recipe, which turns it into
+``SystemExit``); and the folder of a process that died by SIGKILL, whose name carries its pid, is
+swept by the next ``WeightFolder(mode="shm")`` on the host.
+
 Who loads the file into which server is ``DeploymentGroup.push`` (``group.py``): it writes once
 and loads the file into every replica through that engine's own endpoint.
 """
@@ -12,6 +18,7 @@ and loads the file into every replica through that engine's own endpoint.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import shutil
 import tempfile
@@ -53,9 +60,42 @@ def write_safetensors(named_weights: Iterable[tuple[str, torch.Tensor]], path: s
         raise ValueError("named_weights: no tensors given")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed or interrupted write leaves no partial copy
     return path.stat().st_size
+
+
+SHM_PREFIX = "training-weights-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_stale_shm() -> list[Path]:
+    """Remove shm weight folders (and files of older versions) whose owning process is gone; returns them."""
+    removed = []
+    for path in shm_dir().glob(f"{SHM_PREFIX}*"):
+        try:
+            pid = int(path.name[len(SHM_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 class WeightFolder:
@@ -74,7 +114,9 @@ class WeightFolder:
             raise ValueError("directory: required with mode='disk'")
         self.mode = mode
         if mode == "shm":
-            self.folder = shm_dir() / f"training-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            sweep_stale_shm()
+            self.folder = shm_dir() / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            atexit.register(self.remove)
         else:
             self.folder = Path(directory).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -96,3 +138,4 @@ class WeightFolder:
         """Delete an owned /dev/shm folder (a full model copy in RAM); a disk folder stays."""
         if self.mode == "shm":
             shutil.rmtree(self.folder, ignore_errors=True)
+            atexit.unregister(self.remove)

@@ -3,7 +3,7 @@
 See README.md. Entry point for recipes: ``make_proxy_rollout_fn``.
 """
 
-from training.proxy.matching import classify, message_hash
+from training.utils.rl.rollout.turn_matching import classify, message_hash
 from training.proxy.records import APPEND, NEW, WIPE, CallRecord, SessionRecord, TurnLabel
 from training.proxy.rollout import AgentEndpoint, AgentFailedError, UpstreamFailedError, make_proxy_rollout_fn
 from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer

@@ -2,7 +2,8 @@
 
 A session is one episode of one agent (named by the ``x-multi-turn-session-id`` header or
 the ``/sessions/{id}/v1`` URL prefix). Calls are appended in the order their responses
-arrive; each gets a ``TurnLabel`` (NEW / APPEND / WIPE and why) from ``matching.classify``
+arrive; each gets a ``TurnLabel`` (NEW / APPEND / WIPE and why) from ``turn_matching.classify``
+(``training/utils/rl/rollout/turn_matching.py``)
 against the last call of the same agent's active chain. Chains are numbered per session:
 a NEW or WIPE call starts chain ``k + 1``, an APPEND stays on its chain.
 """
@@ -13,24 +14,9 @@ import asyncio
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-NEW, APPEND, WIPE = "NEW", "APPEND", "WIPE"
+from training.utils.rl.rollout.turn_matching import APPEND, NEW, WIPE, TurnLabel
 
-
-@dataclass
-class TurnLabel:
-    """How one call relates to its agent's active chain."""
-
-    kind: str
-    """``NEW`` (first call of its agent in the session), ``APPEND`` (extends the chain), ``WIPE`` (new chain)."""
-    reason: str
-    """Why, in words: "prompt extends previous call", "message hash changed at index 3", ..."""
-    chain: int = 0
-    """Index of the chain (within the session) the call belongs to."""
-    token_prefix: Optional[int] = None
-    """Tokens of the new prompt that equal the previous call's prompt + output (None for NEW)."""
-    token_drift: bool = False
-    """True when messages say APPEND but the tokens do not extend (re-render drift)."""
-
+__all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
 
 @dataclass
 class CallRecord:

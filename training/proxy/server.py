@@ -6,8 +6,9 @@
         session = proxy.close_session("ep-1") # CallRecords with exact token ids and labels
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from the
-``x-multi-turn-session-id`` header) and the same under ``/sessions/{id}/v1/...`` for clients
-that cannot set headers; ``GET [/sessions/{id}]/v1/models``; ``GET /health``;
+``x-multi-turn-session-id`` header, else ``x-session-affinity``, else the body's ``user`` field)
+and the same under ``/sessions/{id}/v1/...`` for clients that cannot set headers;
+``GET [/sessions/{id}]/v1/models``; ``GET /health``;
 ``POST /proxy/pause`` (block new calls, wait for in-flight ones), ``POST /proxy/resume``;
 ``GET /sessions/{id}/calls`` (recorded calls and labels, for logs).
 
@@ -15,7 +16,7 @@ Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to 
 chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
 parsed, the token fields and logprobs removed unless it asked for them, its own ``model``
 name echoed); the proxy records prompt ids, output ids, logprobs, finish reason, weight
-version, messages and tools, and labels the call (``matching.assign``). Failure policy:
+version, messages and tools, and labels the call (``turn_matching.assign``). Failure policy:
 upstream 5xx / unreachable → retried with backoff, then 502 to the agent and the session
 is marked failed; upstream 4xx → passed through unrecorded; an agent ``max_tokens`` that
 does not fit the context → dropped and the call retried once (generation then stops at the
@@ -32,14 +33,13 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from training.proxy.matching import STRATEGIES, assign
 from training.proxy.records import CallRecord, SessionRecord
 from training.proxy.upstream import UpstreamError, UpstreamPool
-from training.utils.http import bearer_ok
+from training.utils.http import SESSION_HEADER, bearer_ok, parse_json_body, session_headers, session_id_of
+from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 
 logger = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-multi-turn-session-id"
 AGENT_HEADER = "x-agent-name"
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
@@ -47,6 +47,14 @@ _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 def _error(status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None):
     return web.json_response({"error": {"message": message, "type": err_type, "param": param, "code": None}},
                              status=status)
+
+
+async def _json_or_none(request: web.Request) -> Any:
+    """The request's JSON body, or None when it is not JSON (the caller reports that; aiohttp keeps the body)."""
+    try:
+        return parse_json_body(await request.read())
+    except ValueError:
+        return None
 
 
 class ProxyServer:
@@ -189,23 +197,23 @@ class ProxyServer:
     async def _completions(self, request: web.Request) -> web.Response:
         return await self._generate(request, "completions")
 
-    def _session_of(self, request: web.Request) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
-        sid = request.match_info.get("sid") or request.headers.get(SESSION_HEADER)
+    def _session_of(self, request: web.Request, body: Any) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
+        sid = request.match_info.get("sid") or session_id_of(request.headers, body)
         if not sid:
-            return None, _error(400, f"name the session: send the '{SESSION_HEADER}' header or use the "
-                                     "base URL /sessions/{id}/v1")
+            return None, _error(400, f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
+                                     "header or the 'user' field, or use the base URL /sessions/{id}/v1")
         if sid in self.closed_ids:
             return None, _error(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
         return self.sessions.setdefault(sid, SessionRecord(sid)), None
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.Response:
-        session, err = self._session_of(request)
+        session, err = self._session_of(request, await _json_or_none(request))
         if err is not None:
             return err
         try:
-            body = await request.json()
+            body = parse_json_body(await request.read())
         except ValueError as e:
-            return _error(400, f"the request body is not valid JSON: {e}")
+            return _error(400, str(e))
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if body.get("stream"):
@@ -243,13 +251,13 @@ class ProxyServer:
         fwd = self._upstream_body(body, endpoint)
         clamped = False
         try:
-            reply = await self.pool.request("POST", url, path, fwd, headers={SESSION_HEADER: sid})
+            reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
             err = reply.body.get("error") if isinstance(reply.body, dict) else None
             if reply.status == 400 and err and err.get("param") in _MAX_TOKEN_FIELDS:
                 for k in _MAX_TOKEN_FIELDS:
                     fwd.pop(k, None)
                 clamped = True
-                reply = await self.pool.request("POST", url, path, fwd, headers={SESSION_HEADER: sid})
+                reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
             return _error(502, f"upstream failed: {e}", "upstream_error")

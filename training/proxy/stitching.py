@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from training.proxy.matching import common_prefix_len
+from training.utils.rl.rollout.turn_matching import common_prefix_len
 from training.proxy.records import CallRecord
 from training.utils.rl.rollout import RolloutSample
 

@@ -250,7 +250,19 @@ class AsyncRLLoop:
         return {"steps": step, "last_metrics": last}
 
 
-def main(cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
+EXPERIMENTAL_NOTICE = ("async_rl_loop is experimental: its Config fields and the rollout contract may still change; "
+                       "pin a commit if you depend on them")
+_notice_shown = False
+
+
+def main(cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None, rows: Optional[Rows] = None,
          rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Train with overlapped rollouts; returns ``{"steps", "last_metrics", "final_model"}``."""
+    """Train with overlapped rollouts; returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
+
+    ``rows`` default to ``cfg.dataset``; without ``rollout_fn_factory`` the built-in single-turn rollout runs.
+    The first call in a process logs ``EXPERIMENTAL_NOTICE`` once."""
+    global _notice_shown
+    if not _notice_shown:
+        _notice_shown = True
+        logger.warning(EXPERIMENTAL_NOTICE)
     return run_recipe(AsyncRLLoop, cfg, rollout_fn_factory, rows, rollout_extras)

@@ -28,6 +28,8 @@ import concurrent.futures
 import contextlib
 import logging
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +41,16 @@ import torch
 from training.deployment.group import DeploymentGroup
 from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
-from training.recipes.config import WAIT_POLL_S, Config
-from training.utils import dist
+from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
+from training.recipes.resources import (
+    log_start_notes, promote_final_model, resolve_rollout_factory, resolve_rows, rollout_tokenizer,
+)
+from training.utils import dist, loop_watch
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
+from training.utils.run_record import check_log_path, write_config_record
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
 from training.utils.rl.ppo import receive_and_train, train_on_groups
@@ -223,7 +229,7 @@ class RunContext:
         if len(group.completion_rewards) < 2:
             c.small_groups += 1
             keep = False
-        elif self.cfg.dynamic_filter_fn is not None and not self.cfg.dynamic_filter_fn(group.samples):
+        elif self.cfg.dynamic_filter_fn is not None and not self.cfg.dynamic_filter_fn(group):
             c.filtered_groups += 1
             keep = False
         if keep:
@@ -269,7 +275,7 @@ class RunContext:
         async def one(row):
             async with self.semaphore:
                 try:
-                    result = await asyncio.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
+                    result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
                 except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
                     logger.warning("eval rollout raised %s: %s", type(e).__name__, e)
                     return 0.0
@@ -359,10 +365,11 @@ def start_rollouts(cfg: Config, model_path: str, log_path: Path, state: TrainSta
                    ) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
     """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once."""
     dcfg = cfg.deployment
-    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(state.tokenizer)
+    tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
+    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(tokenizer)
     try:
         sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **cfg.sampling_kwargs}
-        setup = RolloutSetup(sampler=deployment.sampler, tokenizer=state.tokenizer, sampling_kwargs=sampling,
+        setup = RolloutSetup(sampler=deployment.sampler, tokenizer=tokenizer, sampling_kwargs=sampling,
                              extras=rollout_extras, max_seq_len=dcfg.engine_config.max_model_len)
         deployment.hooks = setup.weight_sync_hooks  # the same list: hooks added by make_rollout_fn count
         rollout_fn = rollout_fn_factory(setup)
@@ -374,28 +381,61 @@ def start_rollouts(cfg: Config, model_path: str, log_path: Path, state: TrainSta
     return deployment, setup, rollout_fn
 
 
-def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
-               rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None,
+               rows: Optional[Rows] = None, rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Set up, run ``loop_cls(ctx).run()`` to the end, export, always stop the deployment.
 
-    Returns ``{"steps", "last_metrics", "final_model"}``. Under ``torchrun`` the ranks other than 0
-    follow rank 0 and return ``{"steps": <rank 0's steps>, "last_metrics": {}, "final_model": None}``.
+    ``rows`` default to ``cfg.dataset``, ``rollout_fn_factory`` to the built-in single-turn rollout
+    (``resources.py``). Returns ``{"steps", "last_metrics", "final_model", "output_model"}``
+    (``output_model``: the promoted folder, when ``cfg.output_model_id`` is set). Under ``torchrun`` the
+    ranks other than 0 follow rank 0 and return ``{"steps": <rank 0's steps>, "last_metrics": {},
+    "final_model": None}``.
     """
+    with _sigterm_as_exit():
+        return _run_recipe(loop_cls, cfg, rollout_fn_factory, rows, rollout_extras)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM raises ``SystemExit(143)`` in the main thread, so a terminated run unwinds like Ctrl-C:
+    the deployment stops and the /dev/shm weights are removed (the default action skips all cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory], rows: Optional[Rows],
+                rollout_extras: Optional[dict[str, Any]]) -> dict[str, Any]:
     started = dist.init_distributed(cfg.trainer.device)
     main_rank = dist.is_main_rank()
     logging.basicConfig(level=logging.INFO if main_rank else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     steps = 0
     try:
-        rows = load_rows(rows)
+        rows = resolve_rows(cfg, rows)
+        rollout_fn_factory = resolve_rollout_factory(cfg, rollout_fn_factory)
         eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
         model_path = resolve_model(cfg.base_model)
         log_path = Path(cfg.log_path)
         log_path.mkdir(parents=True, exist_ok=True)
+        check_log_path(log_path, cfg.to_dict(), has_checkpoint=latest_checkpoint(log_path / "checkpoints") is not None,
+                       ignore=RESUME_MAY_CHANGE, resume_anyway=cfg.resume_with_changed_config)
+        if main_rank:
+            write_config_record(log_path, cfg.to_dict())
         state = build_train_state(cfg, model_path, len(rows), log_path)
         try:
             if not main_rank:
                 return {"steps": follow_rank0(cfg, state, log_path), "last_metrics": {}, "final_model": None}
+            log_start_notes(cfg, model_path)
             deployment, setup, rollout_fn = start_rollouts(cfg, model_path, log_path, state, rollout_fn_factory,
                                                            rollout_extras or {})
             try:
@@ -406,6 +446,8 @@ def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: RolloutFnFactory, rows
                 if cfg.export_final_model:
                     final = state.trainer.save_pretrained(log_path / "final")
                 result["final_model"] = str(final) if final else None
+                result["output_model"] = str(promote_final_model(final, cfg, log_path)) \
+                    if final and cfg.output_model_id else None
                 return result
             finally:
                 deployment.stop()
@@ -420,8 +462,10 @@ async def _run_loop(loop_cls, cfg: Config, rows: list[dict], eval_rows: list[dic
                     state: TrainState, deployment: DeploymentGroup, setup: RolloutSetup,
                     rollout_fn: RolloutFn) -> dict[str, Any]:
     ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
     try:
         return await loop_cls(ctx).run()
     finally:
+        watchdog.stop()
         ctx.close()
         await deployment.close_sampler()

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 from training.utils.config import DeployConfig, TrainerConfig, WandBConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
-from training.utils.rl.rollout import RolloutSample
+from training.utils.rl.groups import PromptGroup
 
 STALL_GRACE_S = 120.0
 """A waiting trainer stops the run when no rollout finished for ``rollout_timeout_s`` plus this long
 (a rollout cannot legitimately take longer; a dead deployment would otherwise hang the run)."""
 WAIT_POLL_S = 5.0
 """How often a trainer that waits for rollouts re-checks for that stall."""
+RESUME_MAY_CHANGE = ("log_path", "max_steps", "epochs", "eval_interval", "dcp_save_interval", "keep_checkpoints",
+                     "export_final_model", "output_model_id", "resume_with_changed_config", "deployment", "wandb")
+"""Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
+is trained: how long, how it is logged and served)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -25,13 +30,34 @@ class Config:
     """Everything a run needs besides the rows and the rollout function.
 
     The optimizer (``trainer.learning_rate``) and the policy loss (``loss.policy_loss``,
-    ``loss.kl_beta``) live in their sub-configs, so every field is declared once.
+    ``loss.kl_beta``) live in their sub-configs. The top-level ``learning_rate``, ``policy_loss``
+    and ``kl_beta`` (the spellings of the Fireworks cookbook's documentation) are the same three
+    settings, not copies: after construction each alias holds its nested field's value; giving
+    both spellings different values is an error naming both (a value equal to the field's
+    default counts as not given); ``key=value`` accepts either spelling (``CLI_ALIASES``);
+    ``to_dict`` (logs, wandb) and ``--help`` show the nested field once.
     """
+
+    CLI_ALIASES: ClassVar[dict[str, str]] = {
+        "learning_rate": "trainer.learning_rate", "policy_loss": "loss.policy_loss", "kl_beta": "loss.kl_beta"}
 
     base_model: str
     """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
     log_path: str = "runs/default"
-    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes."""
+    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes from its newest checkpoint (with the same training settings, see config.json); a folder holding a run without a checkpoint is refused."""
+    learning_rate: Optional[float] = None
+    """The same setting as ``trainer.learning_rate`` (either spelling)."""
+    policy_loss: Optional[Union[str, Callable]] = None
+    """The same setting as ``loss.policy_loss`` (either spelling)."""
+    kl_beta: Optional[float] = None
+    """The same setting as ``loss.kl_beta`` (either spelling)."""
+    dataset: Optional[str] = None
+    """A .jsonl file of rows, used when ``main`` is given no ``rows``."""
+    max_rows: Optional[int] = None
+    """Use only the first this many rows (of ``rows`` or ``dataset``); None = all."""
+    reward_fn: Optional[Callable[[str, dict], float]] = None
+    """Reward of the built-in single-turn rollout (``main`` without ``rollout_fn_factory``):
+    ``fn(completion_text, row)``; None = exact match against the row's ``answer`` (``single_turn.py``)."""
     completions_per_prompt: int = 4
     """Rollouts per row (the group size for group-relative advantages); at least 2."""
     prompt_groups_per_step: int = 8
@@ -67,8 +93,9 @@ class Config:
     """A rollout that takes longer is cancelled and counted in rollout/timeouts."""
     max_rollout_error_fraction: float = 0.5
     """Stop the run when more than this fraction of a step's rollouts failed (errors, timeouts, invalid)."""
-    dynamic_filter_fn: Optional[Callable[[list[RolloutSample]], bool]] = None
-    """Keep a group only if this returns True (e.g. drop groups whose rewards are all equal)."""
+    dynamic_filter_fn: Optional[Callable[[PromptGroup], bool]] = None
+    """Keep a group only if ``fn(pg)`` returns True, e.g. ``lambda pg: len(set(pg.rewards)) > 1`` drops groups whose
+    rewards are all equal (``pg`` also iterates as its list of samples)."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1
@@ -85,6 +112,11 @@ class Config:
     """How many of the newest checkpoints to keep (older ones are deleted after each write)."""
     export_final_model: bool = True
     """Save the final policy as a Hugging Face folder in <log_path>/final."""
+    resume_with_changed_config: bool = False
+    """Resume from a checkpoint even when training settings differ from <log_path>/config.json (the differences are logged)."""
+    output_model_id: Optional[str] = None
+    """Promote the final policy under this name: the exported folder is copied to <log_path>/<output_model_id>, or to
+    this path when it contains a '/'; the log says where. None = no promotion."""
     seed: int = 0
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -119,9 +151,33 @@ class Config:
         check(self.eval_interval >= 0, "eval_interval", "must be >= 0")
         check(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        check(self.max_rows is None or self.max_rows >= 1, "max_rows", f"must be >= 1 or None, got {self.max_rows}")
+        check(self.dataset is None or (isinstance(self.dataset, str) and self.dataset != ""), "dataset",
+              "must be the path of a .jsonl file, or None")
+        check(self.output_model_id is None or (isinstance(self.output_model_id, str) and self.output_model_id.strip()),
+              "output_model_id", "must be a non-empty name or path, or None")
+        check(self.output_model_id is None or self.export_final_model, "output_model_id",
+              "promotes the exported final model: needs export_final_model=True")
         for name, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("deployment", DeployConfig),
                           ("wandb", WandBConfig)):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
+        self._resolve_aliases()
+
+    def _resolve_aliases(self) -> None:
+        """Make each top-level alias and its nested field one setting (see the class docstring)."""
+        for alias, path in self.CLI_ALIASES.items():
+            sub_name, leaf = path.split(".")
+            sub = getattr(self, sub_name)
+            default = next(f.default for f in dataclasses.fields(sub) if f.name == leaf)
+            value, nested = getattr(self, alias), getattr(sub, leaf)
+            if value is None or value == default:
+                setattr(self, alias, nested)
+                continue
+            if nested != default and nested != value:
+                raise ValueError(f"{alias}: {alias}={_show(value)} and {path}={_show(nested)} are one setting; "
+                                 f"set one of them")
+            if nested != value:
+                setattr(self, sub_name, dataclasses.replace(sub, **{leaf: value}))  # a copy, validated again
 
     @property
     def error_check_min_attempts(self) -> int:
@@ -134,9 +190,17 @@ class Config:
         return self.rollout_timeout_s + STALL_GRACE_S
 
     def to_dict(self) -> dict:
-        """A JSON-able view (callables by name) for logs and wandb."""
+        """A JSON-able view (callables by name, each alias only under its nested name) for logs and wandb."""
         d = asdict(self)
+        for alias in self.CLI_ALIASES:
+            del d[alias]
         d["dynamic_filter_fn"] = getattr(self.dynamic_filter_fn, "__name__", None)
+        d["reward_fn"] = getattr(self.reward_fn, "__name__", None)
         if callable(self.loss.policy_loss):
             d["loss"]["policy_loss"] = getattr(self.loss.policy_loss, "__name__", "custom")
         return d
+
+
+def _show(value: Any) -> str:
+    """A setting's value in an error message (a callable by name)."""
+    return getattr(value, "__name__", None) or repr(value) if callable(value) else repr(value)

@@ -67,7 +67,10 @@ class SyncRLLoop:
         return {"steps": step, "last_metrics": last}
 
 
-def main(cfg: Config, rollout_fn_factory: RolloutFnFactory, rows: Rows,
+def main(cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None, rows: Optional[Rows] = None,
          rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Train synchronously (sample, step, sync); returns ``{"steps", "last_metrics", "final_model"}``."""
+    """Train synchronously (sample, step, sync); returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
+
+    ``main(cfg)`` alone reads ``cfg.dataset`` (at most ``cfg.max_rows`` rows) and runs the built-in single-turn
+    rollout, scored by ``cfg.reward_fn`` (default: exact match against the row's ``answer``)."""
     return run_recipe(SyncRLLoop, cfg, rollout_fn_factory, rows, rollout_extras)

@@ -6,6 +6,7 @@ message that names the field and says what is allowed. Each field's docstring is
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -52,6 +53,9 @@ class TrainerConfig:
     """Where the frozen reference model (``kl_beta > 0``) lives: ``auto`` = the policy's device."""
     seed: int = 0
     """Seed for torch's RNG in the trainer."""
+    training_shape_id: Optional[str] = None
+    """A hosted service's training shape (Fireworks: ``accounts/<a>/trainingShapes/<s>``). Accepted so documented
+    configs run unchanged, and logged at start; it has no local effect (``device`` and ``dtype`` decide here)."""
 
     def __post_init__(self):
         _check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
@@ -137,6 +141,13 @@ class DeployConfig:
     """Port of the embedded server; 0 picks a free one."""
     api_key: Optional[str] = None
     """Bearer token the server requires (and the sampler sends); None = no auth."""
+    deployment_id: Optional[str] = None
+    """Name of the served model: the embedded (and a launched vLLM) server serves under it, the sampler sends it as
+    ``model`` and the log shows it. None = the base model's name (the sampler sends no ``model``)."""
+    tokenizer_model: Optional[str] = None
+    """Tokenizer the recipe gives ``make_rollout_fn`` (client-side chat templates and prompt tokens): a hub id or
+    a folder, as ``base_model``; None = the base model's own. Checked at start: its ids must fit the model's
+    vocabulary."""
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     """Settings of the inference engine (KV cache size, context length, device, dtype...): the embedded
     server receives them whole; vLLM / SGLang get the ones they share (max_model_len, max_batch_size, dtype)."""
@@ -175,6 +186,10 @@ class DeployConfig:
 
     def __post_init__(self):
         _check(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
+        for name in ("deployment_id", "tokenizer_model"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""), name,
+                   f"must be a non-empty string or None, got {value!r}")
         _check(isinstance(self.engine_args, (list, tuple)) and all(isinstance(a, str) for a in self.engine_args),
                "engine_args", f"must be a list of strings, got {self.engine_args!r}")
         _check(isinstance(self.engine_env, dict) and all(isinstance(k, str) and isinstance(v, str)
@@ -220,7 +235,7 @@ class WandBConfig:
     run_name: Optional[str] = None
     """Run name; default: the log folder's name."""
     mode: str = "online"
-    """``online``, ``offline`` or ``disabled``."""
+    """``online``, ``offline`` or ``disabled``; a default: ``WANDB_MODE`` in the environment wins (as do ``WANDB_PROJECT`` / ``ENTITY`` / ``NAME``)."""
     tags: list[str] = field(default_factory=list)
     """Tags attached to the run."""
 
@@ -230,4 +245,7 @@ class WandBConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.project is not None and self.mode != "disabled"
+        """A project is set and neither the config nor ``WANDB_MODE`` disables wandb."""
+        import os
+
+        return self.project is not None and (os.environ.get("WANDB_MODE") or self.mode) != "disabled"

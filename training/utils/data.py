@@ -1,6 +1,9 @@
 """Rows: load them, and walk them in a resumable order.
 
-A row is any JSON object; the user's ``rollout_fn`` is the only code that reads its fields.
+A row is any JSON object; the user's ``rollout_fn`` is the only code that reads its fields. One
+convenience: a row's prompt token ids may be named ``prompt_token_ids`` (the Fireworks cookbook's
+documented name) or ``prompt_ids`` (this repository's examples); ``load_rows`` gives a row that
+has one name the other too (the same list), so a rollout reading either name works on both.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from pathlib import Path
 from typing import Iterator, Union
 
 Rows = Union[list, str, Path]
+
+PROMPT_TOKEN_KEYS = ("prompt_token_ids", "prompt_ids")
+"""The two names of a row's prompt token ids."""
 
 
 def load_rows(rows: Rows) -> list[dict]:
@@ -40,7 +46,16 @@ def load_rows(rows: Rows) -> list[dict]:
             raise TypeError(f"rows[{i}]: expected a dict, got {type(r).__name__}")
     if not rows:
         raise ValueError("rows: empty; give at least one row")
-    return rows
+    return [_with_both_prompt_names(r) for r in rows]
+
+
+def _with_both_prompt_names(row: dict) -> dict:
+    """``row``, or a shallow copy that carries its prompt ids under both ``PROMPT_TOKEN_KEYS``."""
+    present = [k for k in PROMPT_TOKEN_KEYS if k in row]
+    if len(present) != 1:
+        return row
+    (missing,) = [k for k in PROMPT_TOKEN_KEYS if k not in row]
+    return {**row, missing: row[present[0]]}
 
 
 @dataclass

@@ -7,6 +7,13 @@
 - ``request_json``: the asyncio counterpart over an ``aiohttp`` session, raising the caller's
   error type with the URL, status and the server's message.
 - ``free_port``: a port that was free a moment ago, for launching servers.
+- ``session_id_of``: the multi-turn session a request belongs to (``x-multi-turn-session-id``, else
+  ``x-session-affinity``, else the body's ``user`` field): the one rule the server (KV reuse), the
+  sampler and the proxy (replica affinity, recording) share.
+
+- ``parse_json_body``: a request body as JSON, strictly (valid UTF-8, no NaN / Infinity, integers
+  within 64 bits, nesting at most ``MAX_JSON_DEPTH``, no lone surrogates); anything else is a
+  ``ValueError`` whose message a server returns as its 400.
 
 The sampler keeps one pooled session per event loop for its many requests
 (``training/deployment/sampler.py``); one-off control calls open a session per call.
@@ -20,7 +27,28 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+SESSION_HEADER = "x-multi-turn-session-id"
+"""Header naming a request's multi-turn session (KV reuse across turns, one replica per session)."""
+AFFINITY_HEADER = "x-session-affinity"
+"""The same session id under the name sticky-routing load balancers use; read when ``SESSION_HEADER`` is absent."""
+
+
+def session_id_of(headers: Mapping[str, str], body: Any = None) -> Optional[str]:
+    """A request's session id: ``SESSION_HEADER``, else ``AFFINITY_HEADER``, else ``body["user"]`` (a non-empty
+    string); None when none is given."""
+    for name in (SESSION_HEADER, AFFINITY_HEADER):
+        value = headers.get(name)
+        if value:
+            return value
+    user = body.get("user") if isinstance(body, dict) else None
+    return user if isinstance(user, str) and user else None
+
+
+def session_headers(session_id: Optional[str]) -> dict[str, str]:
+    """Both session headers for ``session_id`` (empty for None): our servers read the first, routers the second."""
+    return {SESSION_HEADER: session_id, AFFINITY_HEADER: session_id} if session_id else {}
 
 
 def auth_headers(api_key: Optional[str], extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -75,3 +103,53 @@ async def request_json(session: Any, method: str, url: str, body: Optional[dict]
             return json.loads(text) if text else None
         except ValueError:
             return text
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting a request body may have (OpenAI bodies need fewer than 10 levels)."""
+MAX_JSON_INT = 2 ** 64
+"""Integers in a request body must lie in (-MAX_JSON_INT, MAX_JSON_INT)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body strictly (see the module docstring); ``ValueError`` names the problem."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the request body is not valid UTF-8: {e}") from None
+    depth = 0
+    for ch in text:  # cheap pre-check, so the decoder never recurses deeply
+        if ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # includes JSONDecodeError and integers of more than 4300 digits
+        raise ValueError(f"the request body is not valid JSON: {e}") from None
+    stack = [(body, "body")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in value.items())
+            stack.extend((k, f"{where} key") for k in value)
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int) and not -MAX_JSON_INT < value < MAX_JSON_INT:
+            raise ValueError(f"{where}: integer out of range (must be within +-2**64)")
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where}: contains a lone surrogate escape (not valid Unicode text)") from None
+    return body

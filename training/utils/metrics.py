@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from training.utils.config import WandBConfig
 
@@ -43,6 +44,15 @@ def set_aside_steps_from(path: Path, first_step: int) -> int:
     return len(moved)
 
 
+def wandb_settings(cfg: WandBConfig, default_name: str, env: Optional[Mapping[str, str]] = None) -> dict:
+    """``wandb.init`` arguments. The ``WANDB_*`` environment wins (``WANDB_MODE``, ``WANDB_PROJECT``,
+    ``WANDB_ENTITY``, ``WANDB_NAME``); the config supplies the defaults, as wandb's own settings do."""
+    env = os.environ if env is None else env
+    return {"project": env.get("WANDB_PROJECT") or cfg.project, "entity": env.get("WANDB_ENTITY") or cfg.entity,
+            "name": env.get("WANDB_NAME") or cfg.run_name or default_name,
+            "mode": env.get("WANDB_MODE") or cfg.mode, "tags": cfg.tags}
+
+
 class MetricsLogger:
     """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console and wandb.
 
@@ -70,9 +80,8 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise ImportError("wandb is configured but not installed: pip install -e '.[wandb]'") from None
-            self._wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity,
-                                     name=wandb_cfg.run_name or Path(log_path).name, mode=wandb_cfg.mode,
-                                     tags=wandb_cfg.tags, config=run_config, dir=str(log_path))
+            self._wandb = wandb.init(**wandb_settings(wandb_cfg, Path(log_path).name), config=run_config,
+                                     dir=str(log_path))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time_s": round(time.perf_counter() - self.t0, 3)}

@@ -12,11 +12,11 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (EngineConfig, GenerationResult, SamplingParams,
+from training.deployment.engine.config import (EngineConfig, GenerationDelta, GenerationResult, SamplingParams,
                                               WeightUpdateError)
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
 from training.deployment.engine.sequence import Sequence
@@ -176,10 +176,67 @@ class AsyncEngine:
         try:
             return await fut
         except asyncio.CancelledError:
-            with self._cond:
-                self._aborts.append(seq)
-                self._cond.notify_all()
+            self.abort(seq)
             raise
+
+    async def generate_stream(self, prompt_token_ids: list[int], params: SamplingParams,
+                              session_id: Optional[str] = None) -> AsyncIterator[GenerationDelta]:
+        """Generate for one prompt, yielding the new tokens as the steps produce them.
+
+        Every delta carries the tokens that arrived since the previous one; the last carries the
+        finished ``result`` too. Raises EngineError before the first delta for a bad request, and
+        ``SequenceFailedError`` if the engine fails this sequence. Closing the iterator early
+        (``aclose``, a cancelled consumer) aborts the sequence at the next step boundary.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        with self._cond:
+            seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, put)
+            seq.on_token = lambda tok, lp, top, version: put((tok, lp, top, version))
+            self._inbox.append(seq)
+            self._cond.notify_all()
+        received, finished = 0, False
+        try:
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                delta = GenerationDelta([], [], [] if params.top_logprobs else None)
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    if isinstance(item, GenerationResult):  # the last tokens come with the result
+                        finished = True
+                        delta.result = item
+                        delta.token_ids += item.output_token_ids[received:]
+                        delta.logprobs += item.output_logprobs[received:]
+                        if delta.top_logprobs is not None:
+                            delta.top_logprobs += (item.output_top_logprobs or [])[received:]
+                        delta.weight_versions += _token_versions(item)[received:]
+                        break
+                    tok, lp, top, version = item
+                    received += 1
+                    delta.token_ids.append(tok)
+                    delta.logprobs.append(lp)
+                    delta.weight_versions.append(version)
+                    if delta.top_logprobs is not None:
+                        delta.top_logprobs.append(top)
+                yield delta
+        finally:
+            if not finished:
+                self.abort(seq)
+
+    def abort(self, seq) -> None:
+        """Ask the engine thread to abort ``seq`` at the next step boundary (no-op once finished)."""
+        with self._cond:
+            self._aborts.append(seq)
+            self._cond.notify_all()
 
     # ----------------------------------------------------------------- weights
     async def update_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int, *,
@@ -242,3 +299,10 @@ class AsyncEngine:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+
+def _token_versions(result: GenerationResult) -> list[int]:
+    """Per output token, the weight version that sampled it (the result's own list when the engine keeps one;
+    else the version the result was finished under, which sampled its last tokens)."""
+    versions = getattr(result, "token_weight_versions", None)
+    return list(versions) if versions else [result.weight_version] * len(result.output_token_ids)

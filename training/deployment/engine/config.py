@@ -7,10 +7,14 @@ is defined here, so the HTTP server can import it without loading a model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from training.utils.config import EngineConfig  # noqa: F401 - the engine's settings, declared once
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (``top_logprobs``; OpenAI's limit)."""
 
 
 class EngineError(ValueError):
@@ -30,14 +34,19 @@ class PartialWeightUpdateError(RuntimeError):
 
 @dataclass
 class SamplingParams:
-    """How one request samples. Logprobs are taken under ``logits / temperature`` (see sampling.py)."""
+    """How one request samples. The reported logprob is the model's, at ``temperature`` (see sampling.py).
+
+    Processing order (as vLLM): ``min_tokens`` mask, ``logit_bias``, repetition / frequency /
+    presence penalties, temperature, ``min_p``, ``top_k``, ``top_p``, then one draw. None of
+    them changes the reported logprob: it is ``log_softmax(logits / T)`` of the raw logits.
+    """
 
     max_tokens: int = 16
     """Most output tokens (>= 1)."""
     temperature: float = 1.0
-    """Softmax temperature (>= 0); 0 = greedy."""
+    """Softmax temperature (finite, >= 0); 0 = greedy."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
+    """Nucleus mass in (0, 1], taken over the tokens ``top_k`` and ``min_p`` kept; the top token is always kept."""
     seed: Optional[int] = None
     """Per-request seed: the same seed gives the same sample whatever else is in the batch."""
     stop: list[str] = field(default_factory=list)
@@ -46,6 +55,38 @@ class SamplingParams:
     """Token ids that end the output, in addition to the model's eos ids."""
     ignore_eos: bool = False
     """Keep generating past eos tokens (``stop_token_ids`` still stop)."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens; 0 = all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1]; 0 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output, in [-2, 2] (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the output, in [-2, 2] (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """CTRL penalty on tokens of the prompt or output: positive logits / r, negative × r; r in [0.01, 100]; 1 = off."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> value in [-100, 100] added to its logit before sampling (OpenAI)."""
+    min_tokens: int = 0
+    """Stop tokens (eos, ``stop_token_ids``) are masked and stop strings unchecked until this many tokens exist."""
+    top_logprobs: int = 0
+    """Alternatives per output token: the ``top_logprobs`` most likely tokens and their logprobs (0..20)."""
+    include_stop_str_in_output: bool = False
+    """Keep a matched stop string at the end of ``text`` (what follows it is still removed)."""
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether anything changes the logits before the temperature (bias, penalties, min_tokens)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p removes tokens from the sampling distribution."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 @dataclass
@@ -65,6 +106,31 @@ class GenerationResult:
     """Prompt tokens whose KV was reused from the session's parked slot."""
     text: str
     """Decoded output without special tokens; a matched stop string and what follows it are removed."""
+    stop_reason: Union[int, str, None] = None
+    """What ended a ``stop``: the matched stop string, or the token id when it is one of ``stop_token_ids``;
+    None for an eos token and for every other finish reason (as vLLM)."""
+    output_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    """With ``top_logprobs = k > 0``: per output token, the k most likely (token id, logprob), best first."""
+
+
+@dataclass
+class GenerationDelta:
+    """What one streamed request gained since the previous delta (``AsyncEngine.generate_stream``)."""
+
+    token_ids: list[int]
+    """New output tokens, in order (the final delta carries the last ones, stop token included)."""
+    logprobs: list[float]
+    """One per new token, as ``GenerationResult.output_logprobs``."""
+    top_logprobs: Optional[list[list[tuple[int, float]]]]
+    """One list per new token with ``top_logprobs > 0``, else None."""
+    weight_versions: list[int] = field(default_factory=list)
+    """One per new token: the weight version live in the step that sampled it."""
+    result: Optional[GenerationResult] = None
+    """Set on the last delta only: the whole finished result (``text``, ``finish_reason``, ...)."""
+
+
+class SequenceFailedError(RuntimeError):
+    """One sequence could not be sampled or post-processed; it alone ends (the server maps it to HTTP 500)."""
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
@@ -82,14 +148,42 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
         raise EngineError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                           f"({params.max_tokens}) exceeds max_model_len ({max_model_len})")
-    if not isinstance(params.temperature, (int, float)) or not params.temperature >= 0:
-        raise EngineError(f"temperature: must be >= 0, got {params.temperature!r}")
-    if not isinstance(params.top_p, (int, float)) or not 0 < params.top_p <= 1:
-        raise EngineError(f"top_p: must be in (0, 1], got {params.top_p!r}")
-    if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)):
-        raise EngineError(f"seed: must be an integer or None, got {params.seed!r}")
+    _check_number(params.temperature, "temperature", 0.0, math.inf, "a finite number >= 0")
+    _check_number(params.top_p, "top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
+    if params.seed is not None and (not _is_int(params.seed) or not -2**63 <= params.seed < 2**64):
+        raise EngineError(f"seed: must be None or an integer in [-2**63, 2**64), got {params.seed!r}")
     if not isinstance(params.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in params.stop):
         raise EngineError(f"stop: must be a list of non-empty strings, got {params.stop!r}")
     for i, t in enumerate(params.stop_token_ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise EngineError(f"stop_token_ids[{i}]: {t!r} is not a token id in [0, {vocab_size})")
+    if not _is_int(params.top_k) or params.top_k < 0:
+        raise EngineError(f"top_k: must be an integer >= 0 (0 = all tokens), got {params.top_k!r}")
+    _check_number(params.min_p, "min_p", 0.0, 1.0, "in [0, 1]")
+    _check_number(params.presence_penalty, "presence_penalty", -2.0, 2.0, "in [-2, 2]")
+    _check_number(params.frequency_penalty, "frequency_penalty", -2.0, 2.0, "in [-2, 2]")
+    _check_number(params.repetition_penalty, "repetition_penalty", 0.01, 100.0, "in [0.01, 100]")
+    if not isinstance(params.logit_bias, dict):
+        raise EngineError(f"logit_bias: must be a dict of token id -> bias, got {type(params.logit_bias).__name__}")
+    for t, b in params.logit_bias.items():
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise EngineError(f"logit_bias: key {t!r} is not a token id in [0, {vocab_size})")
+        _check_number(b, "logit_bias", -100.0, 100.0, f"values in [-100, 100] (token {t})")
+    if not _is_int(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
+        raise EngineError(f"min_tokens: must be an integer in [0, max_tokens={params.max_tokens}], "
+                          f"got {params.min_tokens!r}")
+    if not _is_int(params.top_logprobs) or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise EngineError(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r}")
+    if not isinstance(params.include_stop_str_in_output, bool):
+        raise EngineError(f"include_stop_str_in_output: must be a boolean, got {params.include_stop_str_in_output!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_number(x, name: str, lo: float, hi: float, expected: str, low_open: bool = False) -> None:
+    """Raise EngineError unless ``x`` is a real number in [lo, hi] (``(lo, hi]`` when ``low_open``)."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
+    if not ok or (low_open and x == lo):
+        raise EngineError(f"{name}: must be {expected}, got {x!r}")

@@ -23,11 +23,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from training.deployment.engine.config import (EngineConfig, GenerationResult, PartialWeightUpdateError,
-                                              SamplingParams, validate_request)
+                                              SamplingParams, SequenceFailedError, validate_request)
 from training.deployment.engine.model_runner import LeanModelRunner, lean_supported
-from training.deployment.engine.sampling import sample
+from training.deployment.engine.sampling import SampleOutput, sample
 from training.deployment.engine.scheduler import Scheduler
-from training.deployment.engine.sequence import Sequence
+from training.deployment.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.pending_updates: list[PendingUpdate] = []
         self.counters = {"tokens_generated": 0, "steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                         "max_running": 0, "requests_finished": 0}
+                         "max_running": 0, "requests_finished": 0, "requests_failed": 0,
+                         "requests_aborted": 0}
 
     # ----------------------------------------------------------------- requests
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None,
@@ -114,10 +115,13 @@ class LLMEngine:
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Finish ``seq`` now with ``abort`` (no-op if it already finished)."""
-        if seq.finish_reason is None:
-            self._finish(seq, "abort")
+    def abort(self, seq: Sequence) -> bool:
+        """Finish ``seq`` now with ``abort``; False (no-op) if it already finished."""
+        if seq.finish_reason is not None:
+            return False
+        self.counters["requests_aborted"] += 1
+        self._finish(seq, "abort")
+        return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.pending_updates)
@@ -142,26 +146,61 @@ class LLMEngine:
         self.counters["steps"] += 1
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
-                                  [s.generator for s in seqs])
+        try:
+            out = sample(logits, seqs)
+        except Exception:  # a bug tied to some row: sample each row alone so only that row fails
+            log.exception("batched sampling failed; retrying row by row")
+            out = SampleOutput([], [], [], [])
+            for i, seq in enumerate(seqs):
+                try:
+                    one = sample(logits[i:i + 1], [seq])
+                except Exception as exc:
+                    one = SampleOutput([0], [0.0], [None], [f"sampling raised {type(exc).__name__}: {exc}"])
+                for mine, theirs in zip((out.token_ids, out.logprobs, out.top_logprobs, out.failed),
+                                        (one.token_ids, one.logprobs, one.top_logprobs, one.failed)):
+                    mine += theirs
         self.counters["tokens_generated"] += len(seqs)
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            seq.append(tok, lp)
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                self._finish(seq, reason)
+        for seq, tok, lp, top, failed in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs, out.failed):
+            if failed is not None:
+                self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {failed}"))
+                continue
+            try:
+                seq.append(tok, lp, top)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self._finish(seq, reason)
+                elif seq.on_token is not None:
+                    seq.on_token(tok, lp, top, self.weight_version)
+            except Exception as exc:  # post-processing (decode, a callback) failed for this row only
+                log.exception("post-processing of sequence %d failed", seq.seq_id)
+                self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {type(exc).__name__}: {exc}"))
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """End ``seq`` alone with an error (its slot is freed, its caller gets ``exc``)."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        cb, seq.on_finish = seq.on_finish, None
+        self.scheduler.finish(seq, "abort")
+        self.counters["requests_failed"] += 1
+        if cb is not None:
+            cb(exc)
 
     def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
-        if token in seq.stop_ids:
-            return "stop"
-        if seq.params.stop and self._tail_has_stop(seq):
-            text = self._decode(seq.output_token_ids)
-            cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text = text[:cut]
-                seq.matched_stop_string = True
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:  # before min_tokens no stop condition applies
+            if token in seq.stop_ids:
+                seq.stop_reason = token if token in params.stop_token_ids else None
                 return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            if params.stop and self._tail_has_stop(seq):
+                text = self._decode(seq.output_token_ids)
+                found = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
+                if found:
+                    cut, matched = min(found, key=lambda f: f[0])
+                    seq.text = text[:cut + len(matched)] if params.include_stop_str_in_output else text[:cut]
+                    seq.matched_stop_string = True
+                    seq.stop_reason = matched
+                    return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -36,6 +36,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        """Per output token the ``params.top_logprobs`` best (id, logprob); empty when not asked."""
         self.params = params
         self.generator = generator
         self.stop_ids = stop_ids
@@ -50,6 +52,11 @@ class Sequence:
         self.text = ""
         self.matched_stop_string = False
         """True once ``text`` holds the output cut at a matched stop string."""
+        self.stop_reason: Union[int, str, None] = None
+        """The stop string or ``stop_token_ids`` entry that ended the sequence (None for eos and the rest)."""
+        self.on_token: Optional[Callable[[int, float, Optional[list[tuple[int, float]]], int], None]] = None
+        """Streaming: called on the engine thread with each token that does not finish the sequence
+        (token id, logprob, top alternatives or None, live weight version)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,11 +74,13 @@ class Sequence:
     def last_token(self) -> int:
         return self.token_ids[-1]
 
-    def append(self, token_id: int, logprob: float) -> None:
+    def append(self, token_id: int, logprob: float, top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
         """Record one sampled token; the K/V of the token before it is now cached."""
         self.num_cached = len(self.token_ids)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def result(self, weight_version: int) -> GenerationResult:
         return GenerationResult(
@@ -82,4 +91,6 @@ class Sequence:
             weight_version=weight_version,
             cached_prompt_tokens=self.cached_prompt_tokens,
             text=self.text,
+            stop_reason=self.stop_reason,
+            output_top_logprobs=[list(t) for t in self.output_top_logprobs] if self.params.top_logprobs else None,
         )

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
+from training.utils import loop_watch
 from training.utils.rl.advantages import group_advantages
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
@@ -21,7 +22,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PromptGroup:
-    """The completions of one row, stamped with the weight version they were submitted under."""
+    """The completions of one row, stamped with the weight version they were submitted under.
+
+    It is what ``dynamic_filter_fn(pg)`` receives: ``pg.rewards`` (one per surviving completion),
+    ``pg.row``, ``pg.samples``; it also iterates, indexes and measures as its list of samples.
+    """
 
     position: int
     """The row's position in the run's data order (see ``RowCursor``)."""
@@ -54,7 +59,17 @@ class PromptGroup:
 
     @property
     def rewards(self) -> list[float]:
+        """Reward of each surviving completion, in completion order (a ``RolloutRun`` counts once)."""
         return [self.completion_rewards[k] for k in sorted(self.completion_rewards)]
+
+    def __iter__(self) -> Iterator[RolloutSample]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> RolloutSample:
+        return self.samples[index]
 
     def compute_advantages(self, scale_by_std: bool = True) -> None:
         """Each sample's reward normalised by the group's completion rewards (a segment of a
@@ -78,7 +93,7 @@ async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_vers
         async with semaphore:
             for attempt in (0, 1):
                 try:
-                    return k, await asyncio.wait_for(rollout_fn(row), timeout_s)
+                    return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run

@@ -18,6 +18,9 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
   in order: the weight version that produced it (``Completion.token_weight_versions`` of each
   call, concatenated).
 
+``training.utils.rl.rollout.turn_matching`` (a submodule of this package) classifies the calls
+of a recorded multi-turn episode as NEW, APPEND or WIPE.
+
 Shape suffixes used across the code base: ``_T`` per token of one sequence, ``_G`` per
 sample of one prompt group, ``_N`` per token of a packed batch, ``_S`` per sequence of a
 packed batch.
@@ -114,6 +117,11 @@ class RolloutSetup:
     weight_sync_hooks: list[tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = \
         field(default_factory=list)
     """``(before, after)`` async callables the recipe awaits around every weight sync (a proxy pauses new calls)."""
+
+    @property
+    def sample_kwargs(self) -> dict[str, Any]:
+        """The documented name of ``sampling_kwargs``: the same dict, not a copy."""
+        return self.sampling_kwargs
 
 
 def _finite(x: float) -> bool:

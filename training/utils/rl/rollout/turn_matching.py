@@ -1,10 +1,16 @@
-"""Turn matching: classify each call against its agent's active chain as NEW, APPEND or WIPE.
+"""Turn matching: classify each model call of an agent against its active chain as NEW, APPEND or WIPE.
+
+    from training.utils.rl.rollout.turn_matching import classify, APPEND, WIPE
+
+Pure logic, used by the recording proxy (``training/proxy/``) and by any rollout that records
+calls itself. A call is anything with ``prompt_ids``, ``full_ids`` (prompt + output ids),
+``messages``, ``tools`` and ``response_message`` (``training.proxy.CallRecord`` is one).
 
 Two strategies:
 
 - ``messages`` (default, for agents that re-render the whole conversation every call): the
   call APPENDs when its messages start with the previous call's messages followed by the
-  assistant message the proxy returned, compared by hashes of canonical message forms (so
+  assistant message the model returned, compared by hashes of canonical message forms (so
   ``None`` vs ``""`` content, tool-call ids and JSON key order do not matter). The token
   prefix is still measured: when messages say APPEND but the prompt tokens do not extend
   the previous prompt + output, the label says so (``token_drift``) and stitching never
@@ -23,9 +29,39 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
-from training.proxy.records import APPEND, NEW, WIPE, CallRecord, TurnLabel
+NEW, APPEND, WIPE = "NEW", "APPEND", "WIPE"
+
+
+@dataclass
+class TurnLabel:
+    """How one call relates to its agent's active chain."""
+
+    kind: str
+    """``NEW`` (first call of its agent in the session), ``APPEND`` (extends the chain), ``WIPE`` (new chain)."""
+    reason: str
+    """Why, in words: "prompt extends previous call", "message hash changed at index 3", ..."""
+    chain: int = 0
+    """Index of the chain (within the session) the call belongs to."""
+    token_prefix: Optional[int] = None
+    """Tokens of the new prompt that equal the previous call's prompt + output (None for NEW)."""
+    token_drift: bool = False
+    """True when messages say APPEND but the tokens do not extend (re-render drift)."""
+
+
+class TurnCall(Protocol):
+    """What classification reads of a call (``training.proxy.CallRecord`` has these and more)."""
+
+    prompt_ids: list[int]
+    messages: Optional[list[dict]]
+    tools: Optional[list[dict]]
+    response_message: Optional[dict]
+
+    @property
+    def full_ids(self) -> list[int]: ...
+
 
 STRATEGIES = ("messages", "tokens")
 _THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -108,7 +144,7 @@ def _message_diff(expected: list[dict], sent: list[dict]) -> Optional[str]:
     return None
 
 
-def classify(previous: Optional[CallRecord], call: CallRecord, strategy: str = "messages") -> TurnLabel:
+def classify(previous: Optional[TurnCall], call: TurnCall, strategy: str = "messages") -> TurnLabel:
     """Label ``call`` against ``previous``, the last call of its agent's active chain.
 
     The returned label's ``chain`` is left at 0: the session assigns chain numbers.
@@ -137,8 +173,11 @@ def classify(previous: Optional[CallRecord], call: CallRecord, strategy: str = "
                              f"{prefix} of {len(expected_ids)}", token_prefix=prefix, token_drift=True)
 
 
-def assign(session: Any, call: CallRecord, strategy: str = "messages") -> TurnLabel:
-    """Classify ``call`` within ``session`` (a ``SessionRecord``), number its chain, append it.
+def assign(session: Any, call: Any, strategy: str = "messages") -> TurnLabel:
+    """Classify ``call`` within ``session``, number its chain, append it.
+
+    ``session`` has ``calls`` (list), ``active_call`` (agent name → index of its chain's last call) and
+    ``next_chain`` (int), as the proxy's ``SessionRecord``; ``call`` has ``agent``, ``label`` and ``index``.
 
     Call under ``session.lock``: the order of calls is the order of this function's calls.
     """

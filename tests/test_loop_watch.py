@@ -1,0 +1,58 @@
+"""A rollout that blocks the event loop is reported with its stack and does not time out the others."""
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from training.utils.loop_watch import LoopWatchdog, wait_for
+
+pytestmark = pytest.mark.unit
+
+
+def blocking_rollout_code():
+    time.sleep(2.0)  # a sync call on the loop: every other rollout stands still meanwhile
+
+
+async def _run(use_watchdog: bool):
+    watchdog = LoopWatchdog(threshold_s=0.5, interval_s=0.05).start() if use_watchdog else None
+
+    async def rollout():  # 0.9 s of its own time
+        for _ in range(3):
+            await asyncio.sleep(0.3)
+        return "done"
+
+    async def culprit():
+        await asyncio.sleep(0.1)
+        blocking_rollout_code()
+
+    try:
+        results = await asyncio.gather(wait_for(rollout(), 1.5), culprit(), return_exceptions=True)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    return results[0], watchdog
+
+
+def test_a_blocked_loop_does_not_time_out_unrelated_rollouts_and_names_the_culprit(caplog):
+    caplog.set_level(logging.WARNING, logger="training.utils.loop_watch")
+    result, watchdog = asyncio.run(_run(use_watchdog=True))
+    assert result == "done"
+    assert any("blocking_rollout_code" in r.getMessage() for r in caplog.records)
+    assert len(watchdog.stalls) == 1 and 1.5 < watchdog.stalls[0][1] - watchdog.stalls[0][0] < 3.0
+    plain, _ = asyncio.run(_run(use_watchdog=False))  # plain wait_for counts the stall: it times out
+    assert isinstance(plain, asyncio.TimeoutError)
+
+
+def test_unblocked_time_still_times_out():
+    async def go():
+        watchdog = LoopWatchdog(threshold_s=0.5, interval_s=0.05).start()
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await wait_for(asyncio.sleep(5), 0.3)
+        finally:
+            watchdog.stop()
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 2

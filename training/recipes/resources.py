@@ -1,0 +1,93 @@
+"""What a run takes in and hands out around its loop, resolved from ``Config``.
+
+- ``resolve_rows``: the rows given to ``main``, else ``cfg.dataset``; the first ``cfg.max_rows``.
+- ``resolve_rollout_factory``: the user's ``make_rollout_fn``, else the built-in single-turn
+  rollout scored by ``cfg.reward_fn`` (``single_turn.py``).
+- ``rollout_tokenizer``: ``deployment.tokenizer_model`` (default: the policy's own tokenizer),
+  checked against the model's vocabulary.
+- ``promote_final_model``: ``output_model_id`` → a copy of the exported Hugging Face folder.
+- ``log_start_notes``: the served model's name, and the settings that only a hosted service
+  uses (accepted so documented configs run unchanged; no local effect).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from training.models import resolve_model
+from training.recipes.config import Config
+from training.recipes.single_turn import make_single_turn_rollout_fn
+from training.utils.data import Rows, load_rows
+
+logger = logging.getLogger("training.recipe")
+
+
+def resolve_rows(cfg: Config, rows: Optional[Rows]) -> list[dict]:
+    """``rows`` (a list or a .jsonl path) or else ``cfg.dataset``, loaded; at most ``cfg.max_rows`` of them."""
+    if rows is not None and cfg.dataset is not None:
+        raise ValueError(f"rows: main() got rows and cfg.dataset={cfg.dataset!r} is set too; give one of them")
+    if rows is None and cfg.dataset is None:
+        raise ValueError("rows: main() got no rows and cfg.dataset is None; pass rows=... or set Config(dataset=...)")
+    loaded = load_rows(rows if rows is not None else cfg.dataset)
+    return loaded[: cfg.max_rows] if cfg.max_rows is not None else loaded
+
+
+def resolve_rollout_factory(cfg: Config, rollout_fn_factory: Optional[Any]) -> Any:
+    """The user's ``make_rollout_fn``, or the built-in single-turn rollout with ``cfg.reward_fn``."""
+    if rollout_fn_factory is not None:
+        return rollout_fn_factory
+    logger.info("no rollout_fn_factory given: the built-in single-turn rollout, reward %s",
+                getattr(cfg.reward_fn, "__name__", "exact_match_reward"))
+    return make_single_turn_rollout_fn(cfg.reward_fn)
+
+
+def rollout_tokenizer(cfg: Config, model_path: str, policy_tokenizer: Any, vocab_size: int) -> Any:
+    """The tokenizer rollouts use: ``deployment.tokenizer_model`` (loaded with ``AutoTokenizer``) or the policy's.
+
+    Raises ``ValueError`` naming ``deployment.tokenizer_model`` when its ids do not fit the model's
+    ``vocab_size`` embedding rows (the deployment serves the same model, so it could not read them).
+    """
+    name = cfg.deployment.tokenizer_model
+    if name is None:
+        return policy_tokenizer
+    path = resolve_model(name)
+    if os.path.realpath(path) == os.path.realpath(model_path):
+        return policy_tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"deployment.tokenizer_model: cannot load a tokenizer from {name!r}: {e}") from None
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"deployment.tokenizer_model: {name!r} has {len(tokenizer)} tokens, more than the vocabulary "
+                         f"of the deployed model {cfg.base_model!r} ({vocab_size}); use the base model's tokenizer")
+    logger.info("rollout tokenizer: %s (%d tokens; model vocabulary %d)", name, len(tokenizer), vocab_size)
+    return tokenizer
+
+
+def promote_final_model(final: Path, cfg: Config, log_path: Path) -> Path:
+    """Copy the exported folder ``final`` to ``cfg.output_model_id``: ``<log_path>/<id>``, or the path itself when it
+    contains a '/'. Replaces an older promotion there; returns the destination as an absolute path."""
+    name = cfg.output_model_id
+    dest = (Path(name).expanduser() if "/" in name else log_path / name).resolve()
+    if dest == Path(final).resolve():
+        return dest
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(final, dest)
+    logger.info("promoted the final policy as %r: %s", name, dest)
+    return dest
+
+
+def log_start_notes(cfg: Config, model_path: str) -> None:
+    """Log the served model's name and each hosted-only setting that has no local effect."""
+    if cfg.deployment.deployment_id:
+        logger.info("deployment %r serves %s", cfg.deployment.deployment_id, model_path)
+    if cfg.trainer.training_shape_id:
+        logger.info("trainer.training_shape_id=%r is a hosted training shape: no local effect here (device=%s)",
+                    cfg.trainer.training_shape_id, cfg.trainer.device)

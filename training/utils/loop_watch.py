@@ -1,0 +1,124 @@
+"""Event-loop watchdog: report code that blocks the loop, and keep that time off rollout deadlines.
+
+A rollout function that calls blocking code (``time.sleep``, a sync HTTP client, a long CPU
+loop) on the event loop stalls every other rollout with it. ``LoopWatchdog`` notices: a
+heartbeat task stamps the time every ``interval_s``; a daemon thread that sees no stamp for
+``threshold_s`` logs a warning with the stack of the loop's thread (the culprit), once per stall,
+and records how long the loop stood still.
+
+``wait_for(aw, timeout_s)`` is ``asyncio.wait_for`` whose deadline does not count the time the
+loop was blocked (when a watchdog watches the running loop; the recipes start one): a 30 s stall caused by one rollout does not time out the others,
+which could not run during it. The culprit is named by the stack in the warning, not by a
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Awaitable, Optional
+
+log = logging.getLogger(__name__)
+
+_watching: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWatchdog]" = weakref.WeakKeyDictionary()
+
+
+class LoopWatchdog:
+    """Watches one running event loop from a daemon thread; ``blocked_s_since(t)`` is the stall time since ``t``."""
+
+    def __init__(self, threshold_s: float = 1.0, interval_s: float = 0.1):
+        if threshold_s <= interval_s:
+            raise ValueError(f"threshold_s: must be > interval_s={interval_s}, got {threshold_s}")
+        self.threshold_s = threshold_s
+        self.interval_s = interval_s
+        self.stalls: list[tuple[float, float]] = []
+        """Finished stalls as (start, end) in ``time.monotonic()`` seconds (start = the last heartbeat)."""
+        self._beat = time.monotonic()
+        self._loop_thread: Optional[int] = None
+        self._heartbeat: Optional[asyncio.Task] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "LoopWatchdog":
+        """Start watching the running loop (call from inside it)."""
+        loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._beat = time.monotonic()
+        self._heartbeat = loop.create_task(self._tick())
+        _watching[loop] = self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        for loop in [lp for lp, w in _watching.items() if w is self]:
+            del _watching[loop]
+
+    async def _tick(self) -> None:
+        while True:
+            now = time.monotonic()
+            if now - self._beat > self.threshold_s:
+                self.stalls.append((self._beat, now))
+                log.warning("the event loop was blocked for %.1f s", now - self._beat)
+            self._beat = now
+            await asyncio.sleep(self.interval_s)
+
+    def _watch(self) -> None:
+        reported = None
+        while not self._stop.wait(self.interval_s):
+            beat = self._beat
+            if time.monotonic() - beat > self.threshold_s and reported != beat:
+                reported = beat
+                frame = sys._current_frames().get(self._loop_thread)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+                log.warning("the event loop has been blocked for %.1f s by code that does not await; every "
+                            "rollout waits meanwhile (run blocking calls with asyncio.to_thread). Where it is:\n%s",
+                            time.monotonic() - beat, stack)
+
+    def blocked_s_since(self, since: float) -> float:
+        """Seconds after ``since`` (monotonic) during which the loop stood still, ongoing stall included."""
+        total = sum(max(0.0, end - max(start, since)) for start, end in self.stalls if end > since)
+        ongoing = time.monotonic() - self._beat
+        if ongoing > self.threshold_s:
+            total += ongoing - max(0.0, since - self._beat)
+        return total
+
+
+async def wait_for(aw: Awaitable[Any], timeout_s: float, watchdog: Optional[LoopWatchdog] = None) -> Any:
+    """``asyncio.wait_for(aw, timeout_s)``, except that time the loop was blocked does not count.
+
+    ``watchdog`` defaults to the one watching the running loop; without one this is plain ``wait_for``.
+
+    Raises ``asyncio.TimeoutError`` (and cancels ``aw``) once ``timeout_s`` of unblocked time passed.
+    """
+    watchdog = watchdog or _watching.get(asyncio.get_running_loop())
+    if watchdog is None:
+        return await asyncio.wait_for(aw, timeout_s)
+    task = asyncio.ensure_future(aw)
+    t0 = time.monotonic()
+    try:
+        while True:
+            remaining = timeout_s - (time.monotonic() - t0 - watchdog.blocked_s_since(t0))
+            if remaining <= 0:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                raise asyncio.TimeoutError()
+            done, _ = await asyncio.wait({task}, timeout=remaining)
+            if done:
+                return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise

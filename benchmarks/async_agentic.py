@@ -1,6 +1,6 @@
 """Async agentic: agent-shaped rollouts that wait on a simulated environment, synchronous vs async.
 
-    python -m benchmarks.async_agentic [--steps 6] [--repeats 2] [--models tiny,smollm2] [--quick]
+    python -m benchmarks.async_agentic [--steps 6] [--repeats 2] [--models tiny[,smollm2]] [--quick]
 
 Through ``training.recipes.async_rl_loop.main`` with its own embedded server per run (fp32, CPU).
 An episode makes 1–6 model calls (drawn per (row, completion)); each call generates a
@@ -158,7 +158,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--groups", type=int, default=4, help="prompt groups per step (4 completions each)")
-    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--models", default="tiny", help="comma-separated: tiny, smollm2 (SmolLM2 trains at minutes per "
+                   "step on a shared 2-core machine: opt in)")
     p.add_argument("--smollm2-repeats", type=int, default=1, help="rounds for SmolLM2 (each run is minutes)")
     p.set_defaults(repeats=2)
     a = p.parse_args()

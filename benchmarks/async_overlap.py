@@ -37,13 +37,19 @@ def make_rollout_fn_factory(seed: int = 0):
             k = calls[row["id"]]
             calls[row["id"]] += 1
             rng = random.Random(f"{seed}-{row['id']}-{k}")
-            (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], max_tokens=rng.choice(LONG_TAIL),
-                                                          ignore_eos=True)
-            out = c.full_tokens[c.prompt_len:]
-            return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
-                                 loss_mask=[0] * c.prompt_len + [1] * len(out),
-                                 reward=sum(t % 2 == 0 for t in out) / len(out) + rng.random() * 1e-3)
+            (c,) = await sampler.sample_with_prompt_tokens(
+                row["prompt_ids"], max_tokens=rng.choice(LONG_TAIL), ignore_eos=True
+            )
+            out = c.full_tokens[c.prompt_len :]
+            return RolloutSample(
+                tokens=c.full_tokens,
+                logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
+                loss_mask=[0] * c.prompt_len + [1] * len(out),
+                reward=sum(t % 2 == 0 for t in out) / len(out) + rng.random() * 1e-3,
+            )
+
         return rollout_fn
+
     return factory
 
 
@@ -57,17 +63,29 @@ def run_once(path: str, steps: int, synchronous: bool, offpolicy: int) -> dict[s
     rows = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(4 * steps + 8)]
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         cfg = async_rl_loop.Config(
-            base_model=path, log_path=tmp, completions_per_prompt=4, prompt_groups_per_step=4, max_tokens=16,
-            max_steps=steps, export_final_model=False, shuffle_rows=False, synchronous_training=synchronous,
-            max_head_offpolicy_versions=offpolicy, trainer=TrainerConfig(learning_rate=1e-4, device="cpu"),
-            loss=LossConfig(kl_beta=0.0), deployment=DeployConfig(engine_config=EngineConfig(max_batch_size=64, max_model_len=512)))
+            base_model=path,
+            log_path=tmp,
+            completions_per_prompt=4,
+            prompt_groups_per_step=4,
+            max_tokens=16,
+            max_steps=steps,
+            export_final_model=False,
+            shuffle_rows=False,
+            synchronous_training=synchronous,
+            max_head_offpolicy_versions=offpolicy,
+            trainer=TrainerConfig(learning_rate=1e-4, device="cpu"),
+            loss=LossConfig(kl_beta=0.0),
+            deployment=DeployConfig(engine_config=EngineConfig(max_batch_size=64, max_model_len=512)),
+        )
         async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn_factory(), rows=rows)
         metrics = read_metrics(tmp)
     later = metrics[1:] or metrics
-    return {"step_s": median([m["perf/step_time_s"] for m in later]),
-            "overlap_fraction": median([m["perf/overlap_fraction"] for m in later]),
-            "trained_tokens_per_step": median([m["train/tokens"] for m in later]),
-            "dropped_stale": sum(m.get("offpolicy/dropped_stale", 0.0) for m in metrics)}
+    return {
+        "step_s": median([m["perf/step_time_s"] for m in later]),
+        "overlap_fraction": median([m["perf/overlap_fraction"] for m in later]),
+        "trained_tokens_per_step": median([m["train/tokens"] for m in later]),
+        "dropped_stale": sum(m.get("offpolicy/dropped_stale", 0.0) for m in metrics),
+    }
 
 
 def main() -> None:
@@ -84,11 +102,27 @@ def main() -> None:
         runs = [run_once(path, steps, sync, o) for _ in range(a.repeats)]
         results[label] = {k: median([r[k] for r in runs]) for k in runs[0]}
     base = results[settings[0][0]]["step_s"]
-    rows = [row(f"tiny, {steps} steps: {label}", r["step_s"], "s / step (lower is better)", settings[0][0], base,
-                overlap_fraction=round(r["overlap_fraction"], 3), trained_tokens_per_step=r["trained_tokens_per_step"],
-                dropped_stale=int(r["dropped_stale"])) for label, r in results.items()]
-    emit("async_overlap", rows, headline=len(rows) - 1, started=started, repeats=max(steps - 1, 1),
-         notes="Median over steps 2..N of each run; ratio below 1 = faster than synchronous.")
+    rows = [
+        row(
+            f"tiny, {steps} steps: {label}",
+            r["step_s"],
+            "s / step (lower is better)",
+            settings[0][0],
+            base,
+            overlap_fraction=round(r["overlap_fraction"], 3),
+            trained_tokens_per_step=r["trained_tokens_per_step"],
+            dropped_stale=int(r["dropped_stale"]),
+        )
+        for label, r in results.items()
+    ]
+    emit(
+        "async_overlap",
+        rows,
+        headline=len(rows) - 1,
+        started=started,
+        repeats=max(steps - 1, 1),
+        notes="Median over steps 2..N of each run; ratio below 1 = faster than synchronous.",
+    )
 
 
 if __name__ == "__main__":

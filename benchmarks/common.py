@@ -31,8 +31,13 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def median(values: Sequence[float]) -> float:
@@ -56,17 +61,26 @@ def ratio(value: float, baseline: float) -> Optional[float]:
 
 def row(name: str, value: float, unit: str, baseline_name: str, baseline_value: float, **extra: Any) -> dict:
     """One table row: a figure, its baseline measured in the same run, and their ratio."""
-    return {"name": name, "value": sig(value), "unit": unit, "baseline": baseline_name,
-            "baseline_value": sig(baseline_value), "ratio": ratio(value, baseline_value), **extra}
+    return {
+        "name": name,
+        "value": sig(value),
+        "unit": unit,
+        "baseline": baseline_name,
+        "baseline_value": sig(baseline_value),
+        "ratio": ratio(value, baseline_value),
+        **extra,
+    }
 
 
 def model_path(name: str) -> str:
     """``tiny`` (built from config), ``smollm2`` (converted from the wheel) or a folder."""
     if name == "tiny":
         from training.models.build_tiny import ensure_tiny_model
+
         return ensure_tiny_model()
     if name in ("smol", "smollm2"):
         from training.models.smollm2 import ensure_smollm2
+
         return ensure_smollm2()
     return name
 
@@ -79,15 +93,32 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def emit(figure: str, rows: list[dict], *, headline: int = 0, notes: str = "", started: float,
-         repeats: int, extra: Optional[dict] = None) -> dict:
+def emit(
+    figure: str,
+    rows: list[dict],
+    *,
+    headline: int = 0,
+    notes: str = "",
+    started: float,
+    repeats: int,
+    extra: Optional[dict] = None,
+) -> dict:
     """Print the figure's one JSON line (and return it). ``headline`` picks the row whose ratio is top-level."""
     if not rows:
         raise ValueError("rows: a figure needs at least one row")
     head = rows[headline]
-    out = {"figure": figure, "baseline": head["baseline"], "ratio": head["ratio"], "unit": head["unit"],
-           "rows": rows, "machine": machine(), "repeats": repeats, "notes": notes,
-           "seconds": round(time.perf_counter() - started, 1), **(extra or {})}
+    out = {
+        "figure": figure,
+        "baseline": head["baseline"],
+        "ratio": head["ratio"],
+        "unit": head["unit"],
+        "rows": rows,
+        "machine": machine(),
+        "repeats": repeats,
+        "notes": notes,
+        "seconds": round(time.perf_counter() - started, 1),
+        **(extra or {}),
+    }
     print(json.dumps(out), flush=True)
     return out
 

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from benchmarks.common import base_parser, emit, median, model_path, row, sig
 
@@ -48,9 +48,18 @@ TRL_SCRIPT = ROOT / "benchmarks" / "trl_grpo.py"
 
 def harness_overrides(model: str, steps: int, seed: int, log_path: str) -> list[str]:
     """What the benchmark fixes in the example's config: model, length, seed, file-order rows, no in-run eval."""
-    return [f"base_model={model}", f"log_path={log_path}", f"max_steps={steps}", f"seed={seed}",
-            f"trainer.seed={seed}", "shuffle_rows=false", "eval_rows=null", "eval_interval=0",
-            "export_final_model=true", "dcp_save_interval=0"]
+    return [
+        f"base_model={model}",
+        f"log_path={log_path}",
+        f"max_steps={steps}",
+        f"seed={seed}",
+        f"trainer.seed={seed}",
+        "shuffle_rows=false",
+        "eval_rows=null",
+        "eval_interval=0",
+        "export_final_model=true",
+        "dcp_save_interval=0",
+    ]
 
 
 def example_config(overrides: list[str]):
@@ -83,10 +92,16 @@ def run_ours_here(overrides: list[str]) -> dict:
     result = async_rl_loop.main(cfg, rollout_fn_factory=rollout.make_rollout_fn, rows=EXAMPLE / "data.jsonl")
     train_s = time.perf_counter() - t0
     steps = [m for m in read_metrics(cfg.log_path) if "train/loss" in m]
-    return {"side": "ours", "step_s": [m["perf/step_time_s"] for m in steps],
-            "tokens": [m["train/tokens"] for m in steps], "reward_mean": [m["rollout/reward_mean"] for m in steps],
-            "filtered_groups": sum(m.get("rollout/filtered_groups", 0.0) for m in steps),
-            "train_s": train_s, "final_model": result["final_model"], "config": cfg.to_dict()}
+    return {
+        "side": "ours",
+        "step_s": [m["perf/step_time_s"] for m in steps],
+        "tokens": [m["train/tokens"] for m in steps],
+        "reward_mean": [m["rollout/reward_mean"] for m in steps],
+        "filtered_groups": sum(m.get("rollout/filtered_groups", 0.0) for m in steps),
+        "train_s": train_s,
+        "final_model": result["final_model"],
+        "config": cfg.to_dict(),
+    }
 
 
 def _last_json(stdout: str) -> dict:
@@ -102,8 +117,9 @@ def run_logged(cmd: list[str], log_file: Path, timeout_s: float) -> dict:
     t0 = time.perf_counter()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("w") as log:
-        out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s,
-                             check=False)
+        out = subprocess.run(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s, check=False
+        )
     if out.returncode != 0:
         tail = log_file.read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {out.returncode}), {log_file}:\n{tail}")
@@ -134,30 +150,61 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
     if cfg.loss.aggregation != "token_mean":
         raise ValueError(f"loss.aggregation: TRL's dapo loss is token_mean, got {cfg.loss.aggregation!r}")
     batch = cfg.prompt_groups_per_step * cfg.completions_per_prompt
-    return {"max_steps": cfg.max_steps, "seed": cfg.seed, "prompt_groups_per_step": cfg.prompt_groups_per_step,
-            "completions_per_prompt": cfg.completions_per_prompt, "max_tokens": cfg.max_tokens,
-            "micro_batch_samples": micro_batch_samples(batch, longest_prompt + cfg.max_tokens,
-                                                       cfg.trainer.micro_batch_tokens),
-            "temperature": cfg.temperature, "learning_rate": cfg.trainer.learning_rate,
-            "adam_betas": list(cfg.trainer.adam_betas), "weight_decay": cfg.trainer.weight_decay,
-            "grad_clip_norm": cfg.trainer.grad_clip_norm, "kl_beta": cfg.loss.kl_beta, "ppo_epochs": cfg.ppo_epochs,
-            "eps_low": 0.2 if cfg.loss.eps_low is None else cfg.loss.eps_low,
-            "eps_high": 0.2 if cfg.loss.eps_high is None else cfg.loss.eps_high,
-            "advantage_std_scaling": cfg.advantage_std_scaling}
+    return {
+        "max_steps": cfg.max_steps,
+        "seed": cfg.seed,
+        "prompt_groups_per_step": cfg.prompt_groups_per_step,
+        "completions_per_prompt": cfg.completions_per_prompt,
+        "max_tokens": cfg.max_tokens,
+        "micro_batch_samples": micro_batch_samples(
+            batch, longest_prompt + cfg.max_tokens, cfg.trainer.micro_batch_tokens
+        ),
+        "temperature": cfg.temperature,
+        "learning_rate": cfg.trainer.learning_rate,
+        "adam_betas": list(cfg.trainer.adam_betas),
+        "weight_decay": cfg.trainer.weight_decay,
+        "grad_clip_norm": cfg.trainer.grad_clip_norm,
+        "kl_beta": cfg.loss.kl_beta,
+        "ppo_epochs": cfg.ppo_epochs,
+        "eps_low": 0.2 if cfg.loss.eps_low is None else cfg.loss.eps_low,
+        "eps_high": 0.2 if cfg.loss.eps_high is None else cfg.loss.eps_high,
+        "advantage_std_scaling": cfg.advantage_std_scaling,
+    }
 
 
 def run_trl(model: str, settings: dict, out_dir: str, timeout_s: float) -> dict:
     """One TRL run in ``.venv-trl`` (its log in ``out_dir``.log)."""
     if not TRL_PYTHON.exists():
         raise FileNotFoundError(f"no TRL venv at {TRL_PYTHON}: run bash scripts/setup_trl.sh")
-    return run_logged([str(TRL_PYTHON), str(TRL_SCRIPT), "--model", model, "--rows", str(EXAMPLE / "data.jsonl"),
-                       "--out", out_dir, "--settings", json.dumps(settings)], Path(out_dir + ".log"), timeout_s)
+    return run_logged(
+        [
+            str(TRL_PYTHON),
+            str(TRL_SCRIPT),
+            "--model",
+            model,
+            "--rows",
+            str(EXAMPLE / "data.jsonl"),
+            "--out",
+            out_dir,
+            "--settings",
+            json.dumps(settings),
+        ],
+        Path(out_dir + ".log"),
+        timeout_s,
+    )
 
 
 def chat_prompts(tokenizer, rows: list[dict], instruction: str) -> list[list[int]]:
     """The example's prompt ids: one user message ``question\\ninstruction`` through the chat template."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": f"{r['question']}\n{instruction}"}],
-                                          add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{r['question']}\n{instruction}"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for r in rows
+    ]
 
 
 def longest_prompt_tokens(path: str, rollout) -> int:
@@ -180,14 +227,15 @@ def evaluate(folder: str, rows: list[dict], rollout, max_tokens: int, batch_size
     prompts = chat_prompts(tokenizer, rows, rollout.INSTRUCTION)
     right = 0
     for i in range(0, len(rows), batch_size):
-        chunk = prompts[i:i + batch_size]
+        chunk = prompts[i : i + batch_size]
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=pad)
-        for r, reply in zip(rows[i:i + batch_size], out[:, width:]):
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad
+            )
+        for r, reply in zip(rows[i : i + batch_size], out[:, width:]):
             right += rollout.final_number(tokenizer.decode(reply, skip_special_tokens=True)) == r["answer"]
     return right / len(rows)
 
@@ -196,8 +244,11 @@ def summarize(run: dict) -> dict[str, float]:
     """Median s / step and trained tok/s over the steps after the first (all steps when there is one)."""
     pairs = list(zip(run["step_s"], run["tokens"]))
     later = pairs[1:] or pairs
-    return {"step_s": median([s for s, _ in later]), "tok_s": median([t / s for s, t in later]),
-            "tokens_per_step": median([t for _, t in later])}
+    return {
+        "step_s": median([s for s, _ in later]),
+        "tok_s": median([t / s for s, t in later]),
+        "tokens_per_step": median([t for _, t in later]),
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -210,10 +261,21 @@ def main() -> None:
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every seed runs every side")
     p.add_argument("--model", default="smollm2", help="smollm2 (the example's), tiny, or a folder")
     p.add_argument("--sides", default="ours,trl", help="ours, trl, or both (ours,trl)")
-    p.add_argument("--set", nargs="+", default=[], metavar="key=value",
-                   help="overrides of the example's config for both sides (every run of ours and TRL's settings)")
-    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="LABEL key=value",
-                   help="one more run of ours: a label, then key=value overrides of the example's config")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="key=value",
+        help="overrides of the example's config for both sides (every run of ours and TRL's settings)",
+    )
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="LABEL key=value",
+        help="one more run of ours: a label, then key=value overrides of the example's config",
+    )
     p.add_argument("--eval-rows", type=int, default=0, help="score only the first N held-out rows (0 = all)")
     p.add_argument("--skip-eval", action="store_true", help="no held-out accuracy (speed figures only)")
     p.add_argument("--work-dir", help="keep every run's folder here (default: a temporary folder, removed)")
@@ -235,10 +297,11 @@ def main() -> None:
     variants = [(ours_label, [])] * ("ours" in sides) + [(v[0], v[1:]) for v in a.variant]
     path = model_path(a.model)
     eval_rows = [json.loads(l) for l in (EXAMPLE / "eval.jsonl").read_text().splitlines() if l.strip()]
-    eval_rows = [] if a.skip_eval else eval_rows[:a.eval_rows or None]
+    eval_rows = [] if a.skip_eval else eval_rows[: a.eval_rows or None]
 
     def score(folder: str) -> Optional[float]:
         return evaluate(folder, eval_rows, rollout, cfg.max_tokens) if eval_rows else None
+
     runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
     runs.update({"TRL GRPOTrainer": []} if "trl" in sides else {})
     settings: Optional[dict] = None
@@ -251,55 +314,98 @@ def main() -> None:
         for seed in seeds:
             for i, (label, extra) in enumerate(variants):
                 log = str(work / f"ours{i}-seed{seed}")
-                r = run_ours(harness_overrides(path, a.steps, seed, log) + both + list(extra),
-                             Path(log + ".log"), a.timeout)
+                r = run_ours(
+                    harness_overrides(path, a.steps, seed, log) + both + list(extra), Path(log + ".log"), a.timeout
+                )
                 runs[label].append({**r, "accuracy": score(r["final_model"])})
                 (work / "runs.json").write_text(json.dumps(runs, indent=1))
-                print(f"{label}, seed {seed}: {summarize(r)} accuracy {runs[label][-1]['accuracy']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{label}, seed {seed}: {summarize(r)} accuracy {runs[label][-1]['accuracy']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if "trl" in sides:
                 cfg, _ = example_config(harness_overrides(path, a.steps, seed, str(work / "probe")) + both)
                 settings = trl_settings(cfg, longest_prompt)
                 r = run_trl(path, settings, str(work / f"trl-seed{seed}"), a.timeout)
                 runs["TRL GRPOTrainer"].append({**r, "accuracy": score(r["final_model"])})
                 (work / "runs.json").write_text(json.dumps(runs, indent=1))
-                print(f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']}",
-                      file=sys.stderr, flush=True)
-    emit("end_to_end", figure_rows(runs, a.steps, seeds, base_accuracy), started=started, repeats=len(seeds),
-         notes=f"{a.note + ' ' if a.note else ''}{a.model}, {a.steps} steps per run, seeds {seeds}, "
-               + (f"{len(eval_rows)} held-out rows; base model held-out accuracy {base_accuracy:.3f}. " if eval_rows
-                  else "held-out accuracy not measured (--skip-eval). ")
-               + f"Command: `python -m benchmarks.end_to_end {shlex.join(sys.argv[1:])}`.",
-         extra={"settings": {"trl": settings, "base_accuracy": base_accuracy,
-                             "variants": {label: extra for label, extra in variants},
-                             "versions": next((r["versions"] for r in runs.get("TRL GRPOTrainer", [])), None)},
-                "runs": runs})
+                print(
+                    f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    emit(
+        "end_to_end",
+        figure_rows(runs, a.steps, seeds, base_accuracy),
+        started=started,
+        repeats=len(seeds),
+        notes=f"{a.note + ' ' if a.note else ''}{a.model}, {a.steps} steps per run, seeds {seeds}, "
+        + (
+            f"{len(eval_rows)} held-out rows; base model held-out accuracy {base_accuracy:.3f}. "
+            if eval_rows
+            else "held-out accuracy not measured (--skip-eval). "
+        )
+        + f"Command: `python -m benchmarks.end_to_end {shlex.join(sys.argv[1:])}`.",
+        extra={
+            "settings": {
+                "trl": settings,
+                "base_accuracy": base_accuracy,
+                "variants": {label: extra for label, extra in variants},
+                "versions": next((r["versions"] for r in runs.get("TRL GRPOTrainer", [])), None),
+            },
+            "runs": runs,
+        },
+    )
 
 
-def figure_rows(runs: dict[str, list[dict]], steps: int, seeds: list[int],
-                base_accuracy: Optional[float]) -> list[dict]:
+def figure_rows(
+    runs: dict[str, list[dict]], steps: int, seeds: list[int], base_accuracy: Optional[float]
+) -> list[dict]:
     """Rows per run label: s / step, trained tok/s, held-out accuracy (none when ``base_accuracy`` is None:
     not evaluated), each against TRL (or ours' defaults when TRL was not run), medians over seeds with their
     min..max as ``spread``."""
     base_label = "TRL GRPOTrainer" if runs.get("TRL GRPOTrainer") else next(iter(runs))
     scored = base_accuracy is not None
-    stats = {label: {"step_s": median([summarize(r)["step_s"] for r in rs]),
-                     "tok_s": median([summarize(r)["tok_s"] for r in rs]),
-                     "accuracy": median([r["accuracy"] for r in rs]) if scored else None,
-                     "spreads": {k: spread([summarize(r)[k] for r in rs]) for k in ("step_s", "tok_s")}
-                     | {"accuracy": spread([r["accuracy"] for r in rs]) if scored else "—"},
-                     "tokens_per_step": median([summarize(r)["tokens_per_step"] for r in rs])}
-             for label, rs in runs.items() if rs}
+    stats = {
+        label: {
+            "step_s": median([summarize(r)["step_s"] for r in rs]),
+            "tok_s": median([summarize(r)["tok_s"] for r in rs]),
+            "accuracy": median([r["accuracy"] for r in rs]) if scored else None,
+            "spreads": {k: spread([summarize(r)[k] for r in rs]) for k in ("step_s", "tok_s")}
+            | {"accuracy": spread([r["accuracy"] for r in rs]) if scored else "—"},
+            "tokens_per_step": median([summarize(r)["tokens_per_step"] for r in rs]),
+        }
+        for label, rs in runs.items()
+        if rs
+    }
     base = stats[base_label]
     out = []
     for label, s in stats.items():
         name = f"{label} ({steps} steps)"
-        out.append(row(name, s["step_s"], "s / step (lower is better)", base_label, base["step_s"],
-                       spread=s["spreads"]["step_s"], tokens_per_step=s["tokens_per_step"]))
+        out.append(
+            row(
+                name,
+                s["step_s"],
+                "s / step (lower is better)",
+                base_label,
+                base["step_s"],
+                spread=s["spreads"]["step_s"],
+                tokens_per_step=s["tokens_per_step"],
+            )
+        )
         out.append(row(name, s["tok_s"], "trained tok/s", base_label, base["tok_s"], spread=s["spreads"]["tok_s"]))
         if scored:
-            out.append(row(name, s["accuracy"], f"held-out accuracy (base model {base_accuracy:.2f})", base_label,
-                           base["accuracy"], spread=s["spreads"]["accuracy"]))
+            out.append(
+                row(
+                    name,
+                    s["accuracy"],
+                    f"held-out accuracy (base model {base_accuracy:.2f})",
+                    base_label,
+                    base["accuracy"],
+                    spread=s["spreads"]["accuracy"],
+                )
+            )
     return out
 
 

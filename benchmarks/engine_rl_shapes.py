@@ -58,6 +58,7 @@ def grpo_shaped(groups: int, lo: int, hi: int, seed: int) -> list[tuple[list[int
 
 async def send_all(sampler, reqs: list[tuple[list[int], int]]) -> tuple[float, int]:
     """All requests at once; (wall seconds, generated tokens)."""
+
     async def one(prompt, m):
         (c,) = await sampler.sample_with_prompt_tokens(prompt, max_tokens=m, temperature=1.0, ignore_eos=True)
         if len(c.output_tokens) != m:
@@ -79,6 +80,7 @@ async def prompt_tokens_computed(http: aiohttp.ClientSession, name: str, url: st
 
     def total(metric: str) -> float:
         return sum(float(v) for v in re.findall(rf"^vllm:{metric}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
     return total("prefix_cache_queries") - total("prefix_cache_hits")
 
 
@@ -89,8 +91,17 @@ def generate_tps(model, reqs: list[tuple[list[int], int]]) -> float:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in reqs])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(m for _, m in reqs), do_sample=True,
-                       temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max(m for _, m in reqs),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return sum(m for _, m in reqs) / (time.perf_counter() - t0)
 
 
@@ -122,12 +133,27 @@ def main() -> None:
     batch = max(a.clients, a.groups * GROUP_SIZE)
     max_len = max(128 + hi, phi + 48) + 8
     specs = {"embedded": dict(), "embedded, no prefix caching": dict(enable_prefix_caching=False)}
-    deps = {name: make_deployment(path, DeployConfig(startup_timeout_s=900, engine_config=EngineConfig(
-        max_batch_size=batch, max_model_len=max_len, **kw))) for name, kw in specs.items()}
+    deps = {
+        name: make_deployment(
+            path,
+            DeployConfig(
+                startup_timeout_s=900, engine_config=EngineConfig(max_batch_size=batch, max_model_len=max_len, **kw)
+            ),
+        )
+        for name, kw in specs.items()
+    }
     if with_vllm:
-        deps["vLLM"] = make_deployment(path, DeployConfig(engine="vllm", startup_timeout_s=900, engine_env={
-            "VLLM_CPU_KVCACHE_SPACE": "1"}, engine_config=EngineConfig(max_batch_size=batch, max_model_len=max_len)))
+        deps["vLLM"] = make_deployment(
+            path,
+            DeployConfig(
+                engine="vllm",
+                startup_timeout_s=900,
+                engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                engine_config=EngineConfig(max_batch_size=batch, max_model_len=max_len),
+            ),
+        )
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tps = {n: [] for n in ["embedded", "vLLM", "generate"] if n in deps or n == "generate"}
     wall = {n: [] for n in deps}
@@ -149,14 +175,14 @@ def main() -> None:
                         b_reqs = grpo_shaped(a.groups, plo, phi, seed=200 + r)
                         prompt_tokens.append(sum(len(p_) for p_, _ in b_reqs))
                         order = ["embedded", "vLLM", "generate"]
-                        for n in order[r % 3:] + order[:r % 3]:
+                        for n in order[r % 3 :] + order[: r % 3]:
                             if n == "generate":
                                 tps[n].append(generate_tps(model, a_reqs))
                             elif n in samplers:
                                 s_, g = await send_all(samplers[n], a_reqs)
                                 tps[n].append(g / s_)
                         names = list(deps)
-                        for n in names[r % len(names):] + names[:r % len(names)]:
+                        for n in names[r % len(names) :] + names[: r % len(names)]:
                             before = await prompt_tokens_computed(http, n, deps[n].base_url)
                             s_, _ = await send_all(samplers[n], b_reqs)
                             wall[n].append(s_)
@@ -164,6 +190,7 @@ def main() -> None:
                 finally:
                     for s in samplers.values():
                         await s.close()
+
         asyncio.run(run())
     finally:
         for d in deps.values():
@@ -171,25 +198,62 @@ def main() -> None:
     rows = []
     la = f"(a) decode-heavy, {a.model}: {a.clients} clients, completions {lo}–{hi}"
     eng = median(tps["embedded"])
-    rows.append(row(la, eng, "generated tok/s", "generate, one static batch", median(tps["generate"]),
-                    spread=spread(tps["embedded"]), baseline_spread=spread(tps["generate"])))
+    rows.append(
+        row(
+            la,
+            eng,
+            "generated tok/s",
+            "generate, one static batch",
+            median(tps["generate"]),
+            spread=spread(tps["embedded"]),
+            baseline_spread=spread(tps["generate"]),
+        )
+    )
     if "vLLM" in tps:
-        rows.append(row(la, eng, "generated tok/s", "vLLM CPU build, same requests", median(tps["vLLM"]),
-                        spread=spread(tps["embedded"]), baseline_spread=spread(tps["vLLM"])))
+        rows.append(
+            row(
+                la,
+                eng,
+                "generated tok/s",
+                "vLLM CPU build, same requests",
+                median(tps["vLLM"]),
+                spread=spread(tps["embedded"]),
+                baseline_spread=spread(tps["vLLM"]),
+            )
+        )
     lb = f"(b) GRPO-shaped, {a.model}: {a.groups} prompts × {GROUP_SIZE}, prompts {plo}–{phi}"
     # time figures as speed-ups: baseline seconds / our seconds (ratio > 1 = we are faster)
     ours = median(wall["embedded"])
     for base in [n for n in deps if n != "embedded"]:
-        rows.append(row(lb + " (speed-up: baseline s / ours s)", 1.0 / ours, "1/s", base, 1.0 / median(wall[base]),
-                        seconds=sig(ours), baseline_seconds=sig(median(wall[base])),
-                        spread_s=spread(wall["embedded"]), baseline_spread_s=spread(wall[base])))
+        rows.append(
+            row(
+                lb + " (speed-up: baseline s / ours s)",
+                1.0 / ours,
+                "1/s",
+                base,
+                1.0 / median(wall[base]),
+                seconds=sig(ours),
+                baseline_seconds=sig(median(wall[base])),
+                spread_s=spread(wall["embedded"]),
+                baseline_spread_s=spread(wall[base]),
+            )
+        )
     frac = {n: sig(median(computed[n]) / median(prompt_tokens), 3) for n in deps}
-    rows.append(row(lb + ": prompt tokens computed / sent", frac["embedded"], "fraction (lower is better)",
-                    "same server without prefix caching", frac["embedded, no prefix caching"],
-                    vllm_fraction=frac.get("vLLM")))
-    notes = (f"Interleaved: all servers up at once, each repeat rotates their order, fresh prompts per repeat. "
-             f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Shared 2-core machine: see the "
-             f"spreads (min–max over {a.repeats} repeats).")
+    rows.append(
+        row(
+            lb + ": prompt tokens computed / sent",
+            frac["embedded"],
+            "fraction (lower is better)",
+            "same server without prefix caching",
+            frac["embedded, no prefix caching"],
+            vllm_fraction=frac.get("vLLM"),
+        )
+    )
+    notes = (
+        f"Interleaved: all servers up at once, each repeat rotates their order, fresh prompts per repeat. "
+        f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Shared 2-core machine: see the "
+        f"spreads (min–max over {a.repeats} repeats)."
+    )
     emit("engine_rl_shapes", rows, headline=1 if with_vllm else 0, notes=notes, started=started, repeats=a.repeats)
 
 

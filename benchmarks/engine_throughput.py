@@ -33,8 +33,10 @@ COMPLETION_RANGE = {"tiny": (16, 64), "smollm2": (8, 32)}
 def workload(n: int, completion_range: tuple[int, int], vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """``n`` (prompt ids, completion length) pairs, prompt 8..64 tokens."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, min(vocab, 500)) for _ in range(rng.randint(8, 64))], rng.randint(*completion_range))
-            for _ in range(n)]
+    return [
+        ([rng.randrange(3, min(vocab, 500)) for _ in range(rng.randint(8, 64))], rng.randint(*completion_range))
+        for _ in range(n)
+    ]
 
 
 async def _serve_clients(sampler, reqs: list[tuple[list[int], int]], clients: int) -> float:
@@ -58,26 +60,32 @@ async def _serve_clients(sampler, reqs: list[tuple[list[int], int]], clients: in
     return generated / (time.perf_counter() - t0)
 
 
-def bench_server(path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list,
-                 engine: str = "embedded") -> tuple[dict, list]:
+def bench_server(
+    path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list, engine: str = "embedded"
+) -> tuple[dict, list]:
     """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
     from training.deployment.factory import make_deployment
     from training.deployment.sampler import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 
     max_c = max(reqs_by_c)
-    cfg = DeployConfig(engine=engine, startup_timeout_s=600, engine_config=EngineConfig(max_batch_size=max_c, max_model_len=256))
+    cfg = DeployConfig(
+        engine=engine, startup_timeout_s=600, engine_config=EngineConfig(max_batch_size=max_c, max_model_len=256)
+    )
     with make_deployment(path, cfg) as dep:
+
         async def run() -> tuple[dict, list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)
             try:
                 await _serve_clients(sampler, reqs_by_c[min(reqs_by_c)][:4], 4)  # warm-up
-                per_c = {c: [await _serve_clients(sampler, reqs, c) for _ in range(repeats)]
-                         for c, reqs in reqs_by_c.items()}
+                per_c = {
+                    c: [await _serve_clients(sampler, reqs, c) for _ in range(repeats)] for c, reqs in reqs_by_c.items()
+                }
                 seq = [await _serve_clients(sampler, sequential, 1) for _ in range(repeats)] if sequential else []
                 return per_c, seq
             finally:
                 await sampler.close()
+
         return asyncio.run(run())
 
 
@@ -90,12 +98,21 @@ def bench_generate(path: str, reqs: list[tuple[list[int], int]], batch: int, mod
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(m for _, m in chunk),
-                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in chunk),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
 
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch):
-        run(reqs[i:i + batch])
+        run(reqs[i : i + batch])
     return sum(m for _, m in reqs) / (time.perf_counter() - t0)
 
 
@@ -107,8 +124,9 @@ def vllm_available() -> bool:
     return Path(default_vllm_python()).exists()
 
 
-def bench_model(name: str, concurrency: list[int], per_client: int, repeats: int, n_sequential: int,
-                with_vllm: bool) -> list[dict]:
+def bench_model(
+    name: str, concurrency: list[int], per_client: int, repeats: int, n_sequential: int, with_vllm: bool
+) -> list[dict]:
     """Rows for one model: per concurrency, engine vs generate and engine vs sequential."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -140,8 +158,12 @@ def main() -> None:
     p.add_argument("--concurrency", default="8,32,64")
     p.add_argument("--per-client", type=int, default=0, help="requests per client (0: tiny 2, SmolLM2 1)")
     p.add_argument("--sequential-requests", type=int, default=8)
-    p.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
-                   help="baseline (c); auto: when the venv of scripts/setup_vllm.sh exists")
+    p.add_argument(
+        "--vllm",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="baseline (c); auto: when the venv of scripts/setup_vllm.sh exists",
+    )
     a = p.parse_args()
     started = time.perf_counter()
     models, conc = a.models.split(","), [int(c) for c in a.concurrency.split(",")]
@@ -152,9 +174,15 @@ def main() -> None:
     for m in models:
         per_client = a.per_client or (2 if m == "tiny" else 1)
         rows += bench_model(m, conc, per_client, a.repeats, a.sequential_requests, with_vllm and m != "tiny")
-    notes = ("vLLM CPU baseline (c): " + ("measured for SmolLM2 (no tiny row: vLLM's CPU attention rejects head_dim 16)."
-                                          if with_vllm else "not measured in this run (no venv from scripts/setup_vllm.sh).")
-             + " GPU rows: not measured (no GPU lent to this task).")
+    notes = (
+        "vLLM CPU baseline (c): "
+        + (
+            "measured for SmolLM2 (no tiny row: vLLM's CPU attention rejects head_dim 16)."
+            if with_vllm
+            else "not measured in this run (no venv from scripts/setup_vllm.sh)."
+        )
+        + " GPU rows: not measured (no GPU lent to this task)."
+    )
     emit("engine_throughput", rows, headline=0, notes=notes, started=started, repeats=a.repeats)
 
 

@@ -33,10 +33,21 @@ def smol_shaped_model() -> str:
     path = cache_dir() / "smol-shaped-llama"
     if not (path / "config.json").exists():
         tok = AutoTokenizer.from_pretrained(ensure_tiny_model("qwen3"))
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                          max_position_embeddings=2048, rope_theta=100000.0, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, bos_token_id=None)
+        cfg = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+            rope_theta=100000.0,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        )
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
         tok.save_pretrained(path)
@@ -51,8 +62,9 @@ def bench_engine(path: str, reqs, max_batch_size: int) -> float:
         await eng.start()
         await eng.generate(reqs[0][0], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         t0 = time.perf_counter()
-        res = await asyncio.gather(*[eng.generate(p, SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True))
-                                     for p, m in reqs])
+        res = await asyncio.gather(
+            *[eng.generate(p, SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True)) for p, m in reqs]
+        )
         dt = time.perf_counter() - t0
         await eng.shutdown()
         assert [len(r.output_token_ids) for r in res] == [m for _, m in reqs]
@@ -80,15 +92,25 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from training.models.build_tiny import ensure_tiny_model
+
     path = {"tiny": ensure_tiny_model, "smol": smol_shaped_model}.get(a.model, lambda: a.model)()
     from transformers import AutoConfig
 
     reqs = workload(a.requests, (16, 64), AutoConfig.from_pretrained(path).vocab_size)
     engine_tps = bench_engine(path, reqs, max_batch_size=max(a.requests, 1))
     hf_tps = bench_generate(path, reqs, a.hf_batch)
-    print(json.dumps({"model": Path(path).name, "requests": a.requests, "threads": torch.get_num_threads(),
-                      "engine_tok_s": round(engine_tps, 1), "generate_tok_s": round(hf_tps, 1),
-                      "ratio": round(engine_tps / hf_tps, 2)}))
+    print(
+        json.dumps(
+            {
+                "model": Path(path).name,
+                "requests": a.requests,
+                "threads": torch.get_num_threads(),
+                "engine_tok_s": round(engine_tps, 1),
+                "generate_tok_s": round(hf_tps, 1),
+                "ratio": round(engine_tps / hf_tps, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,20 +31,29 @@ def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int)
     from training.utils import DeployConfig, EngineConfig
 
     rng = random.Random(0)
-    with EmbeddedDeployment(path, DeployConfig(engine_config=EngineConfig(max_batch_size=n, max_model_len=256, dtype=dtype))) as dep:
+    with EmbeddedDeployment(
+        path, DeployConfig(engine_config=EngineConfig(max_batch_size=n, max_model_len=256, dtype=dtype))
+    ) as dep:
+
         async def run() -> list[list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)
             out = []
             try:
                 for b in range(batches):
                     prompts = [[rng.randrange(3, min(vocab, 500)) for _ in range(rng.randint(8, 32))] for _ in range(n)]
-                    comps = await asyncio.gather(*[
-                        sampler.sample_with_prompt_tokens(p, max_tokens=tokens, temperature=1.0, ignore_eos=True,
-                                                          seed=1000 * b + i) for i, p in enumerate(prompts)])
+                    comps = await asyncio.gather(
+                        *[
+                            sampler.sample_with_prompt_tokens(
+                                p, max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=1000 * b + i
+                            )
+                            for i, p in enumerate(prompts)
+                        ]
+                    )
                     out.append([(c.full_tokens, c.prompt_len, c.inference_logprobs) for (c,) in comps])
             finally:
                 await sampler.close()
             return out
+
         return asyncio.run(run())
 
 
@@ -54,8 +63,12 @@ def compare(trainer, batch: list) -> dict[str, float]:
     diffs = []
     for (_, plen, lps), lt in zip(batch, scored):
         diffs += [t - s for t, s in zip(lt[plen:], lps)]
-    return {"mean_abs": sum(abs(d) for d in diffs) / len(diffs), "max_abs": max(abs(d) for d in diffs),
-            "k3": sum(math.exp(d) - d - 1 for d in diffs) / len(diffs), "tokens": len(diffs)}
+    return {
+        "mean_abs": sum(abs(d) for d in diffs) / len(diffs),
+        "max_abs": max(abs(d) for d in diffs),
+        "k3": sum(math.exp(d) - d - 1 for d in diffs) / len(diffs),
+        "tokens": len(diffs),
+    }
 
 
 def bench_model(name: str, repeats: int, n: int, tokens: int) -> list[dict]:
@@ -69,16 +82,29 @@ def bench_model(name: str, repeats: int, n: int, tokens: int) -> list[dict]:
     fp32_trainer = PolicyTrainer(path, TrainerConfig(device="cpu", dtype="float32", compute_dtype="float32"))
     bf16_trainer = PolicyTrainer(path, TrainerConfig(device="cpu", dtype="bfloat16", compute_dtype="bfloat16"))
     samples = {dt: sample(path, dt, repeats, n, tokens, vocab) for dt in ("float32", "bfloat16")}
-    settings = {"engine fp32, trainer fp32": [compare(fp32_trainer, b) for b in samples["float32"]],
-                "engine bf16, trainer fp32": [compare(fp32_trainer, b) for b in samples["bfloat16"]],
-                "engine bf16, trainer bf16": [compare(bf16_trainer, b) for b in samples["bfloat16"]]}
+    settings = {
+        "engine fp32, trainer fp32": [compare(fp32_trainer, b) for b in samples["float32"]],
+        "engine bf16, trainer fp32": [compare(fp32_trainer, b) for b in samples["bfloat16"]],
+        "engine bf16, trainer bf16": [compare(bf16_trainer, b) for b in samples["bfloat16"]],
+    }
     base = {k: median([m[k] for m in settings["engine fp32, trainer fp32"]]) for k in ("mean_abs", "max_abs", "k3")}
     total = sum(m["tokens"] for m in settings["engine fp32, trainer fp32"])
     rows = []
     for setting, ms in settings.items():
-        for key, unit in (("mean_abs", "mean abs Δlogprob"), ("max_abs", "max abs Δlogprob"), ("k3", "mismatch KL (k3)")):
-            rows.append(row(f"{name}: {setting} ({total} tokens)", median([m[key] for m in ms]), unit,
-                            "engine fp32, trainer fp32", base[key]))
+        for key, unit in (
+            ("mean_abs", "mean abs Δlogprob"),
+            ("max_abs", "max abs Δlogprob"),
+            ("k3", "mismatch KL (k3)"),
+        ):
+            rows.append(
+                row(
+                    f"{name}: {setting} ({total} tokens)",
+                    median([m[key] for m in ms]),
+                    unit,
+                    "engine fp32, trainer fp32",
+                    base[key],
+                )
+            )
     return rows
 
 
@@ -88,12 +114,20 @@ def main() -> None:
     a = p.parse_args()
     started = time.perf_counter()
     rows = []
-    for name in (["tiny"] if a.quick else a.models.split(",")):
+    for name in ["tiny"] if a.quick else a.models.split(","):
         n, tokens = WORKLOAD["quick" if a.quick else name]
         rows += bench_model(name, a.repeats, n, tokens)
-    bf16 = next(i for i, r in enumerate(rows) if "engine bf16, trainer fp32" in r["name"] and r["unit"].startswith("mean"))
-    emit("exactness", rows, headline=bf16, notes="Lower is better; ratio = this setting / fp32.",
-         started=started, repeats=a.repeats)
+    bf16 = next(
+        i for i, r in enumerate(rows) if "engine bf16, trainer fp32" in r["name"] and r["unit"].startswith("mean")
+    )
+    emit(
+        "exactness",
+        rows,
+        headline=bf16,
+        notes="Lower is better; ratio = this setting / fp32.",
+        started=started,
+        repeats=a.repeats,
+    )
 
 
 if __name__ == "__main__":

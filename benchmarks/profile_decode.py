@@ -49,8 +49,10 @@ def main() -> None:
     for i in range(a.steps):
         step(i)
     per_step = (time.perf_counter() - t0) / a.steps
-    print(f"unprofiled: {per_step * 1e3:.1f} ms/step, {a.batch / per_step:.0f} tok/s (batch {a.batch}, "
-          f"context {a.context}, {torch.get_num_threads()} threads)")
+    print(
+        f"unprofiled: {per_step * 1e3:.1f} ms/step, {a.batch / per_step:.0f} tok/s (batch {a.batch}, "
+        f"context {a.context}, {torch.get_num_threads()} threads)"
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(a.steps):
             step(i)

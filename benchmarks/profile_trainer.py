@@ -35,9 +35,11 @@ from benchmarks.trainer_throughput import GRPO_SHAPES, grpo_sequences
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTENTION = ("scaled_dot_product", "flash_attention")
 LOGSOFTMAX = ("log_softmax", "logsumexp", "aten::gather", "aten::_log_softmax")
-CONFIGS = {"ordinary packing, full fine-tuning": dict(shared_prompt_packing=False),
-           "shared-prompt packing, full fine-tuning": dict(),
-           "shared-prompt packing, LoRA r=16": dict(lora_rank=16)}
+CONFIGS = {
+    "ordinary packing, full fine-tuning": dict(shared_prompt_packing=False),
+    "shared-prompt packing, full fine-tuning": dict(),
+    "shared-prompt packing, LoRA r=16": dict(lora_rank=16),
+}
 
 
 def bucket(name: str, shapes: list, vocab: int) -> str:
@@ -56,8 +58,9 @@ def profile_config(path: str, seqs: list[list[int]], micro_batch_tokens: int, ov
     from training.trainer import PolicyTrainer
     from training.utils import TrainerConfig
 
-    trainer = PolicyTrainer(path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens,
-                                                learning_rate=1e-6, **overrides))
+    trainer = PolicyTrainer(
+        path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens, learning_rate=1e-6, **overrides)
+    )
     vocab = trainer.model.get_input_embeddings().weight.shape[0]
     trained = sum(len(s) - 1 for s in seqs)
 
@@ -91,9 +94,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt-ratio", type=int, default=1)
-    p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
-                   help="which configurations to profile, by position: " + "; ".join(
-                       f"{i} = {name}" for i, name in enumerate(CONFIGS)))
+    p.add_argument(
+        "--configs",
+        default=",".join(str(i) for i in range(len(CONFIGS))),
+        help="which configurations to profile, by position: "
+        + "; ".join(f"{i} = {name}" for i, name in enumerate(CONFIGS)),
+    )
     a = p.parse_args()
     chosen = {name: CONFIGS[name] for i, name in enumerate(CONFIGS) if str(i) in a.configs.split(",")}
     path = model_path(a.model)
@@ -106,10 +112,17 @@ def main() -> None:
     for name, overrides in chosen.items():
         results[name] = profile_config(path, seqs, micro_batch_tokens, overrides)
         print(json.dumps({"config": name, **results[name]}), flush=True)
-    kinds = ["LM head + log-softmax", "attention (sdpa)", "other matmuls", "elementwise, norms, copies",
-             "optimizer (AdamW)"]
-    print(f"\n{a.model}: {len(seqs)} sequences ({groups} groups x {size}, prompt {a.prompt_ratio}x completion), "
-          f"{results[next(iter(chosen))]['trained_tokens']} trained tokens; seconds (share of the step)\n")
+    kinds = [
+        "LM head + log-softmax",
+        "attention (sdpa)",
+        "other matmuls",
+        "elementwise, norms, copies",
+        "optimizer (AdamW)",
+    ]
+    print(
+        f"\n{a.model}: {len(seqs)} sequences ({groups} groups x {size}, prompt {a.prompt_ratio}x completion), "
+        f"{results[next(iter(chosen))]['trained_tokens']} trained tokens; seconds (share of the step)\n"
+    )
     print("| kind | " + " | ".join(chosen) + " |")
     print("| --- |" + " --- |" * len(chosen))
     for kind in kinds + ["step"]:

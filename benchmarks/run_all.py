@@ -26,8 +26,16 @@ from pathlib import Path
 
 from benchmarks.report import render
 
-SCRIPTS = ["async_overlap", "async_agentic", "engine_throughput", "engine_rl_shapes", "trainer_throughput",
-           "weight_sync", "exactness", "sampling_cost"]
+SCRIPTS = [
+    "async_overlap",
+    "async_agentic",
+    "engine_throughput",
+    "engine_rl_shapes",
+    "trainer_throughput",
+    "weight_sync",
+    "exactness",
+    "sampling_cost",
+]
 OPT_IN = ["end_to_end"]
 """Scripts too long for the default run: they run only when ``--only`` names them."""
 TIMEOUT_S = {"end_to_end": 6 * 3600.0}
@@ -70,8 +78,11 @@ def _now() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(SCRIPTS),
-                   help="comma-separated subset of " + ",".join(SCRIPTS + OPT_IN) + f" ({','.join(OPT_IN)} only when named)")
+    p.add_argument(
+        "--only",
+        default=",".join(SCRIPTS),
+        help="comma-separated subset of " + ",".join(SCRIPTS + OPT_IN) + f" ({','.join(OPT_IN)} only when named)",
+    )
     p.add_argument("--add", help="a file with a script's JSON line: merge it into the saved results, run nothing")
     p.add_argument("--quick", action="store_true", help="pass --quick to every script (a smoke run, not figures)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per script")
@@ -94,8 +105,12 @@ def main() -> None:
         t0 = time.perf_counter()
         now = _now()
         results = [{**run_script(n, a.quick, TIMEOUT_S.get(n, a.timeout)), "date": now} for n in names]
-        saved = {"date": now, "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
-                 "total_s": round(time.perf_counter() - t0), "results": results}
+        saved = {
+            "date": now,
+            "command": "python -m benchmarks.run_all" + (" --quick" if a.quick else ""),
+            "total_s": round(time.perf_counter() - t0),
+            "results": results,
+        }
         if a.only != p.get_default("only") and RESULTS.exists():
             saved = merge_results(json.loads(RESULTS.read_text()), saved)
         RESULTS.write_text(json.dumps(saved, indent=1) + "\n")

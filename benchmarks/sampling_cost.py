@@ -24,8 +24,11 @@ VARIANTS = {
     "top_p=0.9": {"top_p": 0.9},
     "top_k=50": {"top_k": 50},
     "top_k=50, top_p=0.9, min_p=0.05": {"top_k": 50, "top_p": 0.9, "min_p": 0.05},
-    "presence + frequency + repetition penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5,
-                                                    "repetition_penalty": 1.1},
+    "presence + frequency + repetition penalties": {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+    },
     "logit_bias (8 tokens)": {"logit_bias": {t: 2.0 for t in range(8)}},
     "min_tokens (not yet reached)": {"min_tokens": 1000},
     "top_logprobs=5": {"top_logprobs": 5},
@@ -48,8 +51,9 @@ def main() -> None:
         params = SamplingParams(max_tokens=2000, **fields)
         rows = []
         for i in range(batch):
-            seq = Sequence([rng.randrange(vocab) for _ in range(64)], params, torch.Generator().manual_seed(i),
-                           frozenset({0, 1}))
+            seq = Sequence(
+                [rng.randrange(vocab) for _ in range(64)], params, torch.Generator().manual_seed(i), frozenset({0, 1})
+            )
             for _ in range(128):
                 seq.append(rng.randrange(vocab), 0.0)
             rows.append(seq)
@@ -63,10 +67,18 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     base_name = next(iter(VARIANTS))
     base = median(times[base_name])
-    rows_out = [row(f"{batch}×{vocab}: {name}", median(t), "ms per step (lower is better)", base_name, base)
-                for name, t in times.items()]
-    emit("sampling_cost", rows_out, headline=5, started=started, repeats=max(args.repeats, 3),
-         notes=f"batch {batch}, vocabulary {vocab}, fp32 CPU, {torch.get_num_threads()} threads")
+    rows_out = [
+        row(f"{batch}×{vocab}: {name}", median(t), "ms per step (lower is better)", base_name, base)
+        for name, t in times.items()
+    ]
+    emit(
+        "sampling_cost",
+        rows_out,
+        headline=5,
+        started=started,
+        repeats=max(args.repeats, 3),
+        notes=f"batch {batch}, vocabulary {vocab}, fp32 CPU, {torch.get_num_threads()} threads",
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def grpo_sequences(groups: int, size: int, lo: int, hi: int, prompt_ratio: int, vocab: int,
-                   seed: int = 0) -> list[list[int]]:
+def grpo_sequences(
+    groups: int, size: int, lo: int, hi: int, prompt_ratio: int, vocab: int, seed: int = 0
+) -> list[list[int]]:
     """``groups`` random prompts of ``prompt_ratio * (lo + hi) / 2`` tokens, each followed by ``size``
     completions of ``lo..hi`` tokens."""
     rng = random.Random(seed)
@@ -95,9 +96,14 @@ def run_shared_prompt(path: str, shape: tuple[int, ...], prompt_ratio: int, repe
             times[share].append(time.perf_counter() - t0)  # [0] is the warm-up pass: in the noise range only
             trainer.optimizer.zero_grad(set_to_none=True)
     computed = sum(len(s) for s in seqs) - (size - 1) * groups * (prompt_ratio * (lo + hi) // 2)
-    return {"shared_tok_s": trained / median(times[True][1:]), "ordinary_tok_s": trained / median(times[False][1:]),
-            "pair_ratios": [o / t for t, o in zip(times[True], times[False])],
-            "tokens": trained, "computed_tokens": computed, "sequences": len(seqs)}
+    return {
+        "shared_tok_s": trained / median(times[True][1:]),
+        "ordinary_tok_s": trained / median(times[False][1:]),
+        "pair_ratios": [o / t for t, o in zip(times[True], times[False])],
+        "tokens": trained,
+        "computed_tokens": computed,
+        "sequences": len(seqs),
+    }
 
 
 def run_variant(variant: str, path: str, shape: tuple[int, ...], repeats: int) -> dict:
@@ -145,8 +151,12 @@ def run_variant(variant: str, path: str, shape: tuple[int, ...], repeats: int) -
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"tok_s": trained / median(times), "peak_mb": peak_mb, "tokens": trained,
-            "padded_tokens": len(seqs) * max(len(s) for s in seqs)}
+    return {
+        "tok_s": trained / median(times),
+        "peak_mb": peak_mb,
+        "tokens": trained,
+        "padded_tokens": len(seqs) * max(len(s) for s in seqs),
+    }
 
 
 def _lora_trainer(variant: str, path: str, micro_batch_tokens: int):
@@ -154,8 +164,9 @@ def _lora_trainer(variant: str, path: str, micro_batch_tokens: int):
     from training.utils import TrainerConfig
 
     rank = LORA_RANK if variant == "lora" else 0
-    return PolicyTrainer(path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens, lora_rank=rank,
-                                             learning_rate=1e-6))
+    return PolicyTrainer(
+        path, TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens, lora_rank=rank, learning_rate=1e-6)
+    )
 
 
 def _optimizer_step(trainer, seqs: list[list[int]], trained: int) -> None:
@@ -190,8 +201,12 @@ def run_lora_timing(path: str, shape: tuple[int, ...], repeats: int) -> dict:
             _optimizer_step(trainer, seqs, trained)
             if k > 0:  # the first step of each is a warm-up (AdamW's state is created there)
                 times[v].append(time.perf_counter() - t0)
-    return {"full_s": median(times["full"]), "lora_s": median(times["lora"]),
-            "pair_ratios": [b / a for a, b in zip(times["full"], times["lora"])], "tokens": trained}
+    return {
+        "full_s": median(times["full"]),
+        "lora_s": median(times["lora"]),
+        "pair_ratios": [b / a for a, b in zip(times["full"], times["lora"])],
+        "tokens": trained,
+    }
 
 
 def _spread(ratios: list[float]) -> str:
@@ -201,9 +216,26 @@ def _spread(ratios: list[float]) -> str:
 
 def measure(variant: str, path: str, shape: tuple[int, ...], repeats: int, prompt_ratio: int = 1) -> dict:
     """Run one variant in a fresh subprocess (so its max RSS is its own)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.trainer_throughput", "--variant", variant,
-                          "--path", path, "--shape", ",".join(map(str, shape)), "--repeats", str(repeats),
-                          "--prompt-ratio", str(prompt_ratio)], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.trainer_throughput",
+            "--variant",
+            variant,
+            "--path",
+            path,
+            "--shape",
+            ",".join(map(str, shape)),
+            "--repeats",
+            str(repeats),
+            "--prompt-ratio",
+            str(prompt_ratio),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{variant} subprocess failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -212,8 +244,11 @@ def measure(variant: str, path: str, shape: tuple[int, ...], repeats: int, promp
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--models", default="tiny,smollm2")
-    p.add_argument("--variant", choices=["packed", "padded", "shared_prompt", "lora_time", "lora", "full"],
-                   help="internal: run one variant and print its result")
+    p.add_argument(
+        "--variant",
+        choices=["packed", "padded", "shared_prompt", "lora_time", "lora", "full"],
+        help="internal: run one variant and print its result",
+    )
     p.add_argument("--path")
     p.add_argument("--shape")
     p.add_argument("--prompt-ratio", type=int, default=1)
@@ -232,34 +267,69 @@ def main() -> None:
         return
     started = time.perf_counter()
     rows = []
-    for name in (["tiny"] if a.quick else a.models.split(",")):
+    for name in ["tiny"] if a.quick else a.models.split(","):
         shape = SHAPES["quick"] if a.quick else SHAPES.get(name, SHAPES["smollm2"])
         path = model_path(name)
         if "packing" in parts:
             packed, padded = measure("packed", path, shape, a.repeats), measure("padded", path, shape, a.repeats)
-            desc = f"{name}: {shape[0]} seqs of {shape[1]}..{shape[2]} tokens ({packed['tokens']} trained, " \
-                   f"{packed['padded_tokens']} padded)"
+            desc = (
+                f"{name}: {shape[0]} seqs of {shape[1]}..{shape[2]} tokens ({packed['tokens']} trained, "
+                f"{packed['padded_tokens']} padded)"
+            )
             rows.append(row(f"{desc}, packed", packed["tok_s"], "trained tok/s", "padded HF forward", padded["tok_s"]))
-            rows.append(row(f"{desc}, packed", packed["peak_mb"], "peak extra RSS MB", "padded HF forward",
-                            padded["peak_mb"]))
+            rows.append(
+                row(f"{desc}, packed", packed["peak_mb"], "peak extra RSS MB", "padded HF forward", padded["peak_mb"])
+            )
         grpo = GRPO_SHAPES["quick"] if a.quick else GRPO_SHAPES.get(name, GRPO_SHAPES["smollm2"])
-        for ratio in ((1, 4) if "shared_prompt" in parts else ()):
+        for ratio in (1, 4) if "shared_prompt" in parts else ():
             m = measure("shared_prompt", path, grpo, a.repeats, prompt_ratio=ratio)
-            desc = (f"{name}: GRPO {grpo[0]} groups x {grpo[1]}, prompt {ratio}x completion ({m['tokens']} trained, "
-                    f"{m['computed_tokens']} computed), shared-prompt packing")
-            rows.append(row(desc, m["shared_tok_s"], "trained tok/s", "ordinary packing", m["ordinary_tok_s"],
-                            noise=_spread(m["pair_ratios"])))
+            desc = (
+                f"{name}: GRPO {grpo[0]} groups x {grpo[1]}, prompt {ratio}x completion ({m['tokens']} trained, "
+                f"{m['computed_tokens']} computed), shared-prompt packing"
+            )
+            rows.append(
+                row(
+                    desc,
+                    m["shared_tok_s"],
+                    "trained tok/s",
+                    "ordinary packing",
+                    m["ordinary_tok_s"],
+                    noise=_spread(m["pair_ratios"]),
+                )
+            )
         if "lora" in parts and (name == "smollm2" or a.quick):
             timing = measure("lora_time", path, grpo, a.repeats)
             memory = {v: measure(v, path, grpo, 0) for v in ("full", "lora")}
-            desc = f"{name}: GRPO {grpo[0]} groups x {grpo[1]} ({timing['tokens']} trained), " \
-                   f"LoRA r={LORA_RANK} ({memory['lora']['trainable']} of {memory['full']['trainable']} trainable)"
-            rows.append(row(f"{desc}, step time (lower is better)", timing["lora_s"], "s per optimizer step",
-                            "full fine-tuning", timing["full_s"], noise=_spread(timing["pair_ratios"])))
-            rows.append(row(f"{desc}, step memory", memory["lora"]["peak_mb"], "peak extra RSS MB",
-                            "full fine-tuning", memory["full"]["peak_mb"]))
-    emit("trainer_throughput", rows, notes="GPU rows (peak CUDA memory, MFU): not measured, no GPU lent to this task.",
-         started=started, repeats=a.repeats)
+            desc = (
+                f"{name}: GRPO {grpo[0]} groups x {grpo[1]} ({timing['tokens']} trained), "
+                f"LoRA r={LORA_RANK} ({memory['lora']['trainable']} of {memory['full']['trainable']} trainable)"
+            )
+            rows.append(
+                row(
+                    f"{desc}, step time (lower is better)",
+                    timing["lora_s"],
+                    "s per optimizer step",
+                    "full fine-tuning",
+                    timing["full_s"],
+                    noise=_spread(timing["pair_ratios"]),
+                )
+            )
+            rows.append(
+                row(
+                    f"{desc}, step memory",
+                    memory["lora"]["peak_mb"],
+                    "peak extra RSS MB",
+                    "full fine-tuning",
+                    memory["full"]["peak_mb"],
+                )
+            )
+    emit(
+        "trainer_throughput",
+        rows,
+        notes="GPU rows (peak CUDA memory, MFU): not measured, no GPU lent to this task.",
+        started=started,
+        repeats=a.repeats,
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def grpo_config(s: dict, out_dir: str):
         max_steps=s["max_steps"],
         seed=s["seed"],
         data_seed=s["seed"],
-        shuffle_dataset=False,            # rows in file order, as ours with shuffle_rows=False
+        shuffle_dataset=False,  # rows in file order, as ours with shuffle_rows=False
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=batch // micro,
         num_generations=s["completions_per_prompt"],
@@ -86,13 +86,13 @@ def grpo_config(s: dict, out_dir: str):
         top_p=1.0,
         top_k=0,
         learning_rate=s["learning_rate"],
-        lr_scheduler_type="constant",     # ours has no schedule (TRL default: linear decay)
+        lr_scheduler_type="constant",  # ours has no schedule (TRL default: linear decay)
         warmup_steps=0,
         optim="adamw_torch",
         adam_beta1=s["adam_betas"][0],
-        adam_beta2=s["adam_betas"][1],    # ours 0.95 (TRL default 0.999)
+        adam_beta2=s["adam_betas"][1],  # ours 0.95 (TRL default 0.999)
         adam_epsilon=1e-8,
-        weight_decay=s["weight_decay"],   # ours 0.01 on matrices; HF skips biases and norms too (TRL default 0)
+        weight_decay=s["weight_decay"],  # ours 0.01 on matrices; HF skips biases and norms too (TRL default 0)
         max_grad_norm=s["grad_clip_norm"],
         beta=s["kl_beta"],
         num_iterations=s["ppo_epochs"],
@@ -102,10 +102,10 @@ def grpo_config(s: dict, out_dir: str):
         scale_rewards="group" if s["advantage_std_scaling"] else "none",
         mask_truncated_completions=False,  # ours trains replies cut at max_tokens too
         use_vllm=False,
-        bf16=False,                       # fp32 like ours on CPU (TRL default: bf16)
+        bf16=False,  # fp32 like ours on CPU (TRL default: bf16)
         fp16=False,
         use_cpu=True,
-        gradient_checkpointing=False,     # ours off (TRL default: on)
+        gradient_checkpointing=False,  # ours off (TRL default: on)
         model_init_kwargs={"dtype": "float32"},
         logging_steps=1,
         save_strategy="no",
@@ -121,8 +121,9 @@ def dataset(rows_path: str, s: dict):
 
     rows = [json.loads(line) for line in open(rows_path) if line.strip()]
     needed = s["max_steps"] * s["prompt_groups_per_step"]
-    return datasets.Dataset.from_list([{"prompt": prompt_messages(r["question"]), "answer": r["answer"]}
-                                       for r in rows[:needed]])
+    return datasets.Dataset.from_list(
+        [{"prompt": prompt_messages(r["question"]), "answer": r["answer"]} for r in rows[:needed]]
+    )
 
 
 def prompt_ids(model: str, rows_path: str, out_dir: str, s: dict) -> list[list[int]]:
@@ -130,8 +131,9 @@ def prompt_ids(model: str, rows_path: str, out_dir: str, s: dict) -> list[list[i
     import trl
 
     data = dataset(rows_path, s)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=grpo_config(s, out_dir),
-                              train_dataset=data)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=arithmetic_reward, args=grpo_config(s, out_dir), train_dataset=data
+    )
     ids, _, _ = trainer._tokenize_prompts([data[i]["prompt"] for i in range(s["prompt_groups_per_step"])])
     return [list(map(int, x)) for x in ids]
 
@@ -164,20 +166,34 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
                 self.logs.append(dict(logs))
 
     step_log = StepLog()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=grpo_config(s, out_dir),
-                              train_dataset=dataset(rows_path, s), callbacks=[step_log])
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=grpo_config(s, out_dir),
+        train_dataset=dataset(rows_path, s),
+        callbacks=[step_log],
+    )
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     final = os.path.join(out_dir, "final")
     trainer.save_model(final)
     seen = [0.0] + [float(l["num_tokens"]) for l in step_log.logs]
-    return {"side": "trl", "step_s": step_log.step_s, "tokens": [b - a for a, b in zip(seen, seen[1:])],
-            "reward_mean": [l.get("reward") for l in step_log.logs],
-            "completion_mean_length": [l.get("completions/mean_length") for l in step_log.logs],
-            "train_s": train_s, "final_model": final,
-            "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                         "datasets": datasets.__version__}}
+    return {
+        "side": "trl",
+        "step_s": step_log.step_s,
+        "tokens": [b - a for a, b in zip(seen, seen[1:])],
+        "reward_mean": [l.get("reward") for l in step_log.logs],
+        "completion_mean_length": [l.get("completions/mean_length") for l in step_log.logs],
+        "train_s": train_s,
+        "final_model": final,
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "datasets": datasets.__version__,
+        },
+    }
 
 
 def main() -> None:
@@ -186,8 +202,9 @@ def main() -> None:
     p.add_argument("--rows", required=True, help="the training rows (.jsonl with question, answer)")
     p.add_argument("--out", required=True, help="output folder; the final model goes to OUT/final")
     p.add_argument("--settings", required=True, help="JSON object from benchmarks.end_to_end.trl_settings")
-    p.add_argument("--prompt-ids", action="store_true", help="print the first batch's prompt ids as TRL makes them, "
-                                                             "do not train")
+    p.add_argument(
+        "--prompt-ids", action="store_true", help="print the first batch's prompt ids as TRL makes them, do not train"
+    )
     a = p.parse_args()
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
         os.environ.setdefault(var, "1")

@@ -113,13 +113,27 @@ def bench_model(name: str, repeats: int) -> list[dict]:
     mb = weight_bytes / 1e6
     rows = []
     for mode in ("shm", "disk"):
-        rows.append(row(f"{name} ({mb:.1f} MB fp32): update via {mode}", median(times[mode]), "s (lower is better)",
-                        "restart the server from disk", median(restart)))
+        rows.append(
+            row(
+                f"{name} ({mb:.1f} MB fp32): update via {mode}",
+                median(times[mode]),
+                "s (lower is better)",
+                "restart the server from disk",
+                median(restart),
+            )
+        )
     for mode in ("shm", "disk"):
         if mem[mode]:
-            rows.append({"name": f"{name}: server peak extra RSS during a {mode} update", "unit": "× weight size",
-                         "value": round(median(mem[mode]), 3), "baseline": "weight size", "baseline_value": 1.0,
-                         "ratio": round(median(mem[mode]), 3)})
+            rows.append(
+                {
+                    "name": f"{name}: server peak extra RSS during a {mode} update",
+                    "unit": "× weight size",
+                    "value": round(median(mem[mode]), 3),
+                    "baseline": "weight size",
+                    "baseline_value": 1.0,
+                    "ratio": round(median(mem[mode]), 3),
+                }
+            )
     return rows
 
 
@@ -129,10 +143,15 @@ def main() -> None:
     a = p.parse_args()
     started = time.perf_counter()
     rows = []
-    for name in (["tiny"] if a.quick else a.models.split(",")):
+    for name in ["tiny"] if a.quick else a.models.split(","):
         rows += bench_model(name, a.repeats)
-    emit("weight_sync", rows, notes="Ratios are time / restart time: below 1 is faster than restarting.",
-         started=started, repeats=a.repeats)
+    emit(
+        "weight_sync",
+        rows,
+        notes="Ratios are time / restart time: below 1 is faster than restarting.",
+        started=started,
+        repeats=a.repeats,
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,13 @@ def test_calculator_is_safe_and_exact(example):
 def test_example_tools_through_the_manager(example):
     tools, rollout = example
     manager = ToolManager([tools.CalculatorTool(), tools.PriceLookupTool()], timeout_s=2.0)
-    calls = [ToolCall("a", "calculator", {"expression": "3 * 12"}), ToolCall("b", "lookup_price", {"item": "Pencils"}),
-             ToolCall("c", "lookup_price", {"item": "car"}), ToolCall("d", "calculator", {"expression": "1/0"}),
-             ToolCall("e", "calculator", {"expression": "open('f')"})]
+    calls = [
+        ToolCall("a", "calculator", {"expression": "3 * 12"}),
+        ToolCall("b", "lookup_price", {"item": "Pencils"}),
+        ToolCall("c", "lookup_price", {"item": "car"}),
+        ToolCall("d", "calculator", {"expression": "1/0"}),
+        ToolCall("e", "calculator", {"expression": "open('f')"}),
+    ]
     results = asyncio.run(manager.execute_all(calls))
     assert [(r.status, r.output) for r in results[:2]] == [("ok", "36"), ("ok", "2")]
     assert results[2].status == "error" and "known items: apple" in results[2].output
@@ -60,14 +64,27 @@ def test_data_answers_match_the_tools(example):
 
 def test_example_trains_two_steps_through_async_rl_loop(tmp_path):
     log = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", f"log_path={log}", "max_steps=2", "eval_interval=0",
-                           "prompt_groups_per_step=2", "completions_per_prompt=2"],
-                          cwd=EXAMPLE, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"log_path={log}",
+            "max_steps=2",
+            "eval_interval=0",
+            "prompt_groups_per_step=2",
+            "completions_per_prompt=2",
+        ],
+        cwd=EXAMPLE,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in trained] == [0, 1]
     assert all(m["rollout/errors"] == 0 and m["rollout/invalid"] == 0 for m in trained)
     rollouts = [json.loads(line) for line in (log / "rollouts.jsonl").read_text().splitlines()]
-    assert rollouts and all(r["metadata"]["turns"] and r["metadata"]["messages"][0]["role"] == "system"
-                            for r in rollouts)
+    assert rollouts and all(
+        r["metadata"]["turns"] and r["metadata"]["messages"][0]["role"] == "system" for r in rollouts
+    )

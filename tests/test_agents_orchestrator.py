@@ -70,8 +70,12 @@ def test_failed_episodes_are_counted_in_their_group():
 
 def test_group_key_must_be_unique_among_open_groups():
     async def go():
-        return [g async for g in orchestrator(SleepyEngine(), group_size=1, group_key=lambda r: "same",
-                                              max_open_groups=4).run([{"id": 0, "delay": 0.2}, {"id": 1}])]
+        return [
+            g
+            async for g in orchestrator(
+                SleepyEngine(), group_size=1, group_key=lambda r: "same", max_open_groups=4
+            ).run([{"id": 0, "delay": 0.2}, {"id": 1}])
+        ]
 
     with pytest.raises(ValueError, match="group_key"):
         asyncio.run(go())

@@ -7,19 +7,36 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from training.agents import (Action, FunctionTool, IntermediateRewards, StepResult, TaskEnvironment, Tool, ToolAgent,
-                             ToolCall, ToolEnvironment, ToolManager, get_tool_parser, render_prompt_ids)
+from training.agents import (
+    Action,
+    FunctionTool,
+    IntermediateRewards,
+    StepResult,
+    TaskEnvironment,
+    Tool,
+    ToolAgent,
+    ToolCall,
+    ToolEnvironment,
+    ToolManager,
+    get_tool_parser,
+    render_prompt_ids,
+)
 from training.utils.tool_parsers import messages_with_tools
 
 
 # ---------------------------------------------------------------- parsers
 
+
 def test_hermes_parser_reads_good_calls_and_keeps_content():
-    text = ('Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
-            '<tool_call>{"name": "lookup_price", "arguments": "{\\"item\\": \\"pen\\"}"}</tool_call> done')
+    text = (
+        'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+        '<tool_call>{"name": "lookup_price", "arguments": "{\\"item\\": \\"pen\\"}"}</tool_call> done'
+    )
     parsed = get_tool_parser("hermes").parse(text, id_prefix="c")
     assert [(c.id, c.name, c.arguments) for c in parsed.calls] == [
-        ("c0", "calculator", {"expression": "2+3"}), ("c1", "lookup_price", {"item": "pen"})]
+        ("c0", "calculator", {"expression": "2+3"}),
+        ("c1", "lookup_price", {"item": "pen"}),
+    ]
     assert parsed.errors == [] and parsed.content == "Let me compute.  done"
 
 
@@ -28,16 +45,20 @@ def test_hermes_parser_accepts_unclosed_trailing_block_and_parameters_alias():
     assert [(c.name, c.arguments) for c in parsed.calls] == [("finish", {"answer": "5"})]
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ('{"name": "calculator", "arguments": {"expression": "2+3"}', "not valid JSON"),
-    ('{"arguments": {}}', "string 'name'"),
-    ('["calculator"]', "must be a JSON object"),
-    ('{"name": "calculator", "arguments": [1, 2]}', "'arguments' of 'calculator' must be a JSON object"),
-    ('{"name": "calculator", "arguments": "{oops"}', "string that is not JSON"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ('{"name": "calculator", "arguments": {"expression": "2+3"}', "not valid JSON"),
+        ('{"arguments": {}}', "string 'name'"),
+        ('["calculator"]', "must be a JSON object"),
+        ('{"name": "calculator", "arguments": [1, 2]}', "'arguments' of 'calculator' must be a JSON object"),
+        ('{"name": "calculator", "arguments": "{oops"}', "string that is not JSON"),
+    ],
+)
 def test_hermes_parser_turns_malformed_calls_into_errors(body, fragment):
-    parsed = get_tool_parser("hermes").parse(f"x <tool_call>{body}</tool_call> y "
-                                             '<tool_call>{"name": "ok", "arguments": {}}</tool_call>')
+    parsed = get_tool_parser("hermes").parse(
+        f'x <tool_call>{body}</tool_call> y <tool_call>{{"name": "ok", "arguments": {{}}}}</tool_call>'
+    )
     assert len(parsed.errors) == 1 and fragment in parsed.errors[0]
     assert [c.name for c in parsed.calls] == ["ok"]
 
@@ -56,8 +77,12 @@ def test_json_parser_object_list_fence_plain_and_malformed():
 
 def test_tool_schemas_render_through_the_chat_template(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    schema = FunctionTool(lambda x: x, name="echo", description="Echo x.",
-                          parameters={"type": "object", "properties": {"x": {"type": "string"}}}).schema()
+    schema = FunctionTool(
+        lambda x: x,
+        name="echo",
+        description="Echo x.",
+        parameters={"type": "object", "properties": {"x": {"type": "string"}}},
+    ).schema()
     ids = render_prompt_ids(tok, [{"role": "user", "content": "hi"}], [schema])
     text = tok.decode(ids)
     assert json.dumps(schema) in text and text.endswith("<|im_start|>assistant\n")
@@ -65,8 +90,10 @@ def test_tool_schemas_render_through_the_chat_template(tiny_model_path):
 
 def test_templates_that_ignore_tools_get_them_in_the_system_message(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     schema = {"type": "function", "function": {"name": "echo", "description": "", "parameters": {}}}
     msgs, tools = messages_with_tools(tok, [{"role": "user", "content": "hi"}], [schema])
     assert tools is None and msgs[0]["role"] == "system" and '"name": "echo"' in msgs[0]["content"]
@@ -74,6 +101,7 @@ def test_templates_that_ignore_tools_get_them_in_the_system_message(tiny_model_p
 
 
 # ---------------------------------------------------------------- tool manager
+
 
 class Boom(Tool):
     name = "boom"
@@ -102,17 +130,32 @@ class SlowSync(Tool):
 
 def test_calls_run_in_parallel_with_deadline_and_failures_become_observations():
     manager = ToolManager([Boom(), Hang(), SlowSync()], timeout_s=1.0)
-    calls = [ToolCall("a", "hang"), ToolCall("b", "boom"), ToolCall("c", "slow", {"s": 0.8}),
-             ToolCall("d", "slow", {"s": 0.8}), ToolCall("e", "missing"), ToolCall("f", "slow", {"s": "long"}),
-             ToolCall("g", "slow", {}), ToolCall("h", "slow", {"s": 0.1, "extra": 1})]
+    calls = [
+        ToolCall("a", "hang"),
+        ToolCall("b", "boom"),
+        ToolCall("c", "slow", {"s": 0.8}),
+        ToolCall("d", "slow", {"s": 0.8}),
+        ToolCall("e", "missing"),
+        ToolCall("f", "slow", {"s": "long"}),
+        ToolCall("g", "slow", {}),
+        ToolCall("h", "slow", {"s": 0.1, "extra": 1}),
+    ]
     t0 = time.perf_counter()
     results = asyncio.run(manager.execute_all(calls))
     wall = time.perf_counter() - t0
     # the hang is cut at its 1 s deadline; the two 0.8 s sleeps overlap it: serial would be >= 2.6 s
     assert 0.95 <= wall < 2.2, wall
     assert [r.call_id for r in results] == list("abcdefgh")
-    assert [r.status for r in results] == ["timeout", "error", "ok", "ok", "unknown_tool", "bad_arguments",
-                                           "bad_arguments", "bad_arguments"]
+    assert [r.status for r in results] == [
+        "timeout",
+        "error",
+        "ok",
+        "ok",
+        "unknown_tool",
+        "bad_arguments",
+        "bad_arguments",
+        "bad_arguments",
+    ]
     assert "within 1 s" in results[0].output and "RuntimeError: kaput" in results[1].output
     assert results[2].output == '{"slept": 0.8}'
     assert "Available tools: boom, hang, slow" in results[4].output
@@ -134,14 +177,25 @@ def test_per_tool_timeout_overrides_the_manager_and_outputs_are_truncated():
 
 # ---------------------------------------------------------------- agents and environments
 
+
 def score(answer, task):
     return 1.0 if answer.strip() == task["answer"] else 0.0
 
 
 def adder():
-    return ToolManager([FunctionTool(lambda a, b: a + b, name="add",
-                                     parameters={"type": "object", "required": ["a", "b"],
-                                                 "properties": {"a": {"type": "number"}, "b": {"type": "number"}}})])
+    return ToolManager(
+        [
+            FunctionTool(
+                lambda a, b: a + b,
+                name="add",
+                parameters={
+                    "type": "object",
+                    "required": ["a", "b"],
+                    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                },
+            )
+        ]
+    )
 
 
 def test_tool_environment_stops_at_max_steps_and_scores_no_answer():
@@ -168,9 +222,13 @@ def test_tool_environment_finish_and_intermediate_rewards():
     agent = ToolAgent([{"role": "user", "content": "q"}])
 
     async def go():
-        r1 = await env.step(agent.act('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-                                      '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-                                      '<tool_call>not json</tool_call>'))
+        r1 = await env.step(
+            agent.act(
+                '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+                "<tool_call>not json</tool_call>"
+            )
+        )
         new = agent.observe(r1)
         r2 = await env.step(agent.act('<tool_call>{"name": "finish", "arguments": {"answer": "3"}}</tool_call>'))
         return r1, new, r2
@@ -212,11 +270,13 @@ def test_template_check_flags_templates_that_strip_thinking(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     assert all(c.appends for c in check_template_appends(tok))
     # Qwen3-style: earlier assistant turns lose their <think> block when re-rendered
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                         "{% if m.role == 'assistant' and not loop.last %}"
-                         "{{ m.content.split('</think>')[-1].lstrip() }}"
-                         "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}"
+        "{{ m.content.split('</think>')[-1].lstrip() }}"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     checks = check_template_appends(tok)
     assert [(c.turn, c.appends) for c in checks] == [(2, False), (5, False), (7, True), (9, True)]
     assert checks[0].reason == "thinking stripped from an earlier turn"
@@ -229,11 +289,13 @@ def test_template_check_takes_sdk_histories_and_template_kwargs(tiny_model_path,
     assert SCRIPT[7]["content"] is None and SCRIPT[7]["tool_calls"]  # an SDK agent's tool-call-only turn
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     # a template that strips earlier thinking only when enable_thinking is false (reads only content)
-    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-                         "{% if m['role'] == 'assistant' and not loop.last and enable_thinking is false %}"
-                         "{{ m['content'].split('</think>')[-1].lstrip() }}{% else %}{{ m['content'] }}{% endif %}"
-                         "{{ '<|im_end|>\\n' }}{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' and not loop.last and enable_thinking is false %}"
+        "{{ m['content'].split('</think>')[-1].lstrip() }}{% else %}{{ m['content'] }}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     assert all(c.appends for c in check_template_appends(tok))
     assert not check_template_appends(tok, enable_thinking=False)[0].appends
     assert run_template_check(tok, "warn", enable_thinking=True) and "does not only append" not in caplog.text
@@ -270,10 +332,15 @@ def test_function_tool_schema_comes_from_signature_and_docstring():
 
     tool = FunctionTool(convert)
     assert tool.description == "Convert an amount of coins to a currency."
-    assert tool.parameters == {"type": "object", "required": ["amount"], "properties": {
-        "amount": {"type": "number", "description": "How many coins."},
-        "currency": {"type": "string", "enum": ["EUR", "USD"], "description": "Target currency."},
-        "note": {"type": "string", "nullable": True, "description": "A free-form note."}}}
+    assert tool.parameters == {
+        "type": "object",
+        "required": ["amount"],
+        "properties": {
+            "amount": {"type": "number", "description": "How many coins."},
+            "currency": {"type": "string", "enum": ["EUR", "USD"], "description": "Target currency."},
+            "note": {"type": "string", "nullable": True, "description": "A free-form note."},
+        },
+    }
     assert tool.check_arguments({"amount": 3, "note": None}) is None
     assert "must be of type number" in tool.check_arguments({"amount": "3"})
     assert "missing required argument(s): amount" in tool.check_arguments({})
@@ -284,9 +351,13 @@ def test_function_tool_schema_comes_from_signature_and_docstring():
         Args:
             city: City name.
         """
+
     lenient = FunctionTool(partly)  # get_json_schema refuses it (untyped, undocumented): read what is there
     assert lenient.description == "Weather." and lenient.parameters == {
-        "type": "object", "required": ["city"], "additionalProperties": True,
-        "properties": {"city": {"type": "string", "description": "City name."}, "days": {}}}
+        "type": "object",
+        "required": ["city"],
+        "additionalProperties": True,
+        "properties": {"city": {"type": "string", "description": "City name."}, "days": {}},
+    }
     assert lenient.check_arguments({"city": "Oslo", "units": "C"}) is None
     assert FunctionTool(lambda x: x, name="f", parameters={"type": "object"}).parameters == {"type": "object"}

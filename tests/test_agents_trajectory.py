@@ -11,8 +11,17 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from training.agents import (Action, ModelAgent, TaskEnvironment, ToolAgent, ToolCall, ToolEnvironment, ToolManager,
-                             TrajectoryEngine, make_agent_rollout_fn)
+from training.agents import (
+    Action,
+    ModelAgent,
+    TaskEnvironment,
+    ToolAgent,
+    ToolCall,
+    ToolEnvironment,
+    ToolManager,
+    TrajectoryEngine,
+    make_agent_rollout_fn,
+)
 from training.agents.tools import FunctionTool
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.sampler import DeploymentSampler
@@ -58,9 +67,19 @@ def tools():
     def add(a: int, b: int) -> int:
         return a + b
 
-    return ToolManager([FunctionTool(add, parameters={"type": "object", "required": ["a", "b"],
-                                                      "properties": {"a": {"type": "integer"},
-                                                                     "b": {"type": "integer"}}})], timeout_s=2.0)
+    return ToolManager(
+        [
+            FunctionTool(
+                add,
+                parameters={
+                    "type": "object",
+                    "required": ["a", "b"],
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                },
+            )
+        ],
+        timeout_s=2.0,
+    )
 
 
 def reward_fn(answer, task):
@@ -68,9 +87,11 @@ def reward_fn(answer, task):
 
 
 TASK = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
-SCRIPT = [[("add", {"a": 2, "b": 3})],
-          [("add", {"a": 1, "b": 1}), ("nope", {}), ("add", {"a": "x"})],
-          [("finish", {"answer": "5"})]]
+SCRIPT = [
+    [("add", {"a": 2, "b": 3})],
+    [("add", {"a": 1, "b": 1}), ("nope", {}), ("add", {"a": "x"})],
+    [("finish", {"answer": "5"})],
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +113,16 @@ def run(server, coro_fn):
             return await coro_fn(sampler)
         finally:
             await sampler.close()
+
     return asyncio.run(go())
 
 
 def test_three_turn_episode_masks_exactly_the_server_tokens(server, tokenizer):
     async def go(sampler):
         rec = RecordingSampler(sampler)
-        episode = await TrajectoryEngine(rec, tokenizer).collect(ScriptedToolAgent(TASK["messages"], SCRIPT),
-                                                                 ToolEnvironment(TASK, tools(), reward_fn))
+        episode = await TrajectoryEngine(rec, tokenizer).collect(
+            ScriptedToolAgent(TASK["messages"], SCRIPT), ToolEnvironment(TASK, tools(), reward_fn)
+        )
         return rec, episode
 
     rec, episode = run(server, go)
@@ -109,29 +132,42 @@ def test_three_turn_episode_masks_exactly_the_server_tokens(server, tokenizer):
     assert episode.reward == 1.0 and sample.reward == 1.0 and episode.metadata["turns"][-1]["done"]
     # every prompt sent is a prefix of the final tokens, and the server echoed that same prompt
     for sent, c, _ in rec.calls:
-        assert sample.tokens[:len(sent)] == sent == c.prompt_tokens
+        assert sample.tokens[: len(sent)] == sent == c.prompt_tokens
     # mask-1 tokens are exactly the server's generated ids in order, with its logprobs
-    assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == \
-        [t for _, c, _ in rec.calls for t in c.output_tokens]
-    assert [lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m] == \
-        [lp for _, c, _ in rec.calls for lp in c.inference_logprobs]
+    assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == [
+        t for _, c, _ in rec.calls for t in c.output_tokens
+    ]
+    assert [lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m] == [
+        lp for _, c, _ in rec.calls for lp in c.inference_logprobs
+    ]
     assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if not m)
     assert sample.token_weight_versions == [v for _, c, _ in rec.calls for v in c.token_weight_versions]
     # prompt k+1 = prompt k + output k + glue (mask 0), and the glue carries the tool results
     for (p0, c0, _), (p1, _, _) in zip(rec.calls, rec.calls[1:]):
-        assert p1[:len(p0) + len(c0.output_tokens)] == p0 + c0.output_tokens
+        assert p1[: len(p0) + len(c0.output_tokens)] == p0 + c0.output_tokens
         start = len(p0) + len(c0.output_tokens)
-        assert sample.loss_mask[start:len(p1)] == [0] * (len(p1) - start)
-    glue_1 = tokenizer.decode(rec.calls[1][0][len(rec.calls[0][0]) + len(rec.calls[0][1].output_tokens):])
+        assert sample.loss_mask[start : len(p1)] == [0] * (len(p1) - start)
+    glue_1 = tokenizer.decode(rec.calls[1][0][len(rec.calls[0][0]) + len(rec.calls[0][1].output_tokens) :])
     assert "<tool_response>\n5\n</tool_response>" in glue_1 and glue_1.endswith("<|im_start|>assistant\n")
-    glue_2 = tokenizer.decode(rec.calls[2][0][len(rec.calls[1][0]) + len(rec.calls[1][1].output_tokens):])
+    glue_2 = tokenizer.decode(rec.calls[2][0][len(rec.calls[1][0]) + len(rec.calls[1][1].output_tokens) :])
     assert "<tool_response>\n2\n</tool_response>" in glue_2 and "unknown tool 'nope'" in glue_2
     assert "bad arguments for add" in glue_2
-    assert episode.metadata["turns"][1]["statuses"] == {"call_1_0": "ok", "call_1_1": "unknown_tool",
-                                                        "call_1_2": "bad_arguments"}
+    assert episode.metadata["turns"][1]["statuses"] == {
+        "call_1_0": "ok",
+        "call_1_1": "unknown_tool",
+        "call_1_2": "bad_arguments",
+    }
     assert episode.metadata["tool_status_counts"] == {"ok": 2, "unknown_tool": 1, "bad_arguments": 1}
-    assert [m["role"] for m in episode.metadata["messages"]] == \
-        ["user", "assistant", "tool", "assistant", "tool", "tool", "tool", "assistant"]
+    assert [m["role"] for m in episode.metadata["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "tool",
+        "tool",
+        "assistant",
+    ]
 
 
 def test_compaction_breaks_the_prefix_into_two_segments(server, tokenizer):
@@ -152,9 +188,10 @@ def test_compaction_breaks_the_prefix_into_two_segments(server, tokenizer):
     assert first.tokens == rec.calls[0][0] + rec.calls[0][1].output_tokens
     assert "Summary: the sum is 5" in tokenizer.decode(rec.calls[1][0])
     for sent, _, _ in rec.calls[1:]:
-        assert second.tokens[:len(sent)] == sent
-    assert [t for t, m in zip(second.tokens, second.loss_mask) if m] == \
-        [t for _, c, _ in rec.calls[1:] for t in c.output_tokens]
+        assert second.tokens[: len(sent)] == sent
+    assert [t for t, m in zip(second.tokens, second.loss_mask) if m] == [
+        t for _, c, _ in rec.calls[1:] for t in c.output_tokens
+    ]
 
 
 def test_over_length_stops_with_finish_reason_length(server, tokenizer):
@@ -179,8 +216,11 @@ def test_over_length_stops_with_finish_reason_length(server, tokenizer):
 
 
 def test_make_agent_rollout_fn_runs_a_task_environment(server, tokenizer):
-    make_rollout_fn = make_agent_rollout_fn(agent_factory=lambda row: ModelAgent(row["messages"]),
-                                            env_factory=lambda row: TaskEnvironment(row, reward_fn), as_run=False)
+    make_rollout_fn = make_agent_rollout_fn(
+        agent_factory=lambda row: ModelAgent(row["messages"]),
+        env_factory=lambda row: TaskEnvironment(row, reward_fn),
+        as_run=False,
+    )
 
     async def go(sampler):
         setup = RolloutSetup(sampler=sampler, tokenizer=tokenizer, sampling_kwargs={"max_tokens": 5}, max_seq_len=2048)
@@ -199,8 +239,13 @@ def test_orchestrator_groups_real_episodes(server, tokenizer):
     rows = [dict(TASK, id=i) for i in range(3)]
 
     async def go(sampler):
-        orch = Orchestrator(TrajectoryEngine(sampler, tokenizer), lambda row: ModelAgent(row["messages"]),
-                            lambda row: TaskEnvironment(row, reward_fn), group_size=2, max_concurrency=4)
+        orch = Orchestrator(
+            TrajectoryEngine(sampler, tokenizer),
+            lambda row: ModelAgent(row["messages"]),
+            lambda row: TaskEnvironment(row, reward_fn),
+            group_size=2,
+            max_concurrency=4,
+        )
         return [g async for g in orch.run(rows)]
 
     groups = run(server, go)

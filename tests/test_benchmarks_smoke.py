@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput", "--quick"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine_throughput", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     json_lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     assert len(json_lines) == 1
@@ -30,13 +36,29 @@ def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio():
 def test_report_flags_a_figure_worse_than_its_baseline():
     from benchmarks.report import render
 
-    rows = [{"name": "fast", "value": 2.0, "unit": "tok/s", "baseline": "b", "baseline_value": 1.0, "ratio": 2.0},
-            {"name": "slow", "value": 0.5, "unit": "tok/s", "baseline": "b", "baseline_value": 1.0, "ratio": 0.5},
-            {"name": "slower sync", "value": 3.0, "unit": "s / step (lower is better)", "baseline": "b",
-             "baseline_value": 1.0, "ratio": 3.0}]
-    md = render({"date": "d", "command": "python -m benchmarks.run_all", "total_s": 1,
-                 "results": [{"figure": "engine_throughput", "rows": rows, "machine": {"cores": 2}, "repeats": 3,
-                              "seconds": 1.0}, {"figure": "exactness", "error": "timed out"}]})
+    rows = [
+        {"name": "fast", "value": 2.0, "unit": "tok/s", "baseline": "b", "baseline_value": 1.0, "ratio": 2.0},
+        {"name": "slow", "value": 0.5, "unit": "tok/s", "baseline": "b", "baseline_value": 1.0, "ratio": 0.5},
+        {
+            "name": "slower sync",
+            "value": 3.0,
+            "unit": "s / step (lower is better)",
+            "baseline": "b",
+            "baseline_value": 1.0,
+            "ratio": 3.0,
+        },
+    ]
+    md = render(
+        {
+            "date": "d",
+            "command": "python -m benchmarks.run_all",
+            "total_s": 1,
+            "results": [
+                {"figure": "engine_throughput", "rows": rows, "machine": {"cores": 2}, "repeats": 3, "seconds": 1.0},
+                {"figure": "exactness", "error": "timed out"},
+            ],
+        }
+    )
     assert "| fast | 2 | tok/s | b | 1 | 2 |" in md
     assert "| slow | 0.5 | tok/s | b | 1 | 0.5 **(worse)** |" in md
     assert "3 **(worse)**" in md
@@ -47,9 +69,16 @@ def test_report_flags_a_figure_worse_than_its_baseline():
 def test_rerunning_one_figure_keeps_the_others():
     from benchmarks.run_all import merge_results
 
-    old = {"date": "d0", "command": "c", "total_s": 9, "results": [
-        {"figure": "async_overlap", "rows": [1]}, {"figure": "async_agentic", "rows": [2]},
-        {"figure": "exactness", "rows": [3]}]}
+    old = {
+        "date": "d0",
+        "command": "c",
+        "total_s": 9,
+        "results": [
+            {"figure": "async_overlap", "rows": [1]},
+            {"figure": "async_agentic", "rows": [2]},
+            {"figure": "exactness", "rows": [3]},
+        ],
+    }
     new = {"date": "d1", "results": [{"figure": "async_agentic", "rows": [4]}]}
     merged = merge_results(old, new)
     assert [r["figure"] for r in merged["results"]] == ["async_overlap", "async_agentic", "exactness"]
@@ -58,8 +87,18 @@ def test_rerunning_one_figure_keeps_the_others():
 
 
 # ---------------------------------------------------------------- end_to_end (ours vs TRL)
-HARNESS_FIELDS = {"base_model", "log_path", "max_steps", "seed", "trainer", "shuffle_rows", "eval_rows",
-                  "eval_interval", "export_final_model", "dcp_save_interval"}
+HARNESS_FIELDS = {
+    "base_model",
+    "log_path",
+    "max_steps",
+    "seed",
+    "trainer",
+    "shuffle_rows",
+    "eval_rows",
+    "eval_interval",
+    "export_final_model",
+    "dcp_save_interval",
+}
 
 
 def test_end_to_end_harness_changes_only_what_a_benchmark_must_fix_in_the_example_config(tmp_path):
@@ -85,8 +124,11 @@ def test_trl_settings_follow_our_config_and_refuse_what_trl_cannot_mirror(tmp_pa
     assert s["prompt_groups_per_step"] * s["completions_per_prompt"] % s["micro_batch_samples"] == 0
     assert s["micro_batch_samples"] * (70 + cfg.max_tokens) <= cfg.trainer.micro_batch_tokens
     assert micro_batch_samples(32, 2000, 1024) == 1
-    for override, field in [("loss.policy_loss=gspo", "loss.policy_loss"), ("ppo_mini_batches=2", "ppo_mini_batches"),
-                            ("loss.aggregation=sum", "loss.aggregation")]:
+    for override, field in [
+        ("loss.policy_loss=gspo", "loss.policy_loss"),
+        ("ppo_mini_batches=2", "ppo_mini_batches"),
+        ("loss.aggregation=sum", "loss.aggregation"),
+    ]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             trl_settings(example_config(base + [override])[0], longest_prompt=70)
 
@@ -116,7 +158,10 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
         return await real(self, prompt_ids, n, **kw)
 
     monkeypatch.setattr(DeploymentSampler, "sample_with_prompt_tokens", recording)
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_model_len=256)), log_file=str(tmp_path / "d.log")) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_model_len=256)), log_file=str(tmp_path / "d.log")
+    ) as dep:
+
         async def go():
             sampler = DeploymentSampler(dep.base_url)
             setup = RolloutSetup(sampler=sampler, tokenizer=tok, sampling_kwargs={"max_tokens": 8, "temperature": 1.0})
@@ -125,14 +170,26 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
                 return [await fn(r) for r in rows]
             finally:
                 await sampler.close()
+
         samples = asyncio.run(go())
-    trl_ids = [tok.apply_chat_template([trl_grpo.prompt_messages(r["question"])], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"][0] for r in rows]
+    trl_ids = [
+        tok.apply_chat_template(
+            [trl_grpo.prompt_messages(r["question"])], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][0]
+        for r in rows
+    ]
     assert sent == trl_ids == chat_prompts(tok, rows, rollout.INSTRUCTION)
     assert trl_grpo.INSTRUCTION == rollout.INSTRUCTION
     assert [s.reward for s in samples] == [trl_grpo.reward(s.text, r["answer"]) for s, r in zip(samples, rows)]
-    for text, answer in [("So 3 + 4 = 7. Answer: 7", "7"), ("Answer: 1,000", "1000"), ("left: -2", "-2"),
-                         ("7 apples, answer 8", "7"), ("no number", "0"), ("", "0"), ("12.5", "5")]:
+    for text, answer in [
+        ("So 3 + 4 = 7. Answer: 7", "7"),
+        ("Answer: 1,000", "1000"),
+        ("left: -2", "-2"),
+        ("7 apples, answer 8", "7"),
+        ("no number", "0"),
+        ("", "0"),
+        ("12.5", "5"),
+    ]:
         expected = 1.0 if rollout.final_number(text) == answer else 0.0
         assert trl_grpo.reward(text, answer) == expected
         assert trl_grpo.arithmetic_reward([[{"role": "assistant", "content": text}]], [answer]) == [expected]
@@ -148,17 +205,39 @@ def test_end_to_end_figures_are_medians_of_the_steps_after_the_first_and_skip_ac
     assert by[("ours (3 steps)", "s / step")]["value"] == 3.0 and by[("ours (3 steps)", "s / step")]["ratio"] == 0.75
     assert by[("ours (3 steps)", "trained tok/s")]["value"] == 50.0  # median of 100/2 and 200/4
     assert by[("ours (3 steps)", "held-out accuracy")]["ratio"] == 2.0
-    unscored = figure_rows({"ours": [{**ours, "accuracy": None}], "TRL GRPOTrainer": [{**trl, "accuracy": None}]},
-                           3, [0], base_accuracy=None)
+    unscored = figure_rows(
+        {"ours": [{**ours, "accuracy": None}], "TRL GRPOTrainer": [{**trl, "accuracy": None}]},
+        3,
+        [0],
+        base_accuracy=None,
+    )
     assert {r["unit"].split(" (")[0] for r in unscored} == {"s / step", "trained tok/s"}
 
 
 def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model():
     """--set reaches every run of ours, --variant only its own; the notes carry the command and the --note."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--quick", "--sides", "ours",
-                          "--set", "completions_per_prompt=2", "--variant", "lr x10", "trainer.learning_rate=1e-4",
-                          "--note", "Shared machine."], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.end_to_end",
+            "--quick",
+            "--sides",
+            "ours",
+            "--set",
+            "completions_per_prompt=2",
+            "--variant",
+            "lr x10",
+            "trainer.learning_rate=1e-4",
+            "--note",
+            "Shared machine.",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
     assert result["figure"] == "end_to_end"
@@ -166,7 +245,9 @@ def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model
     ours = "ours, example with completions_per_prompt=2"
     assert set(runs) == {ours, "lr x10"}
     default, variant = runs[ours][0], runs["lr x10"][0]
-    assert default["config"]["trainer"]["learning_rate"] == 1e-5 and variant["config"]["trainer"]["learning_rate"] == 1e-4
+    assert (
+        default["config"]["trainer"]["learning_rate"] == 1e-5 and variant["config"]["trainer"]["learning_rate"] == 1e-4
+    )
     for run in (default, variant):
         assert len(run["step_s"]) == len(run["tokens"]) == 1 and run["step_s"][0] > 0 and run["tokens"][0] > 0
         assert 0.0 <= run["accuracy"] <= 1.0

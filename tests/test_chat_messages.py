@@ -11,13 +11,19 @@ import json
 import pytest
 
 from training.utils.chat_messages import (
-    ChatMessageError, assistant_text, normalise_messages, prepare_for_template, template_renders_tool_calls,
+    ChatMessageError,
+    assistant_text,
+    normalise_messages,
+    prepare_for_template,
+    template_renders_tool_calls,
 )
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
-CONTENT_ONLY_TEMPLATE = ("{% for m in messages %}"
-                         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONTENT_ONLY_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 """SmolLM2's kind of template: reads only role and content (fails on a missing content, drops tool calls)."""
 
 
@@ -29,44 +35,78 @@ def sdk_history():
     reply = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [CALL]})
     dumped = reply.model_dump(exclude_none=True)
     assert "content" not in dumped and openai  # what made SmolLM2's template fail
-    return [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"},
-            dumped, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    return [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        dumped,
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
 
 
 def test_tool_call_only_reply_gets_empty_content_and_keeps_decoded_calls():
     msgs = normalise_messages(sdk_history())
-    assert msgs[2] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}
+    assert msgs[2] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}},
+            }
+        ],
+    }
     assert msgs[3] == {"role": "tool", "tool_call_id": "call_1", "content": "5", "name": "calculator"}
 
 
 def test_sdk_noise_parts_developer_and_flat_calls_are_normalised():
-    msgs = normalise_messages([
-        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "input_text", "text": "brief."}]},
-        {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": []},
-        {"role": "assistant", "tool_calls": [{"id": "c", "name": "f", "arguments": {"a": 1}}]},
-        {"role": "assistant", "content": "ok", "tool_calls": [{"id": "d", "function": {"name": "g", "arguments": ""}}]},
-    ])
+    msgs = normalise_messages(
+        [
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "Be "}, {"type": "input_text", "text": "brief."}],
+            },
+            {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": []},
+            {"role": "assistant", "tool_calls": [{"id": "c", "name": "f", "arguments": {"a": 1}}]},
+            {
+                "role": "assistant",
+                "content": "ok",
+                "tool_calls": [{"id": "d", "function": {"name": "g", "arguments": ""}}],
+            },
+        ]
+    )
     assert msgs[0] == {"role": "system", "content": "Be brief."}
     assert msgs[1] == {"role": "assistant", "content": ""}
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
     assert msgs[3]["tool_calls"][0]["function"]["arguments"] == {}
 
 
-@pytest.mark.parametrize("messages, path", [
-    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
-    ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "user", "content": 3}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [
-        {"function": {"name": "f", "arguments": "{not json"}}]}], "messages[1].tool_calls[0].function.arguments"),
-    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
-     "messages[0].tool_calls[0].function.arguments"),
-    ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
-     "messages[0].tool_calls[0].function.name"),
-    ([{"role": "user", "content": "a", "tool_calls": [CALL]}], "messages[0].tool_calls"),
-    ("hello", "messages"),
-])
+@pytest.mark.parametrize(
+    "messages, path",
+    [
+        ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]},
+            ],
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+            "messages[0].tool_calls[0].function.name",
+        ),
+        ([{"role": "user", "content": "a", "tool_calls": [CALL]}], "messages[0].tool_calls"),
+        ("hello", "messages"),
+    ],
+)
 def test_bad_message_names_the_field(messages, path):
     with pytest.raises(ChatMessageError) as e:
         normalise_messages(messages)
@@ -98,19 +138,33 @@ def _chat_round_trip(base_url: str, model: str, tokenizer) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
     history = sdk_history()
-    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
-    r = client.chat.completions.create(model=model, messages=history, tools=tools, max_tokens=4, temperature=0.0,
-                                       extra_body={"return_token_ids": True})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=history, tools=tools, max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True}
+    )
     assert r.choices[0].message.role == "assistant"
     prompt_ids = r.choices[0].model_extra["prompt_token_ids"]
-    expected = tokenizer.apply_chat_template(prepare_for_template(history, tokenizer), tools=tools,
-                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = tokenizer.apply_chat_template(
+        prepare_for_template(history, tokenizer),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert prompt_ids == list(expected)
     assert '"name": "calculator"' in tokenizer.decode(prompt_ids)  # the call stays in the model's context
     with pytest.raises(openai.BadRequestError) as e:
-        bad = history[:2] + [{"role": "assistant", "tool_calls": [dict(CALL, function={"name": "calculator",
-                                                                                       "arguments": "{oops"})]}]
+        bad = history[:2] + [
+            {"role": "assistant", "tool_calls": [dict(CALL, function={"name": "calculator", "arguments": "{oops"})]}
+        ]
         client.chat.completions.create(model=model, messages=bad, max_tokens=2)
     body = e.value.body if isinstance(e.value.body, dict) else json.loads(e.value.response.text)["error"]
     assert body["param"] == "messages" and "messages[2].tool_calls[0].function.arguments" in body["message"]

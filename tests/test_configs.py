@@ -18,21 +18,26 @@ def test_unknown_loss_name_lists_the_allowed_ones():
         LossConfig(policy_loss="ppo2")
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: TrainerConfig(dtype="fp8"), "dtype"),
-    (lambda: TrainerConfig(device="tpu"), "device"),
-    (lambda: DeployConfig(port=70000), "port"),
-    (lambda: DeployConfig(base_url="localhost:8000"), "base_url"),
-    (lambda: DeployConfig(weight_sync="nccl"), "weight_sync"),
-    (lambda: WandBConfig(mode="sometimes"), "mode"),
-    (lambda: LossConfig(aggregation="median"), "aggregation"),
-    (lambda: LossConfig(kl_beta=-1), "kl_beta"),
-    (lambda: Config(base_model="m", completions_per_prompt=1), "completions_per_prompt"),
-    (lambda: Config(base_model="m", weight_sync_interval=3, max_head_offpolicy_versions=1),
-     "max_head_offpolicy_versions"),
-    (lambda: Config(base_model="m", temperature=0), "temperature"),
-    (lambda: Config(base_model="m", stale_policy="discard"), "stale_policy"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: TrainerConfig(dtype="fp8"), "dtype"),
+        (lambda: TrainerConfig(device="tpu"), "device"),
+        (lambda: DeployConfig(port=70000), "port"),
+        (lambda: DeployConfig(base_url="localhost:8000"), "base_url"),
+        (lambda: DeployConfig(weight_sync="nccl"), "weight_sync"),
+        (lambda: WandBConfig(mode="sometimes"), "mode"),
+        (lambda: LossConfig(aggregation="median"), "aggregation"),
+        (lambda: LossConfig(kl_beta=-1), "kl_beta"),
+        (lambda: Config(base_model="m", completions_per_prompt=1), "completions_per_prompt"),
+        (
+            lambda: Config(base_model="m", weight_sync_interval=3, max_head_offpolicy_versions=1),
+            "max_head_offpolicy_versions",
+        ),
+        (lambda: Config(base_model="m", temperature=0), "temperature"),
+        (lambda: Config(base_model="m", stale_policy="discard"), "stale_policy"),
+    ],
+)
 def test_bad_values_name_the_field(make, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         make()
@@ -79,10 +84,13 @@ def test_dependency_floors_in_pyproject_are_the_versions_ci_tests():
     root = Path(__file__).resolve().parents[1]
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     floors = dict(re.match(r"([A-Za-z0-9_.-]+)>=([0-9][^,;]*)", d).groups() for d in deps)
-    pins = dict(line.split("==") for line in (root / "scripts" / "floors.txt").read_text().splitlines()
-                if line.strip() and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (root / "scripts" / "floors.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
     assert set(floors) == set(pins)
     for name, floor in floors.items():
         pinned = tuple(int(x) for x in pins[name].split("."))
         stated = tuple(int(x) for x in floor.split("."))
-        assert pinned[:len(stated)] == stated, f"{name}: pyproject says >={floor}, floors.txt pins {pins[name]}"
+        assert pinned[: len(stated)] == stated, f"{name}: pyproject says >={floor}, floors.txt pins {pins[name]}"

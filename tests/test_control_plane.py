@@ -66,8 +66,14 @@ def test_nan_weights_and_rollbacks_are_refused(server, tiny_model_path, tmp_path
 
 
 def test_weight_group_peers_are_loopback_only_by_default(server):
-    body = {"master_addr": "10.11.12.13", "master_port": 29999, "rank": 1, "world_size": 2, "backend": "gloo",
-            "timeout_s": 1}
+    body = {
+        "master_addr": "10.11.12.13",
+        "master_port": 29999,
+        "rank": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "timeout_s": 1,
+    }
     status, text = post(server, "/init_weight_update_group", body)
     assert status == 403 and "not an allowed weight peer" in text
 
@@ -75,8 +81,9 @@ def test_weight_group_peers_are_loopback_only_by_default(server):
 def test_oversized_requests_are_refused_before_any_tokenizing(server):
     status, text = post(server, "/v1/completions", {"prompt": "a" * 10_000_000, "max_tokens": 1})
     assert status == 400 and "cannot fit max_model_len=128" in text
-    status, text = post(server, "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "b" * 1_000_000}], "max_tokens": 1})
+    status, text = post(
+        server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 1_000_000}], "max_tokens": 1}
+    )
     assert status == 400 and "'messages' have" in text
     status, text = post(server, "/v1/completions", {"prompt": [[1, 2]] * 300, "max_tokens": 1})
     assert status == 400 and "at most 256 per request" in text

@@ -9,7 +9,11 @@ from training.proxy import make_proxy_rollout_fn, with_tool_status
 from training.utils.rl.rollout.turn_matching import assign
 from training.proxy.records import CallRecord, SessionRecord
 from training.proxy.transitions import (
-    build_transitions, credit_parts, discounted, tool_result_status, tool_status_counts,
+    build_transitions,
+    credit_parts,
+    discounted,
+    tool_result_status,
+    tool_status_counts,
 )
 from training.utils.rl.advantages import credited_advantages
 from training.utils.rl.groups import failure_cause, run_group
@@ -22,14 +26,33 @@ USER = {"role": "user", "content": "2 + 3?"}
 def tool_episode(failed: bool) -> list[CallRecord]:
     """One episode: a calculator call, its result (an error or 5), then an answer."""
     call = {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "2+3"}'}}
-    c1 = CallRecord(index=-1, endpoint="chat", agent="default", prompt_ids=[1, 2], output_ids=[3],
-                    output_logprobs=[-0.1], finish_reason="tool_calls", weight_version=0, upstream="u",
-                    messages=[USER], response_message={"role": "assistant", "content": None, "tool_calls": [call]})
+    c1 = CallRecord(
+        index=-1,
+        endpoint="chat",
+        agent="default",
+        prompt_ids=[1, 2],
+        output_ids=[3],
+        output_logprobs=[-0.1],
+        finish_reason="tool_calls",
+        weight_version=0,
+        upstream="u",
+        messages=[USER],
+        response_message={"role": "assistant", "content": None, "tool_calls": [call]},
+    )
     result = {"role": "tool", "tool_call_id": "t1", "content": "ValueError: bad expression" if failed else "5"}
-    c2 = CallRecord(index=-1, endpoint="chat", agent="default", prompt_ids=[1, 2, 3, 4], output_ids=[5],
-                    output_logprobs=[-0.2], finish_reason="stop", weight_version=0, upstream="u",
-                    messages=[USER, c1.response_message, result],
-                    response_message={"role": "assistant", "content": "7"})
+    c2 = CallRecord(
+        index=-1,
+        endpoint="chat",
+        agent="default",
+        prompt_ids=[1, 2, 3, 4],
+        output_ids=[5],
+        output_logprobs=[-0.2],
+        finish_reason="stop",
+        weight_version=0,
+        upstream="u",
+        messages=[USER, c1.response_message, result],
+        response_message={"role": "assistant", "content": "7"},
+    )
     session = SessionRecord("s")
     for c in (c1, c2):
         assign(session, c)
@@ -67,8 +90,12 @@ def test_air_in_stitch_mode_enters_the_run_reward():
     class Sampler:
         base_url, api_key = "http://127.0.0.1:9", None
 
-    fn = make_proxy_rollout_fn(lambda row, ep: "", reward_fn=lambda row, answer: 0.0, mode="stitch",
-                               credit_fn=with_tool_status(failed_call=-0.5))(RolloutSetup(Sampler(), None))
+    fn = make_proxy_rollout_fn(
+        lambda row, ep: "",
+        reward_fn=lambda row, answer: 0.0,
+        mode="stitch",
+        credit_fn=with_tool_status(failed_call=-0.5),
+    )(RolloutSetup(Sampler(), None))
     runs = []
     for k in range(4):
         session = SessionRecord(f"s{k}")
@@ -84,7 +111,7 @@ def test_discounted_baseline_does_not_push_down_the_successful_runs_first_call()
     """Returns 0 and 1 over three calls each, gamma 0.5: A = g·(R - mean R)/std, never below 0 for R = 1."""
     calls = tool_episode(failed=False) + tool_episode(failed=False)[:1]
     group = group_of([transitions_run(calls, r, discounted(0.5)) for r in (0.0, 1.0)])
-    episode = 0.5 / 0.5 ** 0.5  # (1 - 0.5) / unbiased std of [0, 1]
+    episode = 0.5 / 0.5**0.5  # (1 - 0.5) / unbiased std of [0, 1]
     expected = [-0.25 * episode, -0.5 * episode, -episode, 0.25 * episode, 0.5 * episode, episode]
     assert group.advantages == pytest.approx(expected)
     # the undiscounted baseline gave [-0.707, -0.707, -0.707, -0.354, 0.0, 0.707]
@@ -110,13 +137,23 @@ def test_credit_parts_reads_affine_credit_and_refuses_the_rest():
         credit_parts(lambda cs, r: [r], calls, 2.0)
 
 
-@pytest.mark.parametrize("content, status", [
-    ('{"error": null, "value": 5}', "ok"), ('{"error": "division by zero"}', "error"),
-    ({"status": "failed"}, "error"), ('{"ok": false}', "error"), ('[1, 2]', "ok"),
-    ("ValueError: bad expression", "error"), ("Traceback (most recent call last):", "error"),
-    ("error: no such item", "error"), ("No errors found", "ok"), ("Errors: 0", "ok"), ("42", "ok"),
-    ([{"type": "text", "text": '{"is_error": true}'}], "error"),
-])
+@pytest.mark.parametrize(
+    "content, status",
+    [
+        ('{"error": null, "value": 5}', "ok"),
+        ('{"error": "division by zero"}', "error"),
+        ({"status": "failed"}, "error"),
+        ('{"ok": false}', "error"),
+        ("[1, 2]", "ok"),
+        ("ValueError: bad expression", "error"),
+        ("Traceback (most recent call last):", "error"),
+        ("error: no such item", "error"),
+        ("No errors found", "ok"),
+        ("Errors: 0", "ok"),
+        ("42", "ok"),
+        ([{"type": "text", "text": '{"is_error": true}'}], "error"),
+    ],
+)
 def test_tool_status_comes_from_structure_then_text(content, status):
     assert tool_result_status(content) == status
 
@@ -133,9 +170,17 @@ def test_failure_causes_are_named():
     class Status(RuntimeError):
         status = 503
 
-    assert [failure_cause(e) for e in (AgentFailedError("x", cause="agent_KeyError"), UpstreamFailedError("x"),
-                                       asyncio.TimeoutError(), Status(), ConnectionResetError(), KeyError("k"))] == \
-        ["agent_keyerror", "upstream", "timeout", "upstream_5xx", "connection", "exception_keyerror"]
+    assert [
+        failure_cause(e)
+        for e in (
+            AgentFailedError("x", cause="agent_KeyError"),
+            UpstreamFailedError("x"),
+            asyncio.TimeoutError(),
+            Status(),
+            ConnectionResetError(),
+            KeyError("k"),
+        )
+    ] == ["agent_keyerror", "upstream", "timeout", "upstream_5xx", "connection", "exception_keyerror"]
 
 
 def test_normalised_weights_make_a_weighted_mean():
@@ -154,20 +199,24 @@ def test_transitions_and_stitch_train_with_equal_weight_per_episode(tiny_model_p
     from training.utils.config import TrainerConfig
     from training.utils.rl.losses.config import LossConfig
 
-    episodes = [([5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15], 1.0),
-                ([5, 20, 21], [22, 23, 24], [25, 26], [27, 28, 29], -0.5)]
+    episodes = [
+        ([5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15], 1.0),
+        ([5, 20, 21], [22, 23, 24], [25, 26], [27, 28, 29], -0.5),
+    ]
     stitch, trans = StepBatch([], [], [], [], []), StepBatch([], [], [], [], [])
     for p1, o1, glue, o2, adv in episodes:
         tokens = p1 + o1 + glue + o2
         mask = [0] * len(p1) + [1] * len(o1) + [0] * len(glue) + [1] * len(o2)
         stitch.tokens.append(tokens), stitch.loss_masks.append(mask), stitch.advantages.append(adv)
         stitch.sampler_logprobs.append([-1.0 if m else 0.0 for m in mask]), stitch.weights.append(1.0)
-        for seq, m in ((p1 + o1, mask[:len(p1 + o1)]), (tokens, [0] * len(p1 + o1 + glue) + [1] * len(o2))):
+        for seq, m in ((p1 + o1, mask[: len(p1 + o1)]), (tokens, [0] * len(p1 + o1 + glue) + [1] * len(o2))):
             trans.tokens.append(seq), trans.loss_masks.append(m), trans.advantages.append(adv)
             trans.sampler_logprobs.append([-1.0 if x else 0.0 for x in m]), trans.weights.append(0.5)
     cfg = LossConfig(policy_loss="grpo", kl_beta=0.0, aggregation=aggregation, tis_level="off")
-    out = [train_on_batch(PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu", learning_rate=1e-3)), batch, cfg)
-           for batch in (stitch, trans)]
+    out = [
+        train_on_batch(PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu", learning_rate=1e-3)), batch, cfg)
+        for batch in (stitch, trans)
+    ]
     assert abs(out[0]["train/loss"]) > 1e-4
     assert out[1]["train/loss"] == pytest.approx(out[0]["train/loss"], rel=1e-4)
     assert out[1]["train/grad_norm"] == pytest.approx(out[0]["train/grad_norm"], rel=1e-4)

@@ -16,7 +16,9 @@ def test_load_rows_from_jsonl(tmp_path):
     assert load_rows(str(p)) == [{"a": 1}, {"a": 2}]
 
 
-@pytest.mark.parametrize("content, msg", [("{bad\n", "rows.jsonl:1 is not valid JSON"), ("[1]\n", "expected a JSON object")])
+@pytest.mark.parametrize(
+    "content, msg", [("{bad\n", "rows.jsonl:1 is not valid JSON"), ("[1]\n", "expected a JSON object")]
+)
 def test_bad_jsonl_names_the_line(tmp_path, content, msg):
     p = tmp_path / "rows.jsonl"
     p.write_text(content)

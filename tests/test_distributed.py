@@ -15,7 +15,7 @@ import torch
 
 from training.utils import TrainerConfig
 
-UNIT_SCRIPT = textwrap.dedent('''
+UNIT_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import torch
@@ -65,7 +65,7 @@ UNIT_SCRIPT = textwrap.dedent('''
                     "named_weights": weights}, out / "expected.pt")
     save_checkpoint(out / "ckpt", 1, t.model, t.optimizer, {"step": 1} if r == 0 else None)
     D.shutdown_distributed()
-''')
+""")
 
 RECIPE_SCRIPT = textwrap.dedent('''
     """A user's train.py: nothing in it knows about torchrun."""
@@ -114,14 +114,24 @@ RECIPE_SCRIPT = textwrap.dedent('''
 
 def _run(args, tmp_path, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINING_DIST_TIMEOUT_S": "120"}
-    done = subprocess.run([str(a) for a in args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [str(a) for a in args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
     return done
 
 
 def _torchrun(script, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-            *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def test_split_for_ranks_balances_tokens_and_covers_every_sequence():
@@ -156,14 +166,17 @@ def test_two_rank_step_matches_one_process_and_its_checkpoint_loads_in_one(tiny_
     script.write_text(UNIT_SCRIPT)
     _run(_torchrun(script, tiny_model_path, tmp_path), tmp_path)
 
-    sent = {"tokens": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "sampler_logprobs": [[0.0, -0.5, -1.25], [0.0, -1 / 3],
-            [0.0, 0.0, -2.0e-7, -7.5]], "loss_masks": [[0, 1, 1], [0, 1], [0, 0, 1, 1]],
-            "advantages": [0.7071067811865476, -0.7071067811865476, 1e-300], "weights": [1.0, 0.5, 2.0]}
+    sent = {
+        "tokens": [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+        "sampler_logprobs": [[0.0, -0.5, -1.25], [0.0, -1 / 3], [0.0, 0.0, -2.0e-7, -7.5]],
+        "loss_masks": [[0, 1, 1], [0, 1], [0, 0, 1, 1]],
+        "advantages": [0.7071067811865476, -0.7071067811865476, 1e-300],
+        "weights": [1.0, 0.5, 2.0],
+    }
     for r in (0, 1):
         unit = json.loads((tmp_path / f"unit_{r}.json").read_text())
         assert unit["batch"] == sent  # bit-exact floats on both ranks
-        assert unit["metrics"] == {"a": (1 * 1 + 2 * 2) / 3, "b_max": 1.0, "c_min": 0.0, "loss": 2.0,
-                                   "only_rank1": 5.0}
+        assert unit["metrics"] == {"a": (1 * 1 + 2 * 2) / 3, "b_max": 1.0, "c_min": 0.0, "loss": 2.0, "only_rank1": 5.0}
 
     expected = torch.load(tmp_path / "expected.pt", weights_only=True)
     # the same step in one process, from the same starting weights
@@ -225,7 +238,9 @@ def server(tiny_model_path, tmp_path_factory):
     from training.utils import DeployConfig, EngineConfig
 
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
+    ) as dep:
         yield dep
 
 
@@ -299,25 +314,37 @@ def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_pa
 
     script = tmp_path / "train.py"
     script.write_text(RECIPE_SCRIPT)
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(tmp_path / "srv.log")) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(tmp_path / "srv.log")
+    ) as dep:
         _run(_torchrun(script, tiny_model_path, dep.base_url, tmp_path / "run", 2, tmp_path, "dist-sync"), tmp_path)
         prompt = [1, 12, 23, 201]
-        body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 5,
-                           "ignore_eos": True, "logprobs": 0, "return_token_ids": True}).encode()
-        req = urllib.request.Request(dep.base_url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": 5,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_token_ids": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            dep.base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             choice = json.loads(resp.read())["choices"][0]
     assert choice["weight_version"] == 2
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32).eval()
     ids = torch.tensor([prompt + choice["token_ids"]])
     with torch.no_grad():
-        logp = torch.log_softmax(final(ids).logits[0], dim=-1)[len(prompt) - 1:-1]
+        logp = torch.log_softmax(final(ids).logits[0], dim=-1)[len(prompt) - 1 : -1]
     ref = logp.gather(1, torch.tensor(choice["token_ids"])[:, None])[:, 0]
     assert (ref - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() < 1e-5
 
 
-LORA_SCRIPT = textwrap.dedent('''
+LORA_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
     import torch
@@ -350,7 +377,7 @@ LORA_SCRIPT = textwrap.dedent('''
         assert D.receive_command()[0] == D.Command.EXPORT
     t.save_pretrained(out / "export")
     D.shutdown_distributed()
-''')
+""")
 
 
 def test_lora_with_shared_prompts_on_two_ranks_matches_one_process(tiny_model_path, tmp_path):
@@ -368,13 +395,20 @@ def test_lora_with_shared_prompts_on_two_ranks_matches_one_process(tiny_model_pa
 
     cfg = TrainerConfig(learning_rate=1e-2, micro_batch_tokens=40, device="cpu", lora_rank=4, lora_alpha=8.0)
     one = PolicyTrainer(tiny_model_path, cfg)
-    seqs = [[1, 2, 3, 4, 5, 6, 7][: 4 + g] + [20 + g + 3 * k + j for j in range(1 + (g + k) % 4)]
-            for g in range(3) for k in range(4)]
+    seqs = [
+        [1, 2, 3, 4, 5, 6, 7][: 4 + g] + [20 + g + 3 * k + j for j in range(1 + (g + k) % 4)]
+        for g in range(3)
+        for k in range(4)
+    ]
     total = sum(len(s) for s in seqs)
-    for got, want in ((one.logprobs(seqs), expected["logprobs"]), (one.base_reference().logprobs(seqs), expected["ref"])):
+    for got, want in (
+        (one.logprobs(seqs), expected["logprobs"]),
+        (one.base_reference().logprobs(seqs), expected["ref"]),
+    ):
         assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
-    assert one.forward_backward(seqs, lambda packed, lp_N: (-lp_N.sum() / total, {}))["loss"] == \
-        pytest.approx(expected["loss"], rel=1e-5)
+    assert one.forward_backward(seqs, lambda packed, lp_N: (-lp_N.sum() / total, {}))["loss"] == pytest.approx(
+        expected["loss"], rel=1e-5
+    )
     assert one.optim_step()["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     weights = dict(one.named_weights())
     assert set(weights) == set(expected["named_weights"]) and one.weight_specs() == expected["specs"]

@@ -82,9 +82,12 @@ def snippet_cases() -> list:
 
 # ---- the helpers themselves ----------------------------------------------------------------
 
+
 def test_extractors_find_blocks_and_links():
-    text = ("---\nname: x\n---\nSee [ref](references/a.md#top) and [web](https://x.org) and [here](#h).\n"
-            "```python\nx = 1\n```\n\n```bash\nls\n```\n```python\n# [not](a/link.md)\ny = 2\n```\n")
+    text = (
+        "---\nname: x\n---\nSee [ref](references/a.md#top) and [web](https://x.org) and [here](#h).\n"
+        "```python\nx = 1\n```\n\n```bash\nls\n```\n```python\n# [not](a/link.md)\ny = 2\n```\n"
+    )
     assert python_blocks(text) == ["x = 1\n", "# [not](a/link.md)\ny = 2\n"]
     assert relative_links(text) == ["references/a.md"]
 
@@ -99,13 +102,16 @@ def test_skills_exist_and_have_python_snippets():
 
 # ---- structure -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("skill", skill_dirs(), ids=lambda p: p.name)
 def test_skill_front_matter_and_references(skill: Path):
     """SKILL.md names its folder, describes when to use it, and links every reference file."""
     skill_md = skill / "SKILL.md"
     assert skill_md.is_file(), f"{skill.relative_to(ROOT)}: missing SKILL.md"
     meta = front_matter(skill_md)
-    assert meta.get("name") == skill.name, f"{skill_md.relative_to(ROOT)}: name {meta.get('name')!r} != folder {skill.name!r}"
+    assert meta.get("name") == skill.name, (
+        f"{skill_md.relative_to(ROOT)}: name {meta.get('name')!r} != folder {skill.name!r}"
+    )
     desc = meta.get("description")
     assert isinstance(desc, str) and desc.strip(), f"{skill_md.relative_to(ROOT)}: empty or missing description"
     refs = sorted((skill / "references").glob("*.md"))
@@ -122,6 +128,7 @@ def test_relative_links_resolve(path: Path):
 
 
 # ---- snippets --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("path,index,code", snippet_cases())
 def test_python_snippet_runs(path: Path, index: int, code: str):

@@ -35,7 +35,7 @@ from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutSetup, f
 LOSSES = ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"]
 
 # The rollout.py of the documentation, with a reward of our own for `score` (the docs leave it to the user).
-ROLLOUT_PY = '''\
+ROLLOUT_PY = """\
 from training.examples.rl.vanilla_sampler import build_deployment_sampler
 from training.utils.rl.rollout import RolloutSample
 
@@ -67,10 +67,10 @@ def make_rollout_fn(setup):
         )
 
     return rollout_fn
-'''
+"""
 
 # The train.py of the documentation: the same fields, the tiny model, and group sizes that run in seconds on CPU.
-TRAIN_PY = '''\
+TRAIN_PY = """\
 from training.recipes.async_rl_loop import Config, main
 from training.utils import DeployConfig, TrainerConfig, WandBConfig
 from rollout import make_rollout_fn
@@ -90,7 +90,7 @@ cfg = Config(
 
 rows = [{{"prompt_token_ids": [1, 10 + i, 20 + i % 7, 201]}} for i in range(4)]
 main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows)
-'''
+"""
 
 
 def write_pair(folder: Path, model: str, loss: str) -> Path:
@@ -111,13 +111,16 @@ def test_documented_rollout_and_train_files_run_unmodified(tiny_model_path, tmp_
     """`python train.py` as a user runs it: the documented pair, two steps, then the exported model."""
     folder = write_pair(tmp_path / "grpo", tiny_model_path, "grpo")
     env = {**os.environ, "WANDB_MODE": "disabled"}  # wandb is optional; the config itself is the documented one
-    proc = subprocess.run([sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     check_documented_run(folder, "grpo")
     assert proc.stderr.count(async_rl_loop.EXPERIMENTAL_NOTICE) == 1
-    assert "training_shape_id='accounts/fireworks/trainingShapes/qwen3-8b-128k-h200' is a hosted training shape: " \
-           "no local effect" in proc.stderr
+    assert (
+        "training_shape_id='accounts/fireworks/trainingShapes/qwen3-8b-128k-h200' is a hosted training shape: "
+        "no local effect" in proc.stderr
+    )
 
 
 @pytest.mark.slow
@@ -178,19 +181,29 @@ def test_top_level_learning_rate_policy_loss_kl_beta_are_the_nested_settings():
     cfg = async_rl_loop.Config(base_model="tiny", learning_rate=1.7e-5, policy_loss="gspo", kl_beta=0.0)
     assert (cfg.trainer.learning_rate, cfg.loss.policy_loss, cfg.loss.kl_beta) == (1.7e-5, "gspo", 0.0)
     assert (cfg.learning_rate, cfg.policy_loss, cfg.kl_beta) == (1.7e-5, "gspo", 0.0)
-    nested = async_rl_loop.Config(base_model="tiny", trainer=TrainerConfig(learning_rate=3e-4),
-                                  loss=LossConfig(policy_loss="cispo"))
+    nested = async_rl_loop.Config(
+        base_model="tiny", trainer=TrainerConfig(learning_rate=3e-4), loss=LossConfig(policy_loss="cispo")
+    )
     assert (nested.learning_rate, nested.policy_loss) == (3e-4, "cispo")  # the alias reads the nested value
     same = async_rl_loop.Config(base_model="tiny", learning_rate=3e-4, trainer=TrainerConfig(learning_rate=3e-4))
     assert same.trainer.learning_rate == 3e-4
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kwargs, names", [
-    (dict(learning_rate=1.7e-5, trainer=TrainerConfig(learning_rate=3e-4)), ("learning_rate=", "trainer.learning_rate=")),
-    (dict(policy_loss="dapo", loss=LossConfig(policy_loss="gspo")), ("policy_loss='dapo'", "loss.policy_loss='gspo'")),
-    (dict(kl_beta=0.1, loss=LossConfig(kl_beta=0.0)), ("kl_beta=0.1", "loss.kl_beta=0.0")),
-])
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (
+            dict(learning_rate=1.7e-5, trainer=TrainerConfig(learning_rate=3e-4)),
+            ("learning_rate=", "trainer.learning_rate="),
+        ),
+        (
+            dict(policy_loss="dapo", loss=LossConfig(policy_loss="gspo")),
+            ("policy_loss='dapo'", "loss.policy_loss='gspo'"),
+        ),
+        (dict(kl_beta=0.1, loss=LossConfig(kl_beta=0.0)), ("kl_beta=0.1", "loss.kl_beta=0.0")),
+    ],
+)
 def test_both_spellings_with_different_values_is_an_error_naming_both(kwargs, names):
     with pytest.raises(ValueError) as e:
         async_rl_loop.Config(base_model="tiny", **kwargs)
@@ -292,8 +305,10 @@ def test_turn_matching_lives_at_the_documented_path_and_the_proxy_uses_it():
     wiped = turn_matching.classify(first, Call([1, 9], [5]), "tokens")
     assert (wiped.kind, wiped.reason) == (turn_matching.WIPE, "token prefix broken at position 1")
     msgs = [{"role": "user", "content": "hi"}]
-    by_messages = turn_matching.classify(Call([1], [2], msgs), Call([1, 7], [2], msgs + [
-        {"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}]))
+    by_messages = turn_matching.classify(
+        Call([1], [2], msgs),
+        Call([1, 7], [2], msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}]),
+    )
     assert by_messages.kind == turn_matching.APPEND and by_messages.token_drift  # messages decide by default
 
 
@@ -340,6 +355,7 @@ def post(server, body, headers):
             async with s.post(server.base_url + "/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
                 return await r.json()
+
     return asyncio.run(go())
 
 
@@ -348,8 +364,9 @@ def test_server_keeps_a_session_kv_cache_named_by_affinity_header_or_user_field(
     headers = {AFFINITY_HEADER: f"s-{how}"} if how == "affinity_header" else {}
     extra = {"user": f"s-{how}"} if how == "user_field" else {}
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
-    one = post(server, {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True, **extra},
-               headers)
+    one = post(
+        server, {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True, **extra}, headers
+    )
     turn2 = prompt + one["choices"][0]["token_ids"] + [30, 31]
     two = post(server, {"prompt": turn2, "max_tokens": 2, "return_token_ids": True, **extra}, headers)
     assert 0 < two["usage"]["prompt_tokens_details"]["cached_tokens"] < len(turn2), two["usage"]
@@ -360,8 +377,9 @@ def test_proxy_records_a_session_named_by_affinity_header_or_user_field(server):
         async with ProxyServer([server.base_url]) as proxy:
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {proxy.api_key}"}) as s:
                 body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-                async with s.post(proxy.base_url + "/chat/completions", json=body,
-                                  headers={AFFINITY_HEADER: "by-header"}) as r:
+                async with s.post(
+                    proxy.base_url + "/chat/completions", json=body, headers={AFFINITY_HEADER: "by-header"}
+                ) as r:
                     assert r.status == 200, await r.text()
                 async with s.post(proxy.base_url + "/chat/completions", json={**body, "user": "by-user"}) as r:
                     assert r.status == 200, await r.text()
@@ -387,9 +405,11 @@ def test_builtin_rollout_reads_messages_token_ids_or_a_prompt(server, tiny_model
         return 0.25
 
     rollout_fn = make_single_turn_rollout_fn(reward_fn)(setup)
-    rows = [{"messages": [{"role": "user", "content": "2 + 2?"}], "answer": "4"},
-            {"prompt_token_ids": [1, 10, 20, 201], "answer": "5"},
-            {"prompt": "Repeat 7:", "answer": "7"}]
+    rows = [
+        {"messages": [{"role": "user", "content": "2 + 2?"}], "answer": "4"},
+        {"prompt_token_ids": [1, 10, 20, 201], "answer": "5"},
+        {"prompt": "Repeat 7:", "answer": "7"},
+    ]
 
     async def go():
         try:
@@ -399,9 +419,9 @@ def test_builtin_rollout_reads_messages_token_ids_or_a_prompt(server, tiny_model
 
     chat, ids, text = asyncio.run(go())
     prompt_text = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False, add_generation_prompt=True)
-    assert chat.tokens[:chat.loss_mask.index(1)] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    assert chat.tokens[: chat.loss_mask.index(1)] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     assert ids.tokens[:4] == [1, 10, 20, 201] and ids.loss_mask[:4] == [0, 0, 0, 0]
-    assert text.tokens[:text.loss_mask.index(1)] == tokenizer("Repeat 7:", add_special_tokens=False)["input_ids"]
+    assert text.tokens[: text.loss_mask.index(1)] == tokenizer("Repeat 7:", add_special_tokens=False)["input_ids"]
     for s in (chat, ids, text):
         flatten_result(s)  # valid samples
         assert s.reward == 0.25 and 1 <= sum(s.loss_mask) <= 4

@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.deployment.engine import (AsyncEngine, EngineConfig, EngineError, SamplingParams,
-                                        WeightUpdateError)
+from training.deployment.engine import AsyncEngine, EngineConfig, EngineError, SamplingParams, WeightUpdateError
 from training.deployment.engine.weights import load_safetensors
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 3], [42] * 20, [300, 301, 302, 303, 7, 8, 9, 10, 11, 12, 13]]
@@ -28,6 +27,7 @@ def make_engine(path: str, **kw) -> AsyncEngine:
 
 def run_engine(path: str, body, **kw):
     """Start an engine on ``path``, await ``body(engine)``, shut it down; returns body's value."""
+
     async def main():
         eng = make_engine(path, **kw)
         await eng.start()
@@ -35,13 +35,14 @@ def run_engine(path: str, body, **kw):
             return await body(eng)
         finally:
             await eng.shutdown()
+
     return asyncio.run(main())
 
 
 def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
     """Logprob of each output token under the transformers forward (logits / temperature)."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
@@ -52,9 +53,18 @@ def tiny_qwen2_path(tmp_path_factory, tiny_model_path) -> str:
 
     out = tmp_path_factory.mktemp("qwen2")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, rope_theta=1000.0, eos_token_id=tok.eos_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=1000.0,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -73,8 +83,11 @@ def hf_qwen3(tiny_model_path):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3-transformers-fallback"])
 def test_greedy_matches_hf_generate_and_logprobs_match_forward(arch, request):
-    path = request.getfixturevalue({"qwen3": "tiny_model_path", "llama": "tiny_llama_path",
-                                    "qwen2": "tiny_qwen2_path"}.get(arch, "tiny_model_path"))
+    path = request.getfixturevalue(
+        {"qwen3": "tiny_model_path", "llama": "tiny_llama_path", "qwen2": "tiny_qwen2_path"}.get(
+            arch, "tiny_model_path"
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     async def body(eng):
@@ -82,8 +95,9 @@ def test_greedy_matches_hf_generate_and_logprobs_match_forward(arch, request):
 
     results = run_engine(path, body, use_lean_forward=not arch.endswith("fallback"))
     for prompt, res in zip(PROMPTS, results):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert res.output_token_ids == ref
         lp = hf_logprobs(model, prompt, res.output_token_ids)
         assert torch.allclose(torch.tensor(res.output_logprobs), lp, atol=1e-4)
@@ -103,8 +117,9 @@ def test_32_concurrent_requests_run_batched_with_correct_lengths(tiny_model_path
     assert all(r.finish_reason == "length" and len(r.output_logprobs) == len(r.output_token_ids) for r in results)
     assert stats["max_running"] > 1 and stats["steps"] < sum(lengths) / 2
     for i in (0, 5, 17, 31):  # batched (and gap-slotted) rows decode exactly like a lone sequence
-        ref = hf_qwen3.generate(torch.tensor([prompts[i]]), max_new_tokens=lengths[i], do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompts[i]):].tolist()
+        ref = hf_qwen3.generate(
+            torch.tensor([prompts[i]]), max_new_tokens=lengths[i], do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompts[i]) :].tolist()
         assert results[i].output_token_ids == ref
 
 
@@ -113,8 +128,7 @@ def test_seeded_sampling_reproducible_regardless_of_concurrent_traffic(tiny_mode
 
     async def body(eng):
         alone = await eng.generate(PROMPTS[0], params)
-        noise = [eng.generate(p, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))
-                 for p in PROMPTS * 3]
+        noise = [eng.generate(p, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)) for p in PROMPTS * 3]
         crowded, *_ = await asyncio.gather(eng.generate(PROMPTS[0], params), *noise)
         other = await eng.generate(PROMPTS[0], SamplingParams(max_tokens=24, seed=99, ignore_eos=True))
         return alone, crowded, other
@@ -129,8 +143,9 @@ def test_logprob_is_under_temperature_scaled_full_distribution(tiny_model_path, 
     async def body(eng):
         hot = await eng.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True))
         # a tiny nucleus keeps only the top token: greedy tokens, but logprobs before truncation
-        narrow = await eng.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0.7, top_p=1e-6,
-                                                               seed=3, ignore_eos=True))
+        narrow = await eng.generate(
+            PROMPTS[1], SamplingParams(max_tokens=10, temperature=0.7, top_p=1e-6, seed=3, ignore_eos=True)
+        )
         cold = await eng.generate(PROMPTS[1], greedy(10))
         return hot, narrow, cold
 
@@ -154,28 +169,29 @@ def test_stop_token_ids_and_stop_strings_end_output(tiny_model_path):
     full, stop_tok, by_id, stop_str, by_str = run_engine(tiny_model_path, body)
     first = full.output_token_ids.index(stop_tok)
     assert by_id.finish_reason == "stop"
-    assert by_id.output_token_ids == full.output_token_ids[:first + 1]
+    assert by_id.output_token_ids == full.output_token_ids[: first + 1]
     assert by_str.finish_reason == "stop"
-    assert by_str.text == full.text[:full.text.find(stop_str)]
+    assert by_str.text == full.text[: full.text.find(stop_str)]
     assert stop_str not in by_str.text
-    assert by_str.output_token_ids == full.output_token_ids[:len(by_str.output_token_ids)]
+    assert by_str.output_token_ids == full.output_token_ids[: len(by_str.output_token_ids)]
     assert len(by_str.output_token_ids) < len(full.output_token_ids)
 
 
 def test_a_stop_string_late_in_a_long_output_is_found(tiny_model_path):
     """The stop check decodes only the newest tokens; a match 150+ tokens in is still cut exactly."""
+
     def sampled(**kw):  # seeded sampling: varied text, the same tokens on both calls
         return SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True, **kw)
 
     async def body(eng):
         full = await eng.generate(PROMPTS[1], sampled())
-        k = next(i for i in range(len(full.text) - 20, 0, -1) if full.text.find(full.text[i:i + 6]) == i)
-        stop_str = full.text[k:k + 6]  # the latest 6 characters that occur there first
+        k = next(i for i in range(len(full.text) - 20, 0, -1) if full.text.find(full.text[i : i + 6]) == i)
+        stop_str = full.text[k : k + 6]  # the latest 6 characters that occur there first
         return full, stop_str, await eng.generate(PROMPTS[1], sampled(stop=[stop_str]))
 
     full, stop_str, by_str = run_engine(tiny_model_path, body)
     assert by_str.finish_reason == "stop"
-    assert by_str.text == full.text[:full.text.find(stop_str)]
+    assert by_str.text == full.text[: full.text.find(stop_str)]
     assert len(by_str.output_token_ids) > 100
 
 
@@ -190,7 +206,7 @@ def test_eos_stops_unless_ignore_eos(tiny_model_path):
     full, stopped, ignored = run_engine(tiny_model_path, body)
     first = full.output_token_ids.index(full.output_token_ids[2])
     assert stopped.finish_reason == "stop"
-    assert stopped.output_token_ids == full.output_token_ids[:first + 1]  # the eos token is kept
+    assert stopped.output_token_ids == full.output_token_ids[: first + 1]  # the eos token is kept
     assert ignored.output_token_ids == full.output_token_ids and ignored.finish_reason == "length"
 
 
@@ -221,9 +237,11 @@ def test_session_reuses_parked_kv_and_matches_cold_run(tiny_model_path):
 def test_parked_sessions_evicted_lru_when_slots_run_out(tiny_model_path):
     async def body(eng):
         outs = [await eng.generate(PROMPTS[i], greedy(4), session_id=f"s{i}") for i in range(3)]
-        await eng.generate(PROMPTS[3], greedy(4))   # needs a slot: evicts s0, the least recent
-        again = [await eng.generate(PROMPTS[i] + outs[i].output_token_ids + [1], greedy(4), session_id=f"s{i}")
-                 for i in (0, 2)]
+        await eng.generate(PROMPTS[3], greedy(4))  # needs a slot: evicts s0, the least recent
+        again = [
+            await eng.generate(PROMPTS[i] + outs[i].output_token_ids + [1], greedy(4), session_id=f"s{i}")
+            for i in (0, 2)
+        ]
         return again
 
     again0, again2 = run_engine(tiny_model_path, body, max_batch_size=3)
@@ -254,6 +272,7 @@ def test_update_weights_changes_output_bumps_version_and_drops_sessions(tiny_mod
     async def check_changed(eng):
         await eng.update_weights(_perturbed(tiny_model_path), weight_version=5)
         return await eng.generate(PROMPTS[0], greedy(12))
+
     assert run_engine(tiny_model_path, check_changed).output_token_ids != before.output_token_ids
 
 
@@ -289,6 +308,7 @@ def test_tied_head_in_update_accepted_when_equal(tiny_model_path):
     async def body(eng):
         await eng.update_weights(tensors, weight_version=3)
         return eng.weight_version
+
     assert run_engine(tiny_model_path, body) == 3
 
 
@@ -349,22 +369,26 @@ def test_shutdown_aborts_pending_and_cancel_frees_slot(tiny_model_path):
     assert aborted.finish_reason == "abort" and aborted.output_token_ids == []
 
 
-@pytest.mark.parametrize("prompt, params, field", [
-    ([], SamplingParams(), "prompt_token_ids"),
-    ([1, 10**6], SamplingParams(), "prompt_token_ids[1]"),
-    ([1, -1], SamplingParams(), "prompt_token_ids[1]"),
-    ([1] * 250, SamplingParams(max_tokens=7), "max_tokens"),
-    ([1], SamplingParams(temperature=-0.1), "temperature"),
-    ([1], SamplingParams(top_p=0.0), "top_p"),
-    ([1], SamplingParams(top_p=1.5), "top_p"),
-    ([1], SamplingParams(max_tokens=0), "max_tokens"),
-    ([1], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids[0]"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([], SamplingParams(), "prompt_token_ids"),
+        ([1, 10**6], SamplingParams(), "prompt_token_ids[1]"),
+        ([1, -1], SamplingParams(), "prompt_token_ids[1]"),
+        ([1] * 250, SamplingParams(max_tokens=7), "max_tokens"),
+        ([1], SamplingParams(temperature=-0.1), "temperature"),
+        ([1], SamplingParams(top_p=0.0), "top_p"),
+        ([1], SamplingParams(top_p=1.5), "top_p"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids[0]"),
+    ],
+)
 def test_bad_requests_raise_engine_error_naming_field(tiny_model_path, prompt, params, field):
     async def body(eng):
         with pytest.raises(EngineError) as err:
             await eng.generate(prompt, params)
         return str(err.value)
+
     assert run_engine(tiny_model_path, body).startswith(field)
 
 
@@ -401,8 +425,22 @@ def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
 
     assert available_memory_bytes(torch.device("cpu")) > 0
     with pytest.raises(MemoryError, match="max_batch_size.*max_model_len"):
-        KVCache(num_layers=64, num_slots=4096, num_kv_heads=8, max_model_len=131072, head_dim=128,
-                dtype=torch.float32, device=torch.device("cpu"))  # ~1 PiB: refused before allocating
-    small = KVCache(num_layers=2, num_slots=3, num_kv_heads=1, max_model_len=8, head_dim=4,
-                    dtype=torch.float32, device=torch.device("cpu"))
+        KVCache(
+            num_layers=64,
+            num_slots=4096,
+            num_kv_heads=8,
+            max_model_len=131072,
+            head_dim=128,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )  # ~1 PiB: refused before allocating
+    small = KVCache(
+        num_layers=2,
+        num_slots=3,
+        num_kv_heads=1,
+        max_model_len=8,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert small.k[0].shape == (4, 1, 8, 4)

@@ -33,9 +33,17 @@ def fallback_model(request, tmp_path_factory, tiny_model_path) -> str:
     if request.param == "gpt2":
         cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512)
     else:
-        cfg = MistralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                            max_position_embeddings=512)
+        cfg = MistralConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            max_position_embeddings=512,
+        )
     return _save(out, cfg, tiny_model_path)
 
 
@@ -55,8 +63,9 @@ def test_fallback_batches_decode_and_matches_serial_and_transformers(fallback_mo
     for prompt, n, a, b in zip(PROMPTS, LENGTHS, together, alone):
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert a.output_token_ids == ref
         assert torch.allclose(torch.tensor(a.output_logprobs), hf_logprobs(model, prompt, ref), atol=1e-4)
 
@@ -74,6 +83,7 @@ def test_fallback_shares_cached_prefixes(fallback_model):
     assert turn2.cached_prompt_tokens == len(PROMPTS[2]) + 8 - 1
     model = AutoModelForCausalLM.from_pretrained(fallback_model, dtype=torch.float32).eval()
     prompt = PROMPTS[2] + first[0].output_token_ids + [5]
-    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)[0, len(prompt):].tolist()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, len(prompt) :
+    ].tolist()
     assert turn2.output_token_ids == ref

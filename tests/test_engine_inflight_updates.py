@@ -34,11 +34,19 @@ def _models(path: str, new_tensors: dict[str, torch.Tensor]):
 def _greedy_with_kept_kv(old, new, tokens: list[int], start: int, n: int) -> tuple[list[int], list[float]]:
     """K/V of ``tokens[:start - 1]`` from ``old``; then ``new`` decodes from ``tokens[start - 1]`` for ``n`` tokens."""
     cache = DynamicCache(config=old.config)
-    old(torch.tensor([tokens[:start - 1]]), past_key_values=cache, use_cache=True)
+    old(torch.tensor([tokens[: start - 1]]), past_key_values=cache, use_cache=True)
     tok, out, lps = tokens[start - 1], [], []
     for i in range(n):
-        logits = new(torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                     position_ids=torch.tensor([[start - 1 + i]])).logits[0, -1].float()
+        logits = (
+            new(
+                torch.tensor([[tok]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[start - 1 + i]]),
+            )
+            .logits[0, -1]
+            .float()
+        )
         tok = int(logits.argmax())
         out.append(tok)
         lps.append(float(torch.log_softmax(logits, -1)[tok]))
@@ -47,12 +55,14 @@ def _greedy_with_kept_kv(old, new, tokens: list[int], start: int, n: int) -> tup
 
 @torch.no_grad()
 def _greedy(model, tokens: list[int], n: int) -> list[int]:
-    return model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(tokens):].tolist()
+    return model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, len(tokens) :
+    ].tolist()
 
 
 def _run_spanning(path: str, new_tensors, kv_mode: str):
     """One long greedy sequence with an update mid-way, and a request of the same prompt sent after it."""
+
     async def body(eng):
         task = asyncio.create_task(eng.generate(PROMPT, greedy(LENGTH)))
         while eng.stats()["tokens_generated"] < 30:
@@ -80,7 +90,7 @@ def test_a_sequence_spanning_an_update_carries_both_versions_labelled_correctly(
     assert _greedy(old, PROMPT, k) == out[:k]
     tokens = PROMPT + out
     kept, kept_lps = _greedy_with_kept_kv(old, new, tokens, len(PROMPT) + k, LENGTH - k)
-    recomputed = _greedy(new, tokens[:len(PROMPT) + k], LENGTH - k)
+    recomputed = _greedy(new, tokens[: len(PROMPT) + k], LENGTH - k)
     assert kept != recomputed  # the two semantics differ here, so the check below discriminates
     if kv_mode == "keep":
         assert out[k:] == kept
@@ -95,4 +105,3 @@ def test_a_sequence_spanning_an_update_carries_both_versions_labelled_correctly(
         assert same_prompt.cached_prompt_tokens == 0
     else:  # recomputed under the new weights: a valid donor
         assert same_prompt.cached_prompt_tokens == len(PROMPT) - 1
-

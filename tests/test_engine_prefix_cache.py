@@ -20,8 +20,10 @@ def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
 
 def cold(path: str, requests: list[tuple[list[int], SamplingParams]]):
     """Each request alone, prefix caching off: the reference every cached run must reproduce."""
+
     async def body(eng):
         return [await eng.generate(p, sp) for p, sp in requests]
+
     return run_engine(path, body, enable_prefix_caching=False)
 
 
@@ -113,9 +115,9 @@ def test_lru_eviction_under_a_two_slot_budget(tiny_model_path):
 
     async def body(eng):
         for p in (a, b):
-            await eng.generate(p, greedy(4))      # slots: one running, the other keeps what finished
+            await eng.generate(p, greedy(4))  # slots: one running, the other keeps what finished
         a2 = await eng.generate(a + [1], greedy(4))  # hit on a: a is now the most recently used
-        await eng.generate(c, greedy(4))            # needs a slot: evicts b (least recent), keeps a
+        await eng.generate(c, greedy(4))  # needs a slot: evicts b (least recent), keeps a
         a3 = await eng.generate(a + [2], greedy(4))
         b2 = await eng.generate(b + [3], greedy(4))
         return a2, a3, b2
@@ -147,13 +149,13 @@ def test_random_traffic_with_shared_prefixes_matches_cold_runs(tiny_model_path):
     requests = []
     for i in range(40):
         stem = stems[rng.randrange(len(stems))]
-        prompt = stem[:rng.randint(1, len(stem))] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))]
+        prompt = stem[: rng.randint(1, len(stem))] + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))]
         requests.append((prompt, greedy(rng.randint(1, 20)) if i % 2 else sampled(i, rng.randint(1, 20))))
 
     async def body(eng):
         out = []
         for chunk in range(0, len(requests), 10):  # bursts of 10 over 3 running slots
-            out += await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[chunk:chunk + 10]])
+            out += await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[chunk : chunk + 10]])
         return out, eng.stats()
 
     results, stats = run_engine(tiny_model_path, body, max_batch_size=3, prefix_cache_slots=2)

@@ -17,12 +17,15 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("single_turn_token_in", ()),
-    ("multi_turn_message_in", ()),
-    ("arithmetic_smollm2", ("base_model=tiny", "completions_per_prompt=2", "dynamic_filter_fn=null")),
-    ("tool_use_smollm2", ("base_model=tiny", "completions_per_prompt=2")),
-])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("single_turn_token_in", ()),
+        ("multi_turn_message_in", ()),
+        ("arithmetic_smollm2", ("base_model=tiny", "completions_per_prompt=2", "dynamic_filter_fn=null")),
+        ("tool_use_smollm2", ("base_model=tiny", "completions_per_prompt=2")),
+    ],
+)
 def test_example_pair_runs(name, extra, tmp_path):
     metrics = run_example(name, tmp_path / "run", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2", *extra)
     trained = [m for m in metrics if "train/loss" in m]
@@ -32,9 +35,16 @@ def test_example_pair_runs(name, extra, tmp_path):
 
 
 def test_help_lists_config_fields():
-    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=EXAMPLES / "single_turn_token_in",
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "max_head_offpolicy_versions" in proc.stdout and "trainer.learning_rate" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--help"],
+        cwd=EXAMPLES / "single_turn_token_in",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 0 and "max_head_offpolicy_versions" in proc.stdout and "trainer.learning_rate" in proc.stdout
+    )
 
 
 @pytest.mark.slow
@@ -71,10 +81,12 @@ def test_tool_use_calculator_schema_and_refusals(monkeypatch):
         assert tool.parameters["required"] == ["expression"]
         assert tool.parameters["properties"]["expression"]["type"] == "string"
         assert "parentheses" in tool.parameters["properties"]["expression"]["description"]
-        calls = [ToolCall("a", "calculator", {"expression": "12 * (3 + 4)"}),
-                 ToolCall("b", "calculator", {"expression": "__import__('os').getcwd()"}),
-                 ToolCall("c", "calculator", {"expression": "2 ** 400"}),
-                 ToolCall("d", "calculator", {"value": 3})]
+        calls = [
+            ToolCall("a", "calculator", {"expression": "12 * (3 + 4)"}),
+            ToolCall("b", "calculator", {"expression": "__import__('os').getcwd()"}),
+            ToolCall("c", "calculator", {"expression": "2 ** 400"}),
+            ToolCall("d", "calculator", {"value": 3}),
+        ]
         results = asyncio.run(rollout.TOOLS.execute_all(calls))
         assert [r.status for r in results] == ["ok", "error", "error", "bad_arguments"]
         assert results[0].output == "84"
@@ -111,10 +123,14 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
 
     row = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
     with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(tmp_path / "d.log")) as dep:
+
         async def go():
             sampler = DeploymentSampler(dep.base_url)
-            setup = RolloutSetup(sampler=sampler, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
-                                 sampling_kwargs={"max_tokens": 6, "temperature": 1.0, "stop": [" ", "e"]})
+            setup = RolloutSetup(
+                sampler=sampler,
+                tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                sampling_kwargs={"max_tokens": 6, "temperature": 1.0, "stop": [" ", "e"]},
+            )
             try:
                 return [await rollout.make_rollout_fn(setup)(row) for _ in range(4)]
             finally:
@@ -127,18 +143,19 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
     for prompt, completion in calls:
         if prompt == first_prompt:
             episodes.append([])
-        assert prompt[:len(first_prompt)] == first_prompt
+        assert prompt[: len(first_prompt)] == first_prompt
         episodes[-1].append((prompt, completion))
     assert len(episodes) == len(samples) == 4
     for s, turns in zip(samples, episodes):
         validate_sample(s)
         for prompt, _ in turns:
-            assert s.tokens[:len(prompt)] == prompt  # every turn's prompt is a prefix of the sample
+            assert s.tokens[: len(prompt)] == prompt  # every turn's prompt is a prefix of the sample
         generated = [t for t, m in zip(s.tokens, s.loss_mask) if m == 1]
         assert generated == [t for _, c in turns for t in c.output_tokens]
         assert s.token_weight_versions == [v for _, c in turns for v in c.token_weight_versions]
-        assert [lp for lp, m in zip(s.logprobs, s.loss_mask) if m == 1] == \
-            [lp for _, c in turns for lp in c.inference_logprobs]
+        assert [lp for lp, m in zip(s.logprobs, s.loss_mask) if m == 1] == [
+            lp for _, c in turns for lp in c.inference_logprobs
+        ]
     rollout_mod = sys.modules.pop("rollout")
     sys.modules.pop("reward", None)
     assert rollout_mod is rollout
@@ -147,12 +164,15 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
 @pytest.mark.parametrize("name", sorted(p.parent.name for p in EXAMPLES.glob("*/train.py")))
 def test_importing_train_py_reads_no_command_line_and_loads_no_model(name, tmp_path):
     """tinker's rule: only ``python train.py`` parses argv; an import (a test, a sweep script) is inert."""
-    code = ("import sys; sys.argv = ['x', 'not_a_field=1']; import train; "
-            "assert train.cfg.base_model in ('tiny', 'smollm2'); "
-            "loaded = [m for m in sys.modules if m.startswith(('training.trainer', 'training.deployment.engine'))]; "
-            "assert not loaded, loaded")
+    code = (
+        "import sys; sys.argv = ['x', 'not_a_field=1']; import train; "
+        "assert train.cfg.base_model in ('tiny', 'smollm2'); "
+        "loaded = [m for m in sys.modules if m.startswith(('training.trainer', 'training.deployment.engine'))]; "
+        "assert not loaded, loaded"
+    )
     env = {**__import__("os").environ, "TRAINING_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES / name, capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=EXAMPLES / name, capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (tmp_path / "cache").exists()  # no model was built or converted

@@ -36,8 +36,16 @@ def _alive(pid: int) -> bool:
 def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     """A run with shm weight sync; returns once it has pushed weights (trained one step)."""
     log_path = tmp_path / "run"
-    args = [sys.executable, "train.py", f"log_path={log_path}", "max_steps=200", "eval_interval=0",
-            "prompt_groups_per_step=2", "synchronous_training=true", "deployment.weight_sync=shm"]
+    args = [
+        sys.executable,
+        "train.py",
+        f"log_path={log_path}",
+        "max_steps=200",
+        "eval_interval=0",
+        "prompt_groups_per_step=2",
+        "synchronous_training=true",
+        "deployment.weight_sync=shm",
+    ]
     proc = subprocess.Popen(args, cwd=EXAMPLE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = log_path / "metrics.jsonl"
     deadline = time.time() + 300

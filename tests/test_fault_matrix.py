@@ -21,16 +21,26 @@ ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in rang
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)),
-                            log_file=str(log)) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
+    ) as dep:
         yield dep
 
 
 def config(tiny_model_path, server, tmp_path, **kw):
-    base = dict(base_model=tiny_model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
-                prompt_groups_per_step=2, max_tokens=4, max_steps=2, export_final_model=False, shuffle_rows=False,
-                trainer=TrainerConfig(learning_rate=1e-3), loss=LossConfig(kl_beta=0.0),
-                deployment=DeployConfig(base_url=server.base_url))
+    base = dict(
+        base_model=tiny_model_path,
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=2,
+        max_tokens=4,
+        max_steps=2,
+        export_final_model=False,
+        shuffle_rows=False,
+        trainer=TrainerConfig(learning_rate=1e-3),
+        loss=LossConfig(kl_beta=0.0),
+        deployment=DeployConfig(base_url=server.base_url),
+    )
     base.update(kw)
     return async_rl_loop.Config(**base)
 
@@ -43,9 +53,13 @@ def sampling_rollout(setup, before=None):
             await before(row)
         (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
         out = c.output_tokens
-        return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
-                             loss_mask=[0] * c.prompt_len + [1] * len(out),
-                             reward=sum(t % 2 == 0 for t in out) / len(out) + row["id"] * 1e-3 + time.time() % 1e-4)
+        return RolloutSample(
+            tokens=c.full_tokens,
+            logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
+            loss_mask=[0] * c.prompt_len + [1] * len(out),
+            reward=sum(t % 2 == 0 for t in out) / len(out) + row["id"] * 1e-3 + time.time() % 1e-4,
+        )
+
     return rollout_fn
 
 
@@ -60,13 +74,14 @@ def test_a_rollout_blocking_the_event_loop_times_out_nothing(tiny_model_path, se
             if row["id"] == 1 and not blocked:
                 blocked.append(True)
                 time.sleep(4.0)  # noqa: ASYNC251 - the fault under test
+
         return sampling_rollout(setup, before)
 
-    cfg = config(tiny_model_path, server, tmp_path, rollout_timeout_s=2.0, max_concurrency=8,
-                 max_rollout_error_fraction=0.3)
+    cfg = config(
+        tiny_model_path, server, tmp_path, rollout_timeout_s=2.0, max_concurrency=8, max_rollout_error_fraction=0.3
+    )
     out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
     assert out["steps"] == 2 and blocked
     m = read_metrics(cfg.log_path)
     assert sum(r.get("rollout/timeouts", 0) for r in m) == 0
-    assert any("event loop has been blocked" in r.getMessage() and "before" in r.getMessage()
-               for r in caplog.records)
+    assert any("event loop has been blocked" in r.getMessage() and "before" in r.getMessage() for r in caplog.records)

@@ -29,17 +29,71 @@ SERVER_REQUESTS = 1000
 PROXY_REQUESTS = 500
 REQUEST_TIMEOUT_S = 60.0
 
-GENERATION_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                     "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs",
-                     "return_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "min_tokens", "tools", "tool_choice", "stream",
-                     "stream_options", "chat_template_kwargs", "user", "echo", "response_format"]
+GENERATION_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "return_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "tools",
+    "tool_choice",
+    "stream",
+    "stream_options",
+    "chat_template_kwargs",
+    "user",
+    "echo",
+    "response_format",
+]
 
 
 def _weird_values(rng: random.Random) -> list:
-    return [None, True, False, 0, -1, 1, 2 ** 64, -(2 ** 63) - 1, 10 ** 400, 1e308, -1e308, 1e-320, 0.5,
-            "", "x", "\ud800", "\x00", "é" * 50, "9" * 5000, [], [1, 2], [[1]], ["a"], [None], {}, {"a": 1},
-            [rng.randrange(-5, 300_000) for _ in range(rng.randrange(1, 20))], "a" * rng.randrange(1, 20_000)]
+    return [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1,
+        2**64,
+        -(2**63) - 1,
+        10**400,
+        1e308,
+        -1e308,
+        1e-320,
+        0.5,
+        "",
+        "x",
+        "\ud800",
+        "\x00",
+        "é" * 50,
+        "9" * 5000,
+        [],
+        [1, 2],
+        [[1]],
+        ["a"],
+        [None],
+        {},
+        {"a": 1},
+        [rng.randrange(-5, 300_000) for _ in range(rng.randrange(1, 20))],
+        "a" * rng.randrange(1, 20_000),
+    ]
 
 
 def _nested(depth: int) -> str:
@@ -53,7 +107,7 @@ def _body(rng: random.Random, chat: bool) -> bytes:
     kind = rng.randrange(12)
     if kind == 0:  # malformed JSON
         text = json.dumps(base)
-        return text[:rng.randrange(len(text))].encode()
+        return text[: rng.randrange(len(text))].encode()
     if kind == 1:  # invalid UTF-8
         return b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}'
     if kind == 2:  # deep nesting
@@ -61,8 +115,11 @@ def _body(rng: random.Random, chat: bool) -> bytes:
     if kind == 3:  # an integer with thousands of digits
         return ('{"prompt": [1, 2], "max_tokens": ' + "9" * rng.choice([500, 4400, 10000]) + "}").encode()
     if kind == 4:  # lone surrogate escapes
-        return b'{"prompt": "\\ud800abc", "max_tokens": 2}' if not chat else \
-            b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
+        return (
+            b'{"prompt": "\\ud800abc", "max_tokens": 2}'
+            if not chat
+            else b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
+        )
     if kind == 5:  # not an object
         return json.dumps(rng.choice([[], 1, "s", None, [base]])).encode()
     if kind == 6:  # messages / prompt of the wrong shape
@@ -88,8 +145,10 @@ async def _raw(url: str, path: str, head_extra: bytes, body: bytes, close_early:
     """Send bytes over a plain socket (disconnect mid-body when ``close_early``)."""
     u = urlparse(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body) + (100 if close_early else 0)}\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body) + (100 if close_early else 0)}\r\n"
+    )
     writer.write(head.encode() + head_extra + b"\r\n" + body)
     await writer.drain()
     if not close_early:
@@ -103,6 +162,7 @@ async def _fuzz(url: str, paths: list[str], n: int, seed: int, headers: dict, ex
     failures: list[str] = []
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
+
         async def one(i: int) -> None:
             path = rng.choice(paths)
             body = _body(rng, chat="chat" in path or "messages" in path)
@@ -113,8 +173,9 @@ async def _fuzz(url: str, paths: list[str], n: int, seed: int, headers: dict, ex
                 if i % 50 == 13 and extra_headers:  # odd headers (non-ASCII session ids, huge values)
                     await _raw(url, path, rng.choice(extra_headers), body, close_early=False)
                     return
-                async with http.post(url + path, data=body, headers={**headers, "Content-Type": "application/json"}) \
-                        as resp:
+                async with http.post(
+                    url + path, data=body, headers={**headers, "Content-Type": "application/json"}
+                ) as resp:
                     text = await resp.text()
                     statuses[resp.status] = statuses.get(resp.status, 0) + 1
                     if resp.status >= 500:
@@ -151,8 +212,13 @@ def server(tiny_model_path, tmp_path_factory):
 def test_server_answers_every_fuzzed_request_below_500_and_still_serves(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     before = asyncio.run(_greedy(server.base_url, "/v1/completions", headers))
-    paths = ["/v1/completions", "/v1/chat/completions", "/update_weights_from_disk", "/update_weights_from_shm",
-             "/init_weight_update_group"]
+    paths = [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/update_weights_from_disk",
+        "/update_weights_from_shm",
+        "/init_weight_update_group",
+    ]
     out = asyncio.run(_fuzz(server.base_url, paths, SERVER_REQUESTS, seed=1234, headers=headers, extra_headers=[]))
     assert out["failures"] == [], "\n".join(out["failures"][:20])
     assert sum(out["statuses"].values()) >= SERVER_REQUESTS * 0.9
@@ -163,14 +229,23 @@ def test_proxy_answers_every_fuzzed_request_below_500_and_still_serves(server):
     async def go():
         async with ProxyServer([server.base_url], upstream_api_key=API_KEY) as proxy:
             headers = {"Authorization": f"Bearer {proxy.api_key}", "x-multi-turn-session-id": "fuzz"}
-            odd = ["x-multi-turn-session-id: s\xe9ss\xeeon\r\n".encode("latin-1"),
-                   b"x-multi-turn-session-id: " + b"s" * 20000 + b"\r\n",
-                   "x-session-affinity: \u2603\r\n".encode("utf-8")]
+            odd = [
+                "x-multi-turn-session-id: s\xe9ss\xeeon\r\n".encode("latin-1"),
+                b"x-multi-turn-session-id: " + b"s" * 20000 + b"\r\n",
+                "x-session-affinity: \u2603\r\n".encode("utf-8"),
+            ]
             root = proxy.base_url.removesuffix("/v1")
-            out = await _fuzz(root, ["/v1/chat/completions", "/v1/completions"], PROXY_REQUESTS, seed=99,
-                              headers=headers, extra_headers=odd)
+            out = await _fuzz(
+                root,
+                ["/v1/chat/completions", "/v1/completions"],
+                PROXY_REQUESTS,
+                seed=99,
+                headers=headers,
+                extra_headers=odd,
+            )
             after = await _greedy(root, "/v1/completions", headers)
             return out, after
+
     before = asyncio.run(_greedy(server.base_url, "/v1/completions", {"Authorization": f"Bearer {API_KEY}"}))
     out, after = asyncio.run(go())
     assert out["failures"] == [], "\n".join(out["failures"][:20])

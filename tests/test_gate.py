@@ -63,7 +63,7 @@ def test_wait_takes_oldest_first_and_waits_when_a_deadline_needs_a_running_group
 
 def test_bypass_window_shrinks_as_deadlines_approach():
     gate = OffPolicyGate(max_offpolicy_versions=1, groups_per_step=4)
-    assert gate.bypass_window(0, [0] * 4) == 4          # due at step 1: step 0 may take anything
+    assert gate.bypass_window(0, [0] * 4) == 4  # due at step 1: step 0 may take anything
     assert gate.bypass_window(1, [0] * 3 + [1] * 4) == 1  # three are due now: one free slot
     assert gate.bypass_window(1, [0] * 4 + [1] * 4) == 0
 
@@ -98,8 +98,11 @@ def simulate(policy: str, O: int, B: int, seed: int, rows: int = 120, train_time
                     ready.remove(r)
                     dropped.append(r[3])
                     queue.insert(0, r[3])  # requeued
-            plan = gate.plan_batch(step, [r[2] for r in ready], [r[2] for r in running]) \
-                if len(ready) >= B or (not queue and not running and ready) else None
+            plan = (
+                gate.plan_batch(step, [r[2] for r in ready], [r[2] for r in running])
+                if len(ready) >= B or (not queue and not running and ready)
+                else None
+            )
             if plan is not None:
                 for i in plan:
                     staleness.append(step - ready[i][2])

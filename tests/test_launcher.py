@@ -19,8 +19,11 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 
 
 def _cfg(tmp_path, **kw) -> DeployConfig:
-    base = dict(engine_config=EngineConfig(max_model_len=128, max_batch_size=4, device="cpu", dtype="float32"),
-                startup_timeout_s=120, log_file=str(tmp_path / "server.log"))
+    base = dict(
+        engine_config=EngineConfig(max_model_len=128, max_batch_size=4, device="cpu", dtype="float32"),
+        startup_timeout_s=120,
+        log_file=str(tmp_path / "server.log"),
+    )
     return DeployConfig(**{**base, **kw})
 
 
@@ -42,15 +45,19 @@ def _greedy(dep: EmbeddedDeployment) -> tuple[list[int], int]:
             return await s.sample_with_prompt_tokens(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
         finally:
             await s.close()
+
     [c] = asyncio.run(go())
     return c.output_tokens, c.weight_version
 
 
 def _perturbed(model_path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     g = torch.Generator().manual_seed(1)
-    return {k: v + torch.randn(v.shape, generator=g) * (2.0 if "norm" in k else 2.0 * v.float().std())
-            for k, v in load_file(f"{model_path}/model.safetensors").items()}
+    return {
+        k: v + torch.randn(v.shape, generator=g) * (2.0 if "norm" in k else 2.0 * v.float().std())
+        for k, v in load_file(f"{model_path}/model.safetensors").items()
+    }
 
 
 def test_killed_server_is_restarted_with_the_latest_weights(tiny_model_path, tmp_path):
@@ -139,8 +146,12 @@ def test_no_orphan_after_interpreter_exit_or_kill9_of_the_trainer(tiny_model_pat
     """'exit': atexit stops the child. 'hang' + kill -9 of the trainer: the child notices and exits."""
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD_SCRIPT, tiny_model_path, mode, str(tmp_path / "s.log")],
-                            stdout=subprocess.PIPE, text=True)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_SCRIPT, tiny_model_path, mode, str(tmp_path / "s.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(proc.stdout.readline())
     if mode == "hang":
         proc.kill()
@@ -156,8 +167,8 @@ def test_push_to_all_replicas_returns_when_every_one_serves_the_new_version(tiny
 
     from training.deployment.group import push_weights
     from training.deployment.weight_sync import WeightSyncError
-    deps = [EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, log_file=str(tmp_path / f"s{i}.log")))
-            for i in range(2)]
+
+    deps = [EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, log_file=str(tmp_path / f"s{i}.log"))) for i in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda d: d.start(), deps))
@@ -181,7 +192,9 @@ def test_weight_push_right_after_a_server_kill_waits_for_the_restart_and_lands(t
 
     from training.utils.http import control_request
 
-    group = DeploymentGroup(tiny_model_path, _cfg(tmp_path, max_restarts=2, weight_sync="shm"), log_dir=tmp_path).start()
+    group = DeploymentGroup(
+        tiny_model_path, _cfg(tmp_path, max_restarts=2, weight_sync="shm"), log_dir=tmp_path
+    ).start()
     try:
         key = group.cfg.api_key
         assert key  # launched without a key: the group made one, so no other process can drive the server

@@ -14,10 +14,16 @@ pytestmark = pytest.mark.unit  # no model, no server: part of the sub-minute loo
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     "training": 0,  # the empty top package
-    "training.utils": 0, "training.models": 0,
-    "training.trainer": 1, "training.deployment": 1, "training.agents": 1, "training.proxy": 1,
+    "training.utils": 0,
+    "training.models": 0,
+    "training.trainer": 1,
+    "training.deployment": 1,
+    "training.agents": 1,
+    "training.proxy": 1,
     "training.recipes": 2,
-    "training.examples": 3, "training.plot": 3, "benchmarks": 3,
+    "training.examples": 3,
+    "training.plot": 3,
+    "benchmarks": 3,
 }
 
 
@@ -47,8 +53,9 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            ]
         else:
             continue
         found.update(n for n in names if n.split(".")[0] in ("training", "benchmarks"))
@@ -61,18 +68,28 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_a_higher_floor():
-    upward = sorted(f"{m} (floor {floor_of(m)}) imports {i} (floor {floor_of(i)})"
-                    for m, targets in graph().items() for i in targets if floor_of(i) > floor_of(m))
+    upward = sorted(
+        f"{m} (floor {floor_of(m)}) imports {i} (floor {floor_of(i)})"
+        for m, targets in graph().items()
+        for i in targets
+        if floor_of(i) > floor_of(m)
+    )
     assert not upward, "\n".join(upward)
 
 
 def test_floor_one_packages_do_not_import_each_other():
     """trainer, deployment, agents and proxy are siblings: what two of them need lives on the ground floor."""
+
     def package(m: str) -> str:
         return ".".join(m.split(".")[:2])
 
-    crossing = sorted(f"{m} imports {i}" for m, targets in graph().items() if floor_of(m) == 1
-                      for i in targets if floor_of(i) == 1 and package(i) != package(m))
+    crossing = sorted(
+        f"{m} imports {i}"
+        for m, targets in graph().items()
+        if floor_of(m) == 1
+        for i in targets
+        if floor_of(i) == 1 and package(i) != package(m)
+    )
     assert not crossing, "\n".join(crossing)
 
 
@@ -110,8 +127,10 @@ def test_import_graph_has_no_cycle():
 
 def test_the_server_and_the_ground_floor_load_without_higher_floors():
     """Importing the inference server loads neither agents, proxy, trainer nor recipes (checked for real)."""
-    code = ("import sys, training.deployment.server, training.utils.rl.ppo, training.utils.checkpoint; "
-            "bad = [m for m in sys.modules if m.startswith(('training.agents', 'training.proxy', "
-            "'training.trainer', 'training.recipes'))]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, training.deployment.server, training.utils.rl.ppo, training.utils.checkpoint; "
+        "bad = [m for m in sys.modules if m.startswith(('training.agents', 'training.proxy', "
+        "'training.trainer', 'training.recipes'))]; print(bad); sys.exit(1 if bad else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

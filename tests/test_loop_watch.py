@@ -53,6 +53,7 @@ def test_unblocked_time_still_times_out():
                 await wait_for(asyncio.sleep(5), 0.3)
         finally:
             watchdog.stop()
+
     t0 = time.monotonic()
     asyncio.run(go())
     assert time.monotonic() - t0 < 2

@@ -86,8 +86,9 @@ def test_lora_checkpoint_resumes_with_equal_adapters_and_optimizer_state(tiny_mo
     path = save_checkpoint(tmp_path, 2, trainer.model, trainer.optimizer, {"step": 2})
     stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model_keys = {k.split(".", 1)[1] for k in stored if k.startswith("model.")}
-    assert model_keys == {n for n, p in trainer.model.named_parameters() if p.requires_grad}, \
+    assert model_keys == {n for n, p in trainer.model.named_parameters() if p.requires_grad}, (
         "the adapters, not the frozen base weights"
+    )
     resumed = _lora(tiny_model_path, seed=7)  # other random A: everything must come from the checkpoint
     assert load_checkpoint(path, resumed.model, resumed.optimizer) == {"step": 2}
     for (n, p), (_, q) in zip(trainer.model.named_parameters(), resumed.model.named_parameters()):
@@ -161,8 +162,8 @@ def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support
     _train(trainer, 3)
     prompt = SEQS[0][:4]
     deploy = DeployConfig(engine_config=EngineConfig(max_batch_size=4, max_model_len=64))
-    with EmbeddedDeployment(tiny_model_path, deploy,
-                            log_file=str(tmp_path / "server.log")) as dep:
+    with EmbeddedDeployment(tiny_model_path, deploy, log_file=str(tmp_path / "server.log")) as dep:
+
         async def sample():
             sampler = DeploymentSampler([dep.base_url])
             try:
@@ -174,10 +175,9 @@ def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support
         before = asyncio.run(sample())
         asyncio.run(dep.push_weights(trainer.named_weights(), 1))
         after = asyncio.run(sample())
-    for completion, scorer in ((before, PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu"))),
-                               (after, trainer)):
-        got = scorer.logprobs([completion.full_tokens])[0][completion.prompt_len:]
+    for completion, scorer in ((before, PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu"))), (after, trainer)):
+        got = scorer.logprobs([completion.full_tokens])[0][completion.prompt_len :]
         assert max(abs(a - b) for a, b in zip(got, completion.inference_logprobs)) < 1e-4
     assert after.weight_version == 1
-    moved = trainer.logprobs([before.full_tokens])[0][before.prompt_len:]
+    moved = trainer.logprobs([before.full_tokens])[0][before.prompt_len :]
     assert max(abs(a - b) for a, b in zip(moved, before.inference_logprobs)) > 1e-3, "the push changed the policy"

@@ -234,7 +234,9 @@ def test_importance_sampling_is_unclipped_and_tis_weighted():
     # r = 1.5 and 3.0, w = 2
     inputs = ratio_inputs([1.5, 3.0], [1.0, -1.0], sampler=[-1.0 - LN(2.0)] * 2)
     assert per_token("importance_sampling", inputs) == pytest.approx([-3.0, 6.0])
-    _, grad, metrics = summed_grad("importance_sampling", ratio_inputs([1.5, 3.0], [1.0, -1.0], sampler=[-1.0 - LN(2.0)] * 2))
+    _, grad, metrics = summed_grad(
+        "importance_sampling", ratio_inputs([1.5, 3.0], [1.0, -1.0], sampler=[-1.0 - LN(2.0)] * 2)
+    )
     assert grad == pytest.approx([-3.0, 6.0])
     assert metrics["clip_fraction"] == 0.0
 
@@ -342,9 +344,7 @@ def test_gradient_pushes_logprob_along_advantage(name, advantage):
 def _two_sequence_inputs() -> LossInputs:
     # importance_sampling with r = 1, w = 1 gives L = -A: seq0 one trainable token (A = 2),
     # seq1 three trainable tokens (A = -1); prompt tokens masked
-    return make_inputs(
-        [-1.0] * 6, [2.0, 2.0, -1.0, -1.0, -1.0, -1.0], mask=[0, 1, 0, 1, 1, 1], seq=[0, 0, 1, 1, 1, 1]
-    )
+    return make_inputs([-1.0] * 6, [2.0, 2.0, -1.0, -1.0, -1.0, -1.0], mask=[0, 1, 0, 1, 1, 1], seq=[0, 0, 1, 1, 1, 1])
 
 
 @pytest.mark.parametrize(
@@ -394,7 +394,9 @@ def _random_sequences(seed: int) -> list[dict[str, list[float]]]:
 def _pack(sequences: list[dict[str, list[float]]]) -> LossInputs:
     cat = {k: [v for s in sequences for v in s[k]] for k in sequences[0]}
     seq = [i for i, s in enumerate(sequences) for _ in s["lps"]]
-    return make_inputs(cat["lps"], cat["adv"], old=cat["old"], sampler=cat["sampler"], mask=cat["mask"], seq=seq, ref=cat["ref"])
+    return make_inputs(
+        cat["lps"], cat["adv"], old=cat["old"], sampler=cat["sampler"], mask=cat["mask"], seq=seq, ref=cat["ref"]
+    )
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
@@ -492,10 +494,16 @@ def test_sample_weights_scale_each_sequences_contribution():
 
     def run(weights):
         lp = torch.tensor([-1.0, -1.0, -2.0, -2.0], requires_grad=True)
-        inputs = LossInputs(logprobs_N=lp, old_logprobs_N=lp.detach().clone(), sampler_logprobs_N=lp.detach().clone(),
-                            advantages_N=torch.tensor([1.0, 1.0, -1.0, -1.0]), loss_mask_N=torch.ones(4),
-                            sequence_index_N=torch.tensor([0, 0, 1, 1]), num_sequences=2,
-                            sample_weights_N=None if weights is None else torch.tensor(weights))
+        inputs = LossInputs(
+            logprobs_N=lp,
+            old_logprobs_N=lp.detach().clone(),
+            sampler_logprobs_N=lp.detach().clone(),
+            advantages_N=torch.tensor([1.0, 1.0, -1.0, -1.0]),
+            loss_mask_N=torch.ones(4),
+            sequence_index_N=torch.tensor([0, 0, 1, 1]),
+            num_sequences=2,
+            sample_weights_N=None if weights is None else torch.tensor(weights),
+        )
         loss, _ = compute_policy_loss(inputs, LossConfig(policy_loss="importance_sampling", kl_beta=0.0), 4, 2)
         loss.backward()
         return lp.grad

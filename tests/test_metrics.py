@@ -43,8 +43,13 @@ def test_wandb_environment_wins_over_the_config_defaults(monkeypatch):
     from training.utils.metrics import wandb_settings
 
     cfg = WandBConfig(project="p", entity="e", mode="online")
-    assert wandb_settings(cfg, "run", env={}) == {"project": "p", "entity": "e", "name": "run", "mode": "online",
-                                                  "tags": []}
+    assert wandb_settings(cfg, "run", env={}) == {
+        "project": "p",
+        "entity": "e",
+        "name": "run",
+        "mode": "online",
+        "tags": [],
+    }
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "q", "WANDB_NAME": "n"}
     got = wandb_settings(cfg, "run", env=env)
     assert (got["mode"], got["project"], got["entity"], got["name"]) == ("offline", "q", "e", "n")

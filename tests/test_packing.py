@@ -71,11 +71,7 @@ def test_gather_aligns_per_token_lists_and_scalars():
 def test_attention_mask_is_block_diagonal_causal():
     batch = pack_sequences([[1, 2], [3, 4, 5]], max_tokens=10)[0]
     allowed = batch.attention_mask(torch.bool)[0, 0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0],
-                       [0, 0, 1, 0, 0],
-                       [0, 0, 1, 1, 0],
-                       [0, 0, 1, 1, 1]]
+    assert allowed == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
     additive = batch.attention_mask(torch.float32)[0, 0]
     assert torch.equal(additive == 0, torch.tensor(allowed, dtype=torch.bool))
 

@@ -81,12 +81,17 @@ def test_empty_file_exits_2_with_message(tmp_path, capsys):
 
 
 def test_cli_subprocess_exit_codes(tmp_path):
-    missing = subprocess.run([sys.executable, "-m", "training.plot", str(tmp_path)],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "training.plot", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 2 and "metrics file not found" in missing.stderr
     _write_jsonl(tmp_path / "metrics.jsonl", _full_run(15))
-    ok = subprocess.run([sys.executable, "-m", "training.plot", str(tmp_path), "--out", str(tmp_path / "c.png")],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "training.plot", str(tmp_path), "--out", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     _assert_png(tmp_path / "c.png")
 
@@ -124,7 +129,9 @@ def test_rolling_mean_is_trailing_window_mean():
 def test_step_time_panel_holds_durations_not_rates():
     from training.plot import _panels
 
-    series = {k: ([0], [1.0]) for k in ("perf/step_time_s", "perf/train_s", "perf/trained_tokens_per_s",
-                                        "perf/generated_tokens_per_s")}
-    (title, keys), = _panels(series)
+    series = {
+        k: ([0], [1.0])
+        for k in ("perf/step_time_s", "perf/train_s", "perf/trained_tokens_per_s", "perf/generated_tokens_per_s")
+    }
+    ((title, keys),) = _panels(series)
     assert title == "step time (s)" and keys == ["perf/step_time_s", "perf/train_s"]

@@ -45,13 +45,13 @@ def test_prefix_groups_find_each_prompts_group_behind_a_common_system_prompt():
     for g, prompt in enumerate(prompts):
         for k in range(3):
             seqs.append(system + prompt + [500 + 10 * g + k, 1, 2])
-    seqs.append(system + [1, 2, 3])                 # shares only the system prompt
-    seqs.append([42, 43])                           # shares nothing
-    seqs.append(list(seqs[0]))                       # a duplicate of a group member
+    seqs.append(system + [1, 2, 3])  # shares only the system prompt
+    seqs.append([42, 43])  # shares nothing
+    seqs.append(list(seqs[0]))  # a duplicate of a group member
     groups = prefix_groups(seqs)
     assert sorted(i for members, _ in groups for i in members) == list(range(len(seqs)))
     by_first = {members[0]: (members, p) for members, p in groups}
-    assert by_first[0] == ([0, 1, 2, 11], 11)   # system + prompt 0; the duplicate joins it
+    assert by_first[0] == ([0, 1, 2, 11], 11)  # system + prompt 0; the duplicate joins it
     assert by_first[3] == ([3, 4, 5], 14)
     assert by_first[6] == ([6, 7, 8], 9)
     assert by_first[9] == ([9], 0) and by_first[10] == ([10], 0)
@@ -85,20 +85,25 @@ def test_each_prompt_runs_through_the_model_once_per_group(tiny_model_path):
     assert rows == [computed] and computed < sum(len(s) for s in seqs)
 
 
-@pytest.mark.parametrize("micro_batch_tokens, chunk_tokens, temperature", [
-    (4096, 1024, 1.0),   # one micro-batch, one logprob chunk
-    (4096, 7, 1.0),      # many chunks
-    (60, 5, 0.8),        # micro-batch boundaries: groups cut into chunks, several packs
-    (1, 64, 1.0),        # every unit alone
-])
+@pytest.mark.parametrize(
+    "micro_batch_tokens, chunk_tokens, temperature",
+    [
+        (4096, 1024, 1.0),  # one micro-batch, one logprob chunk
+        (4096, 7, 1.0),  # many chunks
+        (60, 5, 0.8),  # micro-batch boundaries: groups cut into chunks, several packs
+        (1, 64, 1.0),  # every unit alone
+    ],
+)
 @pytest.mark.parametrize("model", ["qwen3", "llama"])
-def test_logprobs_equal_ordinary_packing(tiny_model_path, tiny_llama_path, model, micro_batch_tokens, chunk_tokens,
-                                         temperature):
+def test_logprobs_equal_ordinary_packing(
+    tiny_model_path, tiny_llama_path, model, micro_batch_tokens, chunk_tokens, temperature
+):
     path = tiny_model_path if model == "qwen3" else tiny_llama_path
     seqs = _grpo_batch(SHAPES, seed=1)
     shared = _trainer(path, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=chunk_tokens)
-    plain = _trainer(path, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=chunk_tokens,
-                     shared_prompt_packing=False)
+    plain = _trainer(
+        path, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=chunk_tokens, shared_prompt_packing=False
+    )
     assert shared.share_prefixes and not plain.share_prefixes
     got, expected = shared.logprobs(seqs, temperature), plain.logprobs(seqs, temperature)
     assert [len(g) for g in got] == [len(s) for s in seqs]

@@ -13,8 +13,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" /
 
 def test_agent_file_imports_nothing_from_the_library():
     tree = ast.parse((EXAMPLE / "agent.py").read_text())
-    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
-        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
     assert "openai" in modules and not any(m.split(".")[0] == "training" for m in modules if m)
 
 
@@ -62,6 +63,7 @@ def test_black_box_agent_round_trips_tools_on_smollm2(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(EXAMPLE))
     from agent import solve
+
     sys.modules.pop("agent", None)
     questions = ["What is 17 * 23?", "What is 412 + 389?", "What is 96 - 48?", "What is 31 * 29?"]
     path = resolve_model("smollm2")
@@ -69,9 +71,11 @@ def test_black_box_agent_round_trips_tools_on_smollm2(tmp_path, monkeypatch):
 
     async def go(base_url):
         async with ProxyServer([base_url], forced_params={"temperature": 0.0, "max_tokens": 64}) as proxy:
+
             async def one(i, q):
                 await asyncio.to_thread(solve, q, base_url=proxy.session_url(f"s{i}"), api_key=proxy.api_key or "x")
                 return proxy.close_session(f"s{i}")
+
             return await asyncio.gather(*(one(i, q) for i, q in enumerate(questions)))
 
     with EmbeddedDeployment(path, cfg, log_file=str(tmp_path / "server.log")) as dep:

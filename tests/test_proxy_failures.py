@@ -29,20 +29,40 @@ class ScriptedUpstream:
         if kind == "500":
             return web.json_response({"error": {"message": "boom"}}, status=503)
         if kind == "400max":
-            return web.json_response({"error": {"message": "'max_tokens'=999 plus the prompt exceeds max_model_len",
-                                                "param": "max_tokens"}}, status=400)
-        call = {"id": "call_abc", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": "2+3"})}}
-        message = {"role": "assistant", "content": "5", "tool_calls": []} if kind == "text" else \
-            {"role": "assistant", "content": None, "tool_calls": [call]}
-        choice = {"index": 0, "finish_reason": "stop" if kind == "text" else "tool_calls", "weight_version": 3,
-                  "message": message,
-                  "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}] * 3}}
+            return web.json_response(
+                {"error": {"message": "'max_tokens'=999 plus the prompt exceeds max_model_len", "param": "max_tokens"}},
+                status=400,
+            )
+        call = {
+            "id": "call_abc",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": "2+3"})},
+        }
+        message = (
+            {"role": "assistant", "content": "5", "tool_calls": []}
+            if kind == "text"
+            else {"role": "assistant", "content": None, "tool_calls": [call]}
+        )
+        choice = {
+            "index": 0,
+            "finish_reason": "stop" if kind == "text" else "tool_calls",
+            "weight_version": 3,
+            "message": message,
+            "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}] * 3},
+        }
         if kind != "bare":
             choice.update(token_ids=[5, 6, 7], prompt_token_ids=[1, 2, 3, 4])
-        return web.json_response({"id": "c", "object": "chat.completion", "created": 0, "model": "tiny",
-                                  "choices": [choice], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
-                                                                 "total_tokens": 7}, "weight_version": 3})
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "tiny",
+                "choices": [choice],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+                "weight_version": 3,
+            }
+        )
 
     async def __aenter__(self):
         app = web.Application()
@@ -66,14 +86,18 @@ def chat(proxy, sid, **kw):
 def test_tool_calls_come_back_structured_and_token_fields_stripped():
     async def go():
         async with ScriptedUpstream() as up, ProxyServer([up.url], backoff_s=0.01) as proxy:
-            r = await chat(proxy, "t", tools=[{"type": "function", "function": {"name": "calculator"}}],
-                           temperature=0.3)
+            r = await chat(
+                proxy, "t", tools=[{"type": "function", "function": {"name": "calculator"}}], temperature=0.3
+            )
             return r, up.bodies[0], proxy.close_session("t")
 
     r, forwarded, session = asyncio.run(go())
     [tc] = r.choices[0].message.tool_calls
-    assert (tc.function.name, json.loads(tc.function.arguments), r.choices[0].finish_reason) == \
-        ("calculator", {"expression": "2+3"}, "tool_calls")
+    assert (tc.function.name, json.loads(tc.function.arguments), r.choices[0].finish_reason) == (
+        "calculator",
+        {"expression": "2+3"},
+        "tool_calls",
+    )
     assert "token_ids" not in (r.choices[0].model_extra or {}) and r.choices[0].logprobs is None
     assert forwarded["return_token_ids"] is True and forwarded["logprobs"] is True and "model" not in forwarded
     [c] = session.calls
@@ -100,10 +124,13 @@ def test_upstream_5xx_is_retried_then_fails_the_sample():
 
             class Sampler:
                 base_url, api_key = up.url, None
-            setup = RolloutSetup(sampler=Sampler(), tokenizer=None,
-                                 sampling_kwargs={"temperature": 0.7, "max_tokens": 9})
-            fn = make_proxy_rollout_fn(swallowing_agent, reward_fn=lambda r, a: 1.0,
-                                       proxy_kwargs={"backoff_s": 0.01, "max_retries": 2})(setup)
+
+            setup = RolloutSetup(
+                sampler=Sampler(), tokenizer=None, sampling_kwargs={"temperature": 0.7, "max_tokens": 9}
+            )
+            fn = make_proxy_rollout_fn(
+                swallowing_agent, reward_fn=lambda r, a: 1.0, proxy_kwargs={"backoff_s": 0.01, "max_retries": 2}
+            )(setup)
             with pytest.raises(UpstreamFailedError, match="failed after 3 attempts: HTTP 503"):
                 await fn({})
             return up.bodies[-1]
@@ -154,8 +181,10 @@ def test_tool_status_credit_penalises_failed_tool_calls_through_the_proxy():
         msgs = [{"role": "user", "content": "2+3"}]
         r = await c.chat.completions.create(model="m", messages=msgs)
         msg = r.choices[0].message
-        msgs += [msg.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "error: division by zero"}]
+        msgs += [
+            msg.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "error: division by zero"},
+        ]
         await c.chat.completions.create(model="m", messages=msgs)
         return "5"
 
@@ -165,9 +194,11 @@ def test_tool_status_credit_penalises_failed_tool_calls_through_the_proxy():
 
             class Sampler:
                 base_url, api_key = up.url, None
+
             setup = RolloutSetup(sampler=Sampler(), tokenizer=None, sampling_kwargs={})
-            fn = make_proxy_rollout_fn(agent, reward_fn=lambda r, a: 1.0, mode="transitions",
-                                       credit_fn=with_tool_status(failed_call=-0.5))(setup)
+            fn = make_proxy_rollout_fn(
+                agent, reward_fn=lambda r, a: 1.0, mode="transitions", credit_fn=with_tool_status(failed_call=-0.5)
+            )(setup)
             return await fn({})
 
     run = asyncio.run(go())

@@ -13,11 +13,20 @@ USER = {"role": "user", "content": "2 + 3?"}
 
 
 def call(prompt, output, messages=None, reply=None, agent="default", tools=None, finish="stop"):
-    return CallRecord(index=-1, endpoint="chat" if messages is not None else "completions", agent=agent,
-                      prompt_ids=list(prompt), output_ids=list(output),
-                      output_logprobs=[-0.1 * (i + 1) for i in range(len(output))], finish_reason=finish,
-                      weight_version=0, upstream="u", messages=messages, tools=tools,
-                      response_message=reply)
+    return CallRecord(
+        index=-1,
+        endpoint="chat" if messages is not None else "completions",
+        agent=agent,
+        prompt_ids=list(prompt),
+        output_ids=list(output),
+        output_logprobs=[-0.1 * (i + 1) for i in range(len(output))],
+        finish_reason=finish,
+        weight_version=0,
+        upstream="u",
+        messages=messages,
+        tools=tools,
+        response_message=reply,
+    )
 
 
 def run_session(calls, strategy="messages"):
@@ -28,10 +37,22 @@ def run_session(calls, strategy="messages"):
 
 
 def test_message_hash_ignores_sdk_noise_and_tool_call_ids():
-    a = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1, "y": 2}'}}]}
-    b = {"role": "assistant", "content": "", "refusal": None, "audio": None, "tool_calls": [
-        {"id": "call_999", "type": "function", "function": {"name": "calc", "arguments": '{"y": 2, "x": 1}'}}]}
+    a = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1, "y": 2}'}}
+        ],
+    }
+    b = {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+        "audio": None,
+        "tool_calls": [
+            {"id": "call_999", "type": "function", "function": {"name": "calc", "arguments": '{"y": 2, "x": 1}'}}
+        ],
+    }
     assert message_hash(a) == message_hash(b)
     assert message_hash(a) != message_hash({**b, "tool_calls": [{"function": {"name": "calc", "arguments": "{}"}}]})
 
@@ -39,14 +60,30 @@ def test_message_hash_ignores_sdk_noise_and_tool_call_ids():
 def test_messages_strategy_labels_append_thinking_compaction_and_hash_change():
     r1 = {"role": "assistant", "content": "<think>add</think>5"}
     c1 = call([1, 2, 3], [7, 8], [SYS, USER], r1)
-    c2 = call([1, 2, 3, 7, 8, 9, 4], [10], [SYS, USER, r1, {"role": "user", "content": "sure?"}],
-              {"role": "assistant", "content": "yes"})
-    c3 = call([1, 2, 5], [11], [SYS, {"role": "user", "content": "earlier: 5"}, {"role": "user", "content": "ok"}],
-              {"role": "assistant", "content": "ok"})
+    c2 = call(
+        [1, 2, 3, 7, 8, 9, 4],
+        [10],
+        [SYS, USER, r1, {"role": "user", "content": "sure?"}],
+        {"role": "assistant", "content": "yes"},
+    )
+    c3 = call(
+        [1, 2, 5],
+        [11],
+        [SYS, {"role": "user", "content": "earlier: 5"}, {"role": "user", "content": "ok"}],
+        {"role": "assistant", "content": "ok"},
+    )
     c4 = call([1, 6], [12], [SYS, {"role": "user", "content": "summary: 5"}], {"role": "assistant", "content": "k"})
-    c5 = call([1, 6, 12, 9, 3], [13], [SYS, {"role": "user", "content": "CHANGED"},
-                                       {"role": "assistant", "content": "k"}, {"role": "user", "content": "more"}],
-              {"role": "assistant", "content": "m"})
+    c5 = call(
+        [1, 6, 12, 9, 3],
+        [13],
+        [
+            SYS,
+            {"role": "user", "content": "CHANGED"},
+            {"role": "assistant", "content": "k"},
+            {"role": "user", "content": "more"},
+        ],
+        {"role": "assistant", "content": "m"},
+    )
     s = run_session([c1, c2, c3, c4, c5])
     kinds = [k for k, _ in s.labels()]
     assert kinds == [NEW, APPEND, WIPE, WIPE, WIPE]
@@ -57,8 +94,9 @@ def test_messages_strategy_labels_append_thinking_compaction_and_hash_change():
     assert reasons[4] == "message hash changed at index 1 (role 'user')"
     assert [c.label.chain for c in s.calls] == [0, 0, 1, 2, 3]
     # thinking stripped: the same history, but the <think> block removed from the assistant turn
-    stripped = call([1, 2, 3, 5], [9], [SYS, USER, {"role": "assistant", "content": "5"},
-                                        {"role": "user", "content": "sure?"}])
+    stripped = call(
+        [1, 2, 3, 5], [9], [SYS, USER, {"role": "assistant", "content": "5"}, {"role": "user", "content": "sure?"}]
+    )
     label = classify(c1, stripped)
     assert (label.kind, label.reason) == (WIPE, "thinking stripped at index 2")
 
@@ -107,8 +145,9 @@ def test_stitch_append_chain_masks_exactly_the_outputs():
 
 def test_stitch_drift_is_split_or_masked_never_shifted():
     c1 = call([1, 2, 3], [7, 8], [USER], {"role": "assistant", "content": "x"})
-    c2 = call([1, 2, 3, 7, 99, 9], [10],
-              [USER, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
+    c2 = call(
+        [1, 2, 3, 7, 99, 9], [10], [USER, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    )
     s = run_session([c1, c2])
     assert s.calls[1].label.token_drift
     split = stitch_calls(s.calls, on_drift="split")
@@ -145,11 +184,22 @@ def test_stitched_and_transition_samples_carry_each_generated_tokens_weight_vers
 
 
 def test_transitions_credit_functions_and_episode_weights():
-    c1 = call([1], [2], [USER], {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]})
-    c2 = call([1, 2, 3], [4], [USER, c1.response_message, {"role": "tool", "tool_call_id": "t1",
-                                                           "content": "error: bad expression"}],
-              {"role": "assistant", "content": 'oops <tool_call>{"name": broken</tool_call>'})
+    c1 = call(
+        [1],
+        [2],
+        [USER],
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}],
+        },
+    )
+    c2 = call(
+        [1, 2, 3],
+        [4],
+        [USER, c1.response_message, {"role": "tool", "tool_call_id": "t1", "content": "error: bad expression"}],
+        {"role": "assistant", "content": 'oops <tool_call>{"name": broken</tool_call>'},
+    )
     c3 = call([5], [6], [USER], {"role": "assistant", "content": "42"})
     calls = run_session([c1, c2, c3]).calls
     same = build_transitions(calls, 1.0)
@@ -167,10 +217,23 @@ def test_interleaved_conversations_each_extend_their_own_call():
     """One agent name, two conversations taking turns: each call APPENDs to its own conversation's call."""
     a1 = call([1, 2], [3], [SYS, USER], {"role": "assistant", "content": "a"})
     b1 = call([1, 5], [6], [SYS, {"role": "user", "content": "other"}], {"role": "assistant", "content": "b"})
-    a2 = call([1, 2, 3, 4], [7], [SYS, USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "?"}],
-              {"role": "assistant", "content": "a2"})
-    b2 = call([1, 5, 6, 4], [8], [SYS, {"role": "user", "content": "other"}, {"role": "assistant", "content": "b"},
-                                  {"role": "user", "content": "?"}], {"role": "assistant", "content": "b2"})
+    a2 = call(
+        [1, 2, 3, 4],
+        [7],
+        [SYS, USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "?"}],
+        {"role": "assistant", "content": "a2"},
+    )
+    b2 = call(
+        [1, 5, 6, 4],
+        [8],
+        [
+            SYS,
+            {"role": "user", "content": "other"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "?"},
+        ],
+        {"role": "assistant", "content": "b2"},
+    )
     s = run_session([a1, b1, a2, b2])
     assert [c.label.kind for c in s.calls] == [NEW, WIPE, APPEND, APPEND]
     assert s.calls[2].label.reason == "prompt extends call 0" and s.calls[2].label.parent == 0

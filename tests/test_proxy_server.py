@@ -17,7 +17,9 @@ SYSTEM = {"role": "system", "content": "You add numbers."}
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("proxy_server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
+    ) as dep:
         yield dep
 
 
@@ -35,7 +37,7 @@ def is_prefixes_then_last(seq, outs):
     """``seq`` = a prefix of outs[0] + a prefix of outs[1] + ... + the whole of outs[-1]."""
     reach = {0}
     for o in outs[:-1]:
-        reach = {p + k for p in reach for k in range(len(o) + 1) if seq[p:p + k] == o[:k]}
+        reach = {p + k for p in reach for k in range(len(o) + 1) if seq[p : p + k] == o[:k]}
     return any(seq[p:] == outs[-1] for p in reach)
 
 
@@ -49,8 +51,12 @@ def test_scripted_conversation_is_labelled_new_append_wipe(server):
             await c.chat.completions.create(model="gpt-x", messages=msgs, max_tokens=4, seed=2)
             compacted = [SYSTEM, {"role": "user", "content": "Summary: asked 2 + 3. Answer now."}]
             r3 = await c.chat.completions.create(model="gpt-x", messages=compacted, max_tokens=4, seed=3)
-            edited = [SYSTEM, {"role": "user", "content": "What is 4 + 4?"},
-                      r3.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go."}]
+            edited = [
+                SYSTEM,
+                {"role": "user", "content": "What is 4 + 4?"},
+                r3.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "Go."},
+            ]
             await c.chat.completions.create(model="gpt-x", messages=edited, max_tokens=4, seed=4)
             return r1, proxy.close_session("chat-1")
 
@@ -69,13 +75,15 @@ def test_scripted_conversation_is_labelled_new_append_wipe(server):
 
 def test_stitched_masks_are_the_server_output_ids(server):
     """Token-in agent (completions, header session): one APPEND chain, masks exact to the server's ids."""
+
     async def go():
         async with ProxyServer([server.base_url]) as proxy:
             c = client_for(proxy, **{SESSION_HEADER: "tok-1"})
             prompt, seen = [1, 30, 31, 32, 201], []
             for turn in range(3):
-                r = await c.completions.create(model="m", prompt=prompt, max_tokens=5, logprobs=0, seed=turn,
-                                               extra_body={"return_token_ids": True})
+                r = await c.completions.create(
+                    model="m", prompt=prompt, max_tokens=5, logprobs=0, seed=turn, extra_body={"return_token_ids": True}
+                )
                 ch = r.choices[0]
                 assert ch.model_extra["prompt_token_ids"] == prompt
                 seen.append((ch.model_extra["token_ids"], ch.logprobs.token_logprobs))
@@ -94,6 +102,7 @@ def test_stitched_masks_are_the_server_output_ids(server):
 
 def test_chat_episodes_never_train_shifted_tokens(server):
     """Re-rendered chat: whatever drift happens, every segment's mask-1 tokens are its calls' outputs."""
+
     async def go():
         async with ProxyServer([server.base_url]) as proxy:
             sessions, outputs = [], {}
@@ -101,8 +110,13 @@ def test_chat_episodes_never_train_shifted_tokens(server):
                 c, sid = client_for(proxy, f"ep-{k}"), f"ep-{k}"
                 msgs = [{"role": "user", "content": "What is 2 + 3?"}]
                 for turn in range(3):
-                    r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=4, seed=10 * k + turn,
-                                                        extra_body={"return_token_ids": True})
+                    r = await c.chat.completions.create(
+                        model="m",
+                        messages=msgs,
+                        max_tokens=4,
+                        seed=10 * k + turn,
+                        extra_body={"return_token_ids": True},
+                    )
                     outputs[(sid, turn)] = r.choices[0].model_extra["token_ids"]
                     reply = r.choices[0].message.model_dump(exclude_none=True)
                     if k == 0 and turn == 0:  # a deliberate re-render mismatch: same message hash, other tokens
@@ -135,16 +149,19 @@ def test_chat_episodes_never_train_shifted_tokens(server):
 
 def test_transitions_credit_and_agent_selection(server, tiny_model_path):
     """Two roles in one episode: only the solver's calls are trained, rewards from a custom credit fn."""
+
     async def agent(row, ep):
-        solver = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                                    default_headers={AGENT_HEADER: "solver"})
+        solver = openai.AsyncOpenAI(
+            base_url=ep.base_url, api_key=ep.api_key, max_retries=0, default_headers={AGENT_HEADER: "solver"}
+        )
         critic = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
         msgs = [{"role": "user", "content": row["q"]}]
         for _ in range(3):
             r = await solver.chat.completions.create(model=ep.model, messages=msgs, max_tokens=3)
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
-            await critic.chat.completions.create(model=ep.model, user="critic", max_tokens=2,
-                                                 messages=[{"role": "user", "content": "judge"}])
+            await critic.chat.completions.create(
+                model=ep.model, user="critic", max_tokens=2, messages=[{"role": "user", "content": "judge"}]
+            )
         return "5"
 
     def credit(calls, ret):
@@ -154,10 +171,16 @@ def test_transitions_credit_and_agent_selection(server, tiny_model_path):
 
     async def go():
         from training.deployment.sampler import DeploymentSampler
+
         sampler = DeploymentSampler(server.base_url)
         setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0, "max_tokens": 8})
-        make = make_proxy_rollout_fn(agent, reward_fn=lambda row, ans: float(ans == row["a"]), mode="transitions",
-                                     credit_fn=credit, agents=["solver"])
+        make = make_proxy_rollout_fn(
+            agent,
+            reward_fn=lambda row, ans: float(ans == row["a"]),
+            mode="transitions",
+            credit_fn=credit,
+            agents=["solver"],
+        )
         try:
             rollout_fn = make(setup)
             setup_hooks.extend(setup.weight_sync_hooks)
@@ -200,6 +223,7 @@ def test_sync_agent_stitched_and_failures(server):
 
     async def go():
         from training.deployment.sampler import DeploymentSampler
+
         sampler = DeploymentSampler(server.base_url)
         setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0})
         fn = make_proxy_rollout_fn(agent, reward_fn=lambda row, ans, session: float(len(session.calls)))(setup)
@@ -251,8 +275,9 @@ def test_pause_holds_new_calls_and_drain_waits_for_in_flight(server):
             assert not held.done() and proxy.in_flight == 0
             proxy.resume()
             await held
-            slow = asyncio.create_task(c.completions.create(model="m", prompt=[1, 6, 201], max_tokens=64,
-                                                            extra_body={"ignore_eos": True}))
+            slow = asyncio.create_task(
+                c.completions.create(model="m", prompt=[1, 6, 201], max_tokens=64, extra_body={"ignore_eos": True})
+            )
             while proxy.in_flight == 0:
                 await asyncio.sleep(0.01)
             await proxy.pause_and_drain(timeout_s=60)

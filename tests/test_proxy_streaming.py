@@ -59,13 +59,40 @@ class StreamingFacade:
         async def send(choices, **extra):
             await resp.write(f"data: {json.dumps({**head, **extra, 'choices': choices})}\n\n".encode())
 
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
-                     "prompt_token_ids": choice["prompt_token_ids"], "finish_reason": None}])
+        await send(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "token_ids": [],
+                    "prompt_token_ids": choice["prompt_token_ids"],
+                    "finish_reason": None,
+                }
+            ]
+        )
         for tid, entry in zip(choice["token_ids"], choice["logprobs"]["content"]):
-            await send([{"index": 0, "delta": {"content": entry["token"]}, "token_ids": [tid],
-                         "logprobs": {"content": [entry]}, "finish_reason": None}])
-        await send([{"index": 0, "delta": {}, "token_ids": [], "finish_reason": choice["finish_reason"],
-                     "weight_version": choice["weight_version"]}])
+            await send(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"content": entry["token"]},
+                        "token_ids": [tid],
+                        "logprobs": {"content": [entry]},
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        await send(
+            [
+                {
+                    "index": 0,
+                    "delta": {},
+                    "token_ids": [],
+                    "finish_reason": choice["finish_reason"],
+                    "weight_version": choice["weight_version"],
+                }
+            ]
+        )
         await send([], usage=reply["usage"])
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -93,25 +120,30 @@ async def stream_chat(proxy, sid, messages, **kw):
     return chunks, text
 
 
-def test_stream_from_a_non_streaming_server_is_synthesised_and_recorded_exactly(server):
-    """Our server refuses ``stream``: the proxy asks without it, records, and streams the reply as SSE."""
+def test_stream_synthesised_from_a_full_reply_is_recorded_exactly(server):
+    """``upstream_stream="off"`` (what ``auto`` falls back to for an upstream that refuses ``stream``): the proxy
+    asks without it, records, and streams the reply as SSE."""
+
     async def go():
-        async with ProxyServer([server.base_url]) as proxy:
-            chunks, text = await stream_chat(proxy, "s1", MESSAGES, max_tokens=6, seed=11,
-                                             stream_options={"include_usage": True})
+        async with ProxyServer([server.base_url], upstream_stream="off") as proxy:
+            chunks, text = await stream_chat(
+                proxy, "s1", MESSAGES, max_tokens=6, seed=11, stream_options={"include_usage": True}
+            )
             history = MESSAGES + [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
             await stream_chat(proxy, "s1", history, max_tokens=5, seed=12)
             truth = await direct(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "seed": 11})
             c = openai.AsyncOpenAI(base_url=proxy.session_url("s1"), api_key=proxy.api_key, max_retries=0)
-            completion_stream = await c.completions.create(model="m", prompt=[1, 30, 31, 32], max_tokens=4, seed=3,
-                                                           stream=True, extra_body={"ignore_eos": True})
+            completion_stream = await c.completions.create(
+                model="m", prompt=[1, 30, 31, 32], max_tokens=4, seed=3, stream=True, extra_body={"ignore_eos": True}
+            )
             completion_text = "".join([ch.choices[0].text async for ch in completion_stream if ch.choices])
-            completion_truth = await direct(server, "/v1/completions", {"prompt": [1, 30, 31, 32], "max_tokens": 4,
-                                                                        "seed": 3, "ignore_eos": True})
+            completion_truth = await direct(
+                server, "/v1/completions", {"prompt": [1, 30, 31, 32], "max_tokens": 4, "seed": 3, "ignore_eos": True}
+            )
             return chunks, text, truth, (completion_text, completion_truth), proxy.close_session("s1"), proxy
 
     chunks, text, truth, (completion_text, completion_truth), session, proxy = asyncio.run(go())
-    assert server.base_url.rstrip("/") in {u.rstrip("/") for u in proxy._stream_refused}  # fell back, remembered
+    assert not proxy._stream_refused  # synthesised by choice, not after a refusal
     first = session.calls[0]
     t = truth["choices"][0]
     assert first.output_ids == t["token_ids"] and first.prompt_ids == t["prompt_token_ids"]
@@ -124,8 +156,11 @@ def test_stream_from_a_non_streaming_server_is_synthesised_and_recorded_exactly(
     segments = stitch_calls(session.calls[:2]).samples  # one, or two where the re-render drifted (split)
     trained = [x for seg in segments for x, m in zip(seg.tokens, seg.loss_mask) if m]
     assert trained == session.calls[0].output_ids + session.calls[1].output_ids
-    assert session.calls[2].output_ids == completion_truth["choices"][0]["token_ids"] and \
-        len(session.calls[2].output_ids) == 4 and completion_text == completion_truth["choices"][0]["text"]
+    assert (
+        session.calls[2].output_ids == completion_truth["choices"][0]["token_ids"]
+        and len(session.calls[2].output_ids) == 4
+        and completion_text == completion_truth["choices"][0]["text"]
+    )
 
 
 def test_relayed_upstream_stream_reaches_the_agent_chunk_by_chunk_and_is_recorded_exactly(server):
@@ -144,8 +179,9 @@ def test_relayed_upstream_stream_reaches_the_agent_chunk_by_chunk_and_is_recorde
     assert call.finish_reason == t["finish_reason"] and call.response_message["content"] == text
     assert all("token_ids" not in (c.choices[0].model_extra or {}) for c in chunks if c.choices)
     assert all(c.usage is None for c in chunks)  # the agent did not ask for the usage chunk
-    streamed_logprobs = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
-                         for e in c.choices[0].logprobs.content]
+    streamed_logprobs = [
+        e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert streamed_logprobs == call.output_logprobs  # asked for: relayed as they came
 
 
@@ -156,13 +192,20 @@ def test_anthropic_sdk_through_the_proxy_is_recorded_and_streams(server):
         async with ProxyServer([server.base_url]) as proxy:
             base = f"http://127.0.0.1:{proxy.port}/sessions/a1"  # the SDK appends /v1/messages
             client = anthropic.AsyncAnthropic(base_url=base, api_key=proxy.api_key, max_retries=0)
-            first = await client.messages.create(model="claude-x", max_tokens=5, system="You add numbers.",
-                                                 messages=[{"role": "user", "content": "What is 2 + 3?"}])
-            follow = [{"role": "user", "content": "What is 2 + 3?"},
-                      {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                      {"role": "user", "content": "Sure?"}]
-            async with client.messages.stream(model="claude-x", max_tokens=4, system="You add numbers.",
-                                              messages=follow) as stream:
+            first = await client.messages.create(
+                model="claude-x",
+                max_tokens=5,
+                system="You add numbers.",
+                messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            )
+            follow = [
+                {"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": "Sure?"},
+            ]
+            async with client.messages.stream(
+                model="claude-x", max_tokens=4, system="You add numbers.", messages=follow
+            ) as stream:
                 streamed_text = "".join([t async for t in stream.text_stream])
                 final = await stream.get_final_message()
             with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
@@ -178,33 +221,74 @@ def test_anthropic_sdk_through_the_proxy_is_recorded_and_streams(server):
 
 
 def test_anthropic_tool_use_history_translates_both_ways():
-    body = {"model": "c", "max_tokens": 9, "system": [{"type": "text", "text": "sys"}],
-            "tools": [{"name": "calc", "description": "d", "input_schema": {"type": "object"}}],
-            "messages": [{"role": "user", "content": "2+3?"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "let me"},
-                                                           {"type": "tool_use", "id": "tu1", "name": "calc",
-                                                            "input": {"e": "2+3"}}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "5"},
-                                                      {"type": "tool_result", "tool_use_id": "tu2", "is_error": True,
-                                                       "content": [{"type": "text", "text": "bad"}]},
-                                                      {"type": "text", "text": "go on"}]}]}
+    body = {
+        "model": "c",
+        "max_tokens": 9,
+        "system": [{"type": "text", "text": "sys"}],
+        "tools": [{"name": "calc", "description": "d", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "2+3?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "let me"},
+                    {"type": "tool_use", "id": "tu1", "name": "calc", "input": {"e": "2+3"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "tu1", "content": "5"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "tu2",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "bad"}],
+                    },
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+        ],
+    }
     chat = to_chat_request(body)
     assert chat["messages"] == [
-        {"role": "system", "content": "sys"}, {"role": "user", "content": "2+3?"},
-        {"role": "assistant", "content": "let me", "tool_calls": [
-            {"id": "tu1", "type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}]},
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": "let me",
+            "tool_calls": [{"id": "tu1", "type": "function", "function": {"name": "calc", "arguments": {"e": "2+3"}}}],
+        },
         {"role": "tool", "tool_call_id": "tu1", "content": "5"},
         {"role": "tool", "tool_call_id": "tu2", "content": "Error: bad"},
-        {"role": "user", "content": "go on"}]
+        {"role": "user", "content": "go on"},
+    ]
     assert chat["tools"][0]["function"]["parameters"] == {"type": "object"} and chat["max_tokens"] == 9
-    reply = {"choices": [{"finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+1"}'}}]}}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
+    reply = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+1"}'}}
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+    }
     msg = from_chat_response(reply, "c")
     assert msg["content"] == [{"type": "tool_use", "id": "call_1", "name": "calc", "input": {"e": "1+1"}}]
     assert msg["stop_reason"] == "tool_use" and msg["usage"] == {"input_tokens": 7, "output_tokens": 3}
     kinds = [e for e, _ in stream_events(msg)]
-    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]"):
         to_chat_request({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]})

@@ -24,15 +24,25 @@ ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in rang
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=32)), log_file=str(log)) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=32)), log_file=str(log)
+    ) as dep:
         yield dep
 
 
 def config(tiny_model_path, server, tmp_path, **kw):
-    base = dict(base_model=tiny_model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
-                prompt_groups_per_step=2, max_tokens=4, max_steps=2, export_final_model=False,
-                trainer=TrainerConfig(learning_rate=1e-3), loss=LossConfig(kl_beta=0.0),
-                deployment=DeployConfig(base_url=server.base_url))
+    base = dict(
+        base_model=tiny_model_path,
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=2,
+        max_tokens=4,
+        max_steps=2,
+        export_final_model=False,
+        trainer=TrainerConfig(learning_rate=1e-3),
+        loss=LossConfig(kl_beta=0.0),
+        deployment=DeployConfig(base_url=server.base_url),
+    )
     base.update(kw)
     return async_rl_loop.Config(**base)
 
@@ -55,13 +65,18 @@ class Recorder:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.delay_for.get(row["id"], 0.0))
             (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
-            out = c.full_tokens[c.prompt_len:]
+            out = c.full_tokens[c.prompt_len :]
             self.versions.append(c.weight_version)
             versions = getattr(c, "token_weight_versions", None) or [c.weight_version] * len(out)
-            return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
-                                 loss_mask=[0] * c.prompt_len + [1] * len(out),
-                                 reward=sum(t % 2 == 0 for t in out) / len(out) + random.random() * 1e-3,
-                                 text=str(c.weight_version), token_weight_versions=versions)
+            return RolloutSample(
+                tokens=c.full_tokens,
+                logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
+                loss_mask=[0] * c.prompt_len + [1] * len(out),
+                reward=sum(t % 2 == 0 for t in out) / len(out) + random.random() * 1e-3,
+                text=str(c.weight_version),
+                token_weight_versions=versions,
+            )
+
         return rollout_fn
 
 
@@ -85,9 +100,19 @@ def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
         assert out["steps"] == 2
         rows = read_metrics(cfg.log_path)
         assert [r["step"] for r in rows] == [0, 1]
-        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_time_s", "perf/train_s",
-                    "perf/weight_sync_s", "perf/wait_rollout_s", "perf/trained_tokens_per_s",
-                    "perf/overlap_fraction", "offpolicy/staleness_mean", "train/mismatch_kl"):
+        for key in (
+            "rollout/reward_mean",
+            "train/loss",
+            "train/grad_norm",
+            "perf/step_time_s",
+            "perf/train_s",
+            "perf/weight_sync_s",
+            "perf/wait_rollout_s",
+            "perf/trained_tokens_per_s",
+            "perf/overlap_fraction",
+            "offpolicy/staleness_mean",
+            "train/mismatch_kl",
+        ):
             assert key in rows[-1], key
         trained = [json.loads(line) for line in (tmp_path / str(i) / "run" / "rollouts.jsonl").read_text().splitlines()]
         assert len(trained) == sum(r["rollout/samples"] for r in rows)
@@ -105,11 +130,19 @@ def trained_positions(log_path) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("O", [0, 1, 2])
 def test_straggler_is_trained_within_the_bound_and_no_row_is_lost_or_trained_twice(
-        tiny_model_path, server, tmp_path, monkeypatch, O):
+    tiny_model_path, server, tmp_path, monkeypatch, O
+):
     trained = spy_training(monkeypatch, recipes_common)
     slow = {ROWS[1]["id"]: 3.0, ROWS[3]["id"]: 4.0}  # two groups lag several steps behind the others
-    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=O, max_steps=None,
-                 prompt_groups_per_step=1, shuffle_rows=False)
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        max_head_offpolicy_versions=O,
+        max_steps=None,
+        prompt_groups_per_step=1,
+        shuffle_rows=False,
+    )
     async_rl_loop.main(cfg, rollout_fn_factory=Recorder(delay_for=slow), rows=ROWS[:8])
     assert len(trained) == 8  # every row of the single pass, each in its own step
     for step, versions in enumerate(trained):
@@ -146,10 +179,19 @@ def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path,
                 while deployed[0] < 3:
                     await asyncio.sleep(0.02)
             return await inner(row)
+
         return rollout_fn
 
-    cfg = config(tiny_model_path, server, tmp_path, max_head_offpolicy_versions=1, max_steps=None,
-                 prompt_groups_per_step=1, shuffle_rows=False, stale_policy="drop")
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        max_head_offpolicy_versions=1,
+        max_steps=None,
+        prompt_groups_per_step=1,
+        shuffle_rows=False,
+        stale_policy="drop",
+    )
     async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS[:6])
     metrics = read_metrics(cfg.log_path)
     assert sum(r["offpolicy/dropped_stale_groups"] for r in metrics if "train/loss" in r) == 1
@@ -169,8 +211,13 @@ def test_inflight_weight_updates_push_without_draining(tiny_model_path, server, 
     monkeypatch.setattr(recipes_common.DeploymentGroup, "push", spy)
     for inflight in (False, True):
         waits.clear()
-        cfg = config(tiny_model_path, server, tmp_path / str(inflight), max_head_offpolicy_versions=1,
-                     inflight_weight_updates=inflight)
+        cfg = config(
+            tiny_model_path,
+            server,
+            tmp_path / str(inflight),
+            max_head_offpolicy_versions=1,
+            inflight_weight_updates=inflight,
+        )
         assert async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)["steps"] == 2
         assert waits and all(w is (not inflight) for w in waits), waits
 
@@ -185,8 +232,15 @@ def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path
 
     monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy)
     rec = Recorder()
-    cfg = config(tiny_model_path, server, tmp_path, max_steps=5, weight_sync_interval=2,
-                 max_head_offpolicy_versions=1, prompt_groups_per_step=1)
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        max_steps=5,
+        weight_sync_interval=2,
+        max_head_offpolicy_versions=1,
+        prompt_groups_per_step=1,
+    )
     rl_loop.main(cfg, rollout_fn_factory=rec, rows=ROWS)
     assert pushed == [0, 2, 4]  # the initial push to the attached server, then after steps 2 and 4
     # samples of step k were generated under the last pushed version: 0, 0, 2, 2, 4
@@ -204,7 +258,7 @@ def test_resume_continues_at_next_step_with_next_rows(tiny_model_path, server, t
     assert out["steps"] == 4
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
     assert steps == [0, 1, 2, 3]
-    assert sorted(set(first.rows)) == [0, 1, 2, 3]   # 2 steps x 2 groups, no shuffling
+    assert sorted(set(first.rows)) == [0, 1, 2, 3]  # 2 steps x 2 groups, no shuffling
     assert sorted(set(second.rows)) == [4, 5, 6, 7]  # the next rows, none repeated
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000004" / "recipe_state.json").read_text())
     assert state["step"] == 4 and state["cursor"]["done_floor"] == 8
@@ -229,8 +283,16 @@ def test_resumed_weights_equal_saved_weights(tiny_model_path, tmp_path):
 
 def test_failing_and_hanging_rollouts_cost_only_themselves(tiny_model_path, server, tmp_path):
     rec = Recorder(fail_for={0, 5}, hang_for={2})
-    cfg = config(tiny_model_path, server, tmp_path, rollout_timeout_s=2.0, shuffle_rows=False, max_rollout_error_fraction=0.9,
-                 completions_per_prompt=3, max_steps=3)
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        rollout_timeout_s=2.0,
+        shuffle_rows=False,
+        max_rollout_error_fraction=0.9,
+        completions_per_prompt=3,
+        max_steps=3,
+    )
     out = async_rl_loop.main(cfg, rollout_fn_factory=rec, rows=ROWS)
     assert out["steps"] == 3
     m = read_metrics(cfg.log_path)
@@ -261,8 +323,14 @@ def test_dynamic_filter_keeps_sampling_until_the_step_is_full(tiny_model_path, s
 
 @pytest.mark.parametrize("loss", ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"])
 def test_every_policy_loss_runs_end_to_end(tiny_model_path, server, tmp_path, loss):
-    cfg = config(tiny_model_path, server, tmp_path, loss=LossConfig(policy_loss=loss, kl_beta=0.01),
-                 ppo_mini_batches=2, max_head_offpolicy_versions=1)
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        loss=LossConfig(policy_loss=loss, kl_beta=0.01),
+        ppo_mini_batches=2,
+        max_head_offpolicy_versions=1,
+    )
     out = async_rl_loop.main(cfg, rollout_fn_factory=Recorder(), rows=ROWS)
     last = out["last_metrics"]
     assert out["steps"] == 2 and last["train/optimizer_steps"] == 2
@@ -284,10 +352,18 @@ def test_deployment_failures_are_retried_once_and_rollout_bugs_are_not(tiny_mode
             if row["id"] == 1:
                 raise DeploymentRequestError("bad request", status=400)  # the rollout's own fault: not retried
             return await inner(row)
+
         return rollout_fn
 
-    cfg = config(tiny_model_path, server, tmp_path, shuffle_rows=False, max_steps=1, completions_per_prompt=2,
-                 max_rollout_error_fraction=0.9)
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        shuffle_rows=False,
+        max_steps=1,
+        completions_per_prompt=2,
+        max_rollout_error_fraction=0.9,
+    )
     async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
     assert attempts[0] == 3 and attempts[1] == 2  # row 0: 2 completions + 1 retry; row 1: 2, no retries
 
@@ -305,14 +381,22 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
         async def rollout_fn(row):
             url = sampler.pick_replica(f"row-{row['id']}")
             seen.setdefault(row["id"], set()).add(url)
-            await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1, max_tokens=2,
-                                                    session_id=f"row-{row['id']}")
+            await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1, max_tokens=2, session_id=f"row-{row['id']}")
             return await inner(row)
+
         return rollout_fn
 
-    cfg = async_rl_loop.Config(base_model=tiny_model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
-                               prompt_groups_per_step=4, max_tokens=4, max_steps=2, export_final_model=False,
-                               loss=LossConfig(kl_beta=0.0), deployment=DeployConfig(num_replicas=2))
+    cfg = async_rl_loop.Config(
+        base_model=tiny_model_path,
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=4,
+        max_tokens=4,
+        max_steps=2,
+        export_final_model=False,
+        loss=LossConfig(kl_beta=0.0),
+        deployment=DeployConfig(num_replicas=2),
+    )
     versions = {}
     real_sync = async_rl_loop.RunContext.sync_weights
 
@@ -320,7 +404,8 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
         out = await real_sync(ctx, version)
         for url in ctx.deployment.base_urls:  # the barrier: every replica already serves the new version
             versions.setdefault(url, []).append(
-                await DeploymentSampler(url, api_key=ctx.deployment.cfg.api_key).weight_version())
+                await DeploymentSampler(url, api_key=ctx.deployment.cfg.api_key).weight_version()
+            )
         return out
 
     monkeypatch.setattr(async_rl_loop.RunContext, "sync_weights", sync_and_check)
@@ -338,10 +423,24 @@ def test_ppo_step_applies_sample_weights(tiny_model_path):
     from training.utils.rl.ppo import train_on_groups
 
     def group(weight):
-        samples = [RolloutSample(tokens=[1, 10, 20, 30 + k], logprobs=[0.0, 0.0, -2.0, -2.0], loss_mask=[0, 0, 1, 1],
-                                 reward=float(k), weight=weight) for k in range(2)]
-        g = PromptGroup(position=0, row={}, submit_version=0, samples=samples, completion_index=[0, 1],
-                        completion_rewards={0: 0.0, 1: 1.0})
+        samples = [
+            RolloutSample(
+                tokens=[1, 10, 20, 30 + k],
+                logprobs=[0.0, 0.0, -2.0, -2.0],
+                loss_mask=[0, 0, 1, 1],
+                reward=float(k),
+                weight=weight,
+            )
+            for k in range(2)
+        ]
+        g = PromptGroup(
+            position=0,
+            row={},
+            submit_version=0,
+            samples=samples,
+            completion_index=[0, 1],
+            completion_rewards={0: 0.0, 1: 1.0},
+        )
         g.compute_advantages()
         return g
 
@@ -356,11 +455,20 @@ def test_distributed_weight_sync_through_the_recipe(tiny_model_path, tmp_path):
     import urllib.request
 
     log = tmp_path / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(log)) as dep:
+    with EmbeddedDeployment(
+        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(log)
+    ) as dep:
         recorder = Recorder()
-        cfg = config(tiny_model_path, dep, tmp_path, synchronous_training=True, max_steps=3,
-                     deployment=DeployConfig(base_url=dep.base_url, weight_sync="distributed",
-                                             weight_sync_master_addr="127.0.0.1"))
+        cfg = config(
+            tiny_model_path,
+            dep,
+            tmp_path,
+            synchronous_training=True,
+            max_steps=3,
+            deployment=DeployConfig(
+                base_url=dep.base_url, weight_sync="distributed", weight_sync_master_addr="127.0.0.1"
+            ),
+        )
         assert async_rl_loop.main(cfg, rollout_fn_factory=recorder, rows=ROWS)["steps"] == 3
         with urllib.request.urlopen(f"{dep.base_url}/weight_version", timeout=10) as resp:
             served = json.loads(resp.read())["weight_version"]

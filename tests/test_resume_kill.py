@@ -13,10 +13,19 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" /
 
 def test_killed_run_resumes_after_its_last_checkpoint(tmp_path):
     log_path = tmp_path / "run"
-    args = [sys.executable, "train.py", f"log_path={log_path}", "max_steps=6", "dcp_save_interval=2",
-            "eval_interval=0", "prompt_groups_per_step=2", "synchronous_training=true"]
-    proc = subprocess.Popen(args, cwd=EXAMPLE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    args = [
+        sys.executable,
+        "train.py",
+        f"log_path={log_path}",
+        "max_steps=6",
+        "dcp_save_interval=2",
+        "eval_interval=0",
+        "prompt_groups_per_step=2",
+        "synchronous_training=true",
+    ]
+    proc = subprocess.Popen(
+        args, cwd=EXAMPLE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     latest = log_path / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
@@ -32,7 +41,7 @@ def test_killed_run_resumes_after_its_last_checkpoint(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "train/loss" in r]
-    resumed = steps[len(steps) - (6 - state["step"]):]
+    resumed = steps[len(steps) - (6 - state["step"]) :]
     assert resumed == list(range(state["step"], 6))  # the rerun starts right after the checkpoint
     assert len(steps) == len(set(steps))  # rows the killed run wrote for redone steps were set aside
     replaced = log_path / "metrics.replaced.jsonl"

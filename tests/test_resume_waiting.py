@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = '''
+SCRIPT = """
 import asyncio, os, random, sys
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
@@ -35,7 +35,7 @@ cfg = async_rl_loop.Config(
     export_final_model=False, trainer=TrainerConfig(learning_rate=1e-3), loss=LossConfig(kl_beta=0.0),
     deployment=DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=256)))
 async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=rows)
-'''
+"""
 
 
 def test_kill_while_the_trainer_waits_for_a_straggler_loses_no_row(tiny_model_path, tmp_path):
@@ -44,8 +44,13 @@ def test_kill_while_the_trainer_waits_for_a_straggler_loses_no_row(tiny_model_pa
     log_path, stderr = tmp_path / "run", tmp_path / "first.log"
     env = {**os.environ, "STRAGGLER": "3", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with stderr.open("w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), tiny_model_path, str(log_path)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), tiny_model_path, str(log_path)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     deadline = time.time() + 300
     while "waits for" not in stderr.read_text() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -53,13 +58,21 @@ def test_kill_while_the_trainer_waits_for_a_straggler_loses_no_row(tiny_model_pa
     time.sleep(1.0)  # the waiting step stays blocked: nothing to train until row 3 finishes
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its server child, mid-wait
     proc.wait()
-    state = json.loads((log_path / "checkpoints" / (log_path / "checkpoints" / "latest").read_text().strip()
-                        / "recipe_state.json").read_text())
+    state = json.loads(
+        (
+            log_path / "checkpoints" / (log_path / "checkpoints" / "latest").read_text().strip() / "recipe_state.json"
+        ).read_text()
+    )
     assert 3 not in range(state["cursor"]["done_floor"]), "row 3 never finished, so it cannot be done"
 
     env["STRAGGLER"] = "-1"
-    done = subprocess.run([sys.executable, str(script), tiny_model_path, str(log_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), tiny_model_path, str(log_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
     steps_of: dict[int, set] = {}

@@ -21,22 +21,25 @@ def test_valid_sample_passes():
     assert good().num_trainable_tokens == 2
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(logprobs=[0.0, -1.0]), "logprobs"),
-    (dict(loss_mask=[0, 1]), "loss_mask"),
-    (dict(loss_mask=[0, 2, 1, 1]), "loss_mask"),
-    (dict(loss_mask=[0, 0, 0, 0]), "loss_mask"),
-    (dict(loss_mask=[1, 0, 1, 1]), "loss_mask"),
-    (dict(reward=float("nan")), "reward"),
-    (dict(reward=math.inf), "reward"),
-    (dict(logprobs=[0.0, 0.0, float("nan"), -1.0]), "logprobs"),
-    (dict(logprobs=[0.0, 0.0, -math.inf, -1.0]), "logprobs"),
-    (dict(tokens=[5, 6, 70, 8]), "tokens"),
-    (dict(tokens=[5, -1, 7, 8]), "tokens"),
-    (dict(tokens=[], logprobs=[], loss_mask=[]), "tokens"),
-    (dict(token_weight_versions=[0, 0, 0, 0]), "token_weight_versions"),  # one per trainable token, not per token
-    (dict(token_weight_versions=[0, -1]), "token_weight_versions"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(logprobs=[0.0, -1.0]), "logprobs"),
+        (dict(loss_mask=[0, 1]), "loss_mask"),
+        (dict(loss_mask=[0, 2, 1, 1]), "loss_mask"),
+        (dict(loss_mask=[0, 0, 0, 0]), "loss_mask"),
+        (dict(loss_mask=[1, 0, 1, 1]), "loss_mask"),
+        (dict(reward=float("nan")), "reward"),
+        (dict(reward=math.inf), "reward"),
+        (dict(logprobs=[0.0, 0.0, float("nan"), -1.0]), "logprobs"),
+        (dict(logprobs=[0.0, 0.0, -math.inf, -1.0]), "logprobs"),
+        (dict(tokens=[5, 6, 70, 8]), "tokens"),
+        (dict(tokens=[5, -1, 7, 8]), "tokens"),
+        (dict(tokens=[], logprobs=[], loss_mask=[]), "tokens"),
+        (dict(token_weight_versions=[0, 0, 0, 0]), "token_weight_versions"),  # one per trainable token, not per token
+        (dict(token_weight_versions=[0, -1]), "token_weight_versions"),
+    ],
+)
 def test_malformed_sample_names_field(kw, field):
     with pytest.raises(RolloutValidationError) as e:
         validate_sample(good(**kw), vocab_size=10)

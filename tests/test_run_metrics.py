@@ -10,17 +10,42 @@ from training.utils.rl.run_metrics import run_metrics
 
 
 def test_labels_drift_tool_statuses_and_failure_causes_become_metrics():
-    proxy_run = {"labels": {"NEW": 1, "APPEND": 2, "WIPE": 1}, "drift": 1, "num_calls": 4, "truncated": False,
-                 "tool_status_counts": {"ok": 2, "error": 1, "unparsable": 1}, "intermediate_rewards": [0, -0.5, 0, 0]}
-    agent_run = {"labels": {"NEW": 1, "APPEND": 1, "WIPE": 0}, "drift": 0, "num_calls": 2, "truncated": True,
-                 "tool_status_counts": {"timeout": 1}}
+    proxy_run = {
+        "labels": {"NEW": 1, "APPEND": 2, "WIPE": 1},
+        "drift": 1,
+        "num_calls": 4,
+        "truncated": False,
+        "tool_status_counts": {"ok": 2, "error": 1, "unparsable": 1},
+        "intermediate_rewards": [0, -0.5, 0, 0],
+    }
+    agent_run = {
+        "labels": {"NEW": 1, "APPEND": 1, "WIPE": 0},
+        "drift": 0,
+        "num_calls": 2,
+        "truncated": True,
+        "tool_status_counts": {"timeout": 1},
+    }
     out = run_metrics([proxy_run, agent_run, {"unrelated": 1}], failure_causes={"upstream_5xx": 2, "timeout": 1})
-    assert out == pytest.approx({
-        "agent/episodes": 2, "agent/labels_new": 2, "agent/labels_append": 3, "agent/labels_wipe": 1,
-        "agent/drift": 1, "agent/calls_per_episode": 3, "agent/truncated": 1,
-        "agent/tool_ok": 2, "agent/tool_error": 1, "agent/tool_unparsable": 1, "agent/tool_timeout": 1,
-        "agent/tool_calls": 4, "agent/tool_errors": 3, "agent/intermediate_reward_mean": -0.125,
-        "rollout/failed/upstream_5xx": 2, "rollout/failed/timeout": 1})
+    assert out == pytest.approx(
+        {
+            "agent/episodes": 2,
+            "agent/labels_new": 2,
+            "agent/labels_append": 3,
+            "agent/labels_wipe": 1,
+            "agent/drift": 1,
+            "agent/calls_per_episode": 3,
+            "agent/truncated": 1,
+            "agent/tool_ok": 2,
+            "agent/tool_error": 1,
+            "agent/tool_unparsable": 1,
+            "agent/tool_timeout": 1,
+            "agent/tool_calls": 4,
+            "agent/tool_errors": 3,
+            "agent/intermediate_reward_mean": -0.125,
+            "rollout/failed/upstream_5xx": 2,
+            "rollout/failed/timeout": 1,
+        }
+    )
     assert run_metrics([]) == {} and run_metrics([{"x": 1}]) == {}
 
 
@@ -28,8 +53,12 @@ def test_groups_count_failures_by_cause_and_keep_run_metadata():
     class Upstream503(RuntimeError):
         status = 503
 
-    results = [Upstream503("boom"), KeyError("agent bug"), RolloutSample([1, 2], [0.0, 0.0], [0, 0], 1.0),
-               RolloutRun([RolloutSample([1, 2], [0.0, -0.1], [0, 1], 0.0)], 1.0, metadata={"labels": {"NEW": 1}})]
+    results = [
+        Upstream503("boom"),
+        KeyError("agent bug"),
+        RolloutSample([1, 2], [0.0, 0.0], [0, 0], 1.0),
+        RolloutRun([RolloutSample([1, 2], [0.0, -0.1], [0, 1], 0.0)], 1.0, metadata={"labels": {"NEW": 1}}),
+    ]
 
     async def rollout_fn(row):
         r = results.pop(0)

@@ -20,7 +20,12 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(api_key=API_KEY, startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("smp") / "server.log"), engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"))
+    cfg = DeployConfig(
+        api_key=API_KEY,
+        startup_timeout_s=120,
+        log_file=str(tmp_path_factory.mktemp("smp") / "server.log"),
+        engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"),
+    )
     with EmbeddedDeployment(tiny_model_path, cfg) as dep:
         yield dep
 
@@ -35,6 +40,7 @@ def test_completions_carry_exact_tokens_and_one_logprob_per_output_token(sampler
         out = await sampler.sample_with_prompt_tokens(PROMPT, n=3, max_tokens=7, temperature=1.0, seed=1)
         await sampler.close()
         return out
+
     comps = asyncio.run(go())
     assert len(comps) == 3
     for c in comps:
@@ -57,6 +63,7 @@ def test_with_defaults_layers_sampling_and_shares_the_connection(sampler):
         c = await s3.sample_with_prompt_tokens(PROMPT, max_tokens=4)  # a call's own kwargs win
         await sampler.close()
         return a, b, c
+
     a, b, c = asyncio.run(go())
     assert len(a[0].output_tokens) == 5 and len(b[0].output_tokens) == 2 and len(c[0].output_tokens) == 4
     assert c[0].output_tokens == a[0].output_tokens[:4]  # greedy: same prefix
@@ -64,6 +71,7 @@ def test_with_defaults_layers_sampling_and_shares_the_connection(sampler):
 
 def test_build_deployment_sampler_uses_setup_defaults_and_example_import_path(sampler):
     from training.examples.rl.vanilla_sampler import build_deployment_sampler as from_example
+
     setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"max_tokens": 3, "ignore_eos": True})
     s = from_example(setup)
     assert s.sampling_defaults == {"max_tokens": 3, "ignore_eos": True}
@@ -73,12 +81,15 @@ def test_build_deployment_sampler_uses_setup_defaults_and_example_import_path(sa
 
 def test_chat_returns_message_and_token_detail(sampler):
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-    comps = asyncio.run(sampler.chat([{"role": "user", "content": "what is 2 + 2"}], n=2, tools=tools,
-                                     max_tokens=6, temperature=1.0, seed=0))
+    comps = asyncio.run(
+        sampler.chat(
+            [{"role": "user", "content": "what is 2 + 2"}], n=2, tools=tools, max_tokens=6, temperature=1.0, seed=0
+        )
+    )
     for c in comps:
         assert c.message["role"] == "assistant" and isinstance(c.tool_calls, list)
         assert len(c.inference_logprobs) == len(c.output_tokens) >= 1
-        assert c.prompt_len > 10 and c.full_tokens[:c.prompt_len] == comps[0].prompt_tokens
+        assert c.prompt_len > 10 and c.full_tokens[: c.prompt_len] == comps[0].prompt_tokens
 
 
 def test_session_header_reuses_kv(sampler):
@@ -87,6 +98,7 @@ def test_session_header_reuses_kv(sampler):
         [a] = await sampler.sample_with_prompt_tokens(fresh, session_id="s1", max_tokens=4, ignore_eos=True)
         [b] = await sampler.sample_with_prompt_tokens(a.full_tokens + [40, 41], session_id="s1", max_tokens=2)
         return a, b
+
     a, b = asyncio.run(go())
     assert a.cached_tokens == 0 and b.cached_tokens > 0
 
@@ -109,11 +121,23 @@ def test_one_sampler_survives_several_event_loops(sampler):
 
 # ---- retry policy against a scripted fake server ----
 
+
 def _fake_completion(n_tokens: int = 2) -> dict:
-    return {"choices": [{"index": 0, "text": "", "finish_reason": "length", "weight_version": 5,
-                         "token_ids": list(range(n_tokens)), "prompt_token_ids": PROMPT,
-                         "logprobs": {"token_logprobs": [-0.5] * n_tokens}}],
-            "usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "weight_version": 5}
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "text": "",
+                "finish_reason": "length",
+                "weight_version": 5,
+                "token_ids": list(range(n_tokens)),
+                "prompt_token_ids": PROMPT,
+                "logprobs": {"token_logprobs": [-0.5] * n_tokens},
+            }
+        ],
+        "usage": {"prompt_tokens_details": {"cached_tokens": 0}},
+        "weight_version": 5,
+    }
 
 
 async def _with_fake(script, fn):
@@ -148,6 +172,7 @@ def test_5xx_is_retried_with_backoff_then_succeeds():
         out = await s.sample_with_prompt_tokens(PROMPT, session_id="abc")
         await s.close()
         return out, time.perf_counter() - t0
+
     (out, elapsed), hits = asyncio.run(_with_fake(script, fn))
     assert len(hits) == 3 and hits == ["abc"] * 3  # the session header is sent on every attempt
     assert elapsed >= 0.05 + 0.1 - 0.01  # backoff 0.05 then 0.1
@@ -188,6 +213,7 @@ def test_4xx_is_not_retried_and_retries_are_bounded():
             return e.value
         finally:
             await s.close()
+
     err, hits = asyncio.run(_with_fake([(400, {"error": {"message": "no", "param": "prompt"}}, 0)], bad))
     assert len(hits) == 1 and err.status == 400 and err.param == "prompt"
     err, hits = asyncio.run(_with_fake([(502, {"error": {"message": "down"}}, 0)], bad))
@@ -206,6 +232,7 @@ def test_connection_refused_gives_up_and_timeout_raises():
                 await s.sample_with_prompt_tokens(PROMPT)
         finally:
             await s.close()
+
     _, hits = asyncio.run(_with_fake([(200, _fake_completion(), 2.0)], slow))
     assert len(hits) == 1
 
@@ -221,6 +248,7 @@ def test_malformed_server_answer_is_an_error():
                 await s.sample_with_prompt_tokens(PROMPT)
         finally:
             await s.close()
+
     asyncio.run(_with_fake([(200, bad, 0)], fn))
 
 
@@ -253,12 +281,15 @@ def test_dead_replica_is_skipped_its_sessions_remapped_and_it_comes_back(deploym
     dead = f"http://127.0.0.1:{dead_port}"
     live = deployment.base_url
     s = DeploymentSampler([dead, live], api_key=API_KEY, max_retries=2, backoff_s=0.05, down_s=1.0)
-    pinned_to_dead = next(sid for sid in (f"s{i}" for i in range(100))
-                          if DeploymentSampler([dead, live]).pick_replica(sid) == dead)
+    pinned_to_dead = next(
+        sid for sid in (f"s{i}" for i in range(100)) if DeploymentSampler([dead, live]).pick_replica(sid) == dead
+    )
 
     async def burst():
-        return await asyncio.gather(*(s.sample_with_prompt_tokens(PROMPT, max_tokens=2) for _ in range(8)),
-                                    s.sample_with_prompt_tokens(PROMPT, max_tokens=2, session_id=pinned_to_dead))
+        return await asyncio.gather(
+            *(s.sample_with_prompt_tokens(PROMPT, max_tokens=2) for _ in range(8)),
+            s.sample_with_prompt_tokens(PROMPT, max_tokens=2, session_id=pinned_to_dead),
+        )
 
     t0 = time.perf_counter()
     results = asyncio.run(burst())
@@ -266,8 +297,13 @@ def test_dead_replica_is_skipped_its_sessions_remapped_and_it_comes_back(deploym
     assert time.perf_counter() - t0 < 5  # failed over at once, not after the backoff schedule
     assert s.live_replicas() == [live] and s.pick_replica(pinned_to_dead) == live  # marked down, session re-mapped
 
-    cfg = DeployConfig(api_key=API_KEY, port=dead_port, startup_timeout_s=120, log_file=str(tmp_path / "b.log"),
-                       engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"))
+    cfg = DeployConfig(
+        api_key=API_KEY,
+        port=dead_port,
+        startup_timeout_s=120,
+        log_file=str(tmp_path / "b.log"),
+        engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"),
+    )
     with EmbeddedDeployment(tiny_model_path, cfg):
         time.sleep(1.1)  # the down mark expires
         assert s.pick_replica(pinned_to_dead) == dead

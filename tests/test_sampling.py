@@ -38,7 +38,7 @@ def expected_distribution(logits_V: torch.Tensor, p: SamplingParams) -> torch.Te
     """The README's rule, written independently: softmax(z / T), keep top-k, min-p, then top-p of the rest."""
     q = torch.softmax(logits_V.double() / p.temperature, -1)
     order = q.argsort(descending=True).tolist()
-    kept = order[:p.top_k] if p.top_k else order
+    kept = order[: p.top_k] if p.top_k else order
     kept = [t for t in kept if q[t] >= p.min_p * q[order[0]]]
     mass, total, nucleus = 0.0, sum(q[t] for t in kept), []
     for t in kept:
@@ -54,8 +54,17 @@ def expected_distribution(logits_V: torch.Tensor, p: SamplingParams) -> torch.Te
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
 
 
-@pytest.mark.parametrize("fields", [dict(), dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3), dict(temperature=0.5),
-                                    dict(top_k=4, top_p=0.8, min_p=0.1, temperature=1.3)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(),
+        dict(top_k=3),
+        dict(top_p=0.7),
+        dict(min_p=0.3),
+        dict(temperature=0.5),
+        dict(top_k=4, top_p=0.8, min_p=0.1, temperature=1.3),
+    ],
+)
 @pytest.mark.unit
 def test_draws_follow_the_renormalised_kept_distribution(fields):
     params = SamplingParams(**{"temperature": 1.0, **fields})
@@ -82,8 +91,14 @@ def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monk
     peaked = torch.randn(n, V, generator=g) * 4
     flat = torch.randn(n, V, generator=g) * 0.1
     logits = torch.cat([peaked, flat])
-    fields = [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(min_p=0.001), dict(top_k=1000, top_p=0.95),
-              dict(top_k=20), dict(top_p=0.999)]
+    fields = [
+        dict(top_p=0.9),
+        dict(top_p=0.5, min_p=0.01),
+        dict(min_p=0.001),
+        dict(top_k=1000, top_p=0.95),
+        dict(top_k=20),
+        dict(top_p=0.999),
+    ]
     params = [SamplingParams(temperature=1.0, **fields[i % len(fields)]) for i in range(2 * n)]
     probs = torch.softmax(logits, -1)
     u = torch.rand(2 * n, generator=g)
@@ -93,7 +108,7 @@ def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monk
     monkeypatch.setattr(sampling, "CANDIDATES", V)
     assert torch.equal(fast, sampling._sample_truncated(probs, u, params))
     for i in range(0, 2 * n, 9):  # and a row alone draws what it drew in the mix
-        assert sampling._sample_truncated(probs[i:i + 1], u[i:i + 1], params[i:i + 1]).item() == fast[i].item()
+        assert sampling._sample_truncated(probs[i : i + 1], u[i : i + 1], params[i : i + 1]).item() == fast[i].item()
 
 
 @pytest.mark.unit
@@ -107,17 +122,18 @@ def test_top_k_1_at_temperature_1_is_greedy_with_the_t1_logprob():
 @pytest.mark.unit
 def test_penalties_bias_and_min_tokens_follow_the_formula():
     logits_V = torch.tensor([1.0, -1.0, 2.0, 0.5, -2.0, 3.0])
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
-                            logit_bias={3: 1.5, 4: -0.5}, min_tokens=5)
+    params = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={3: 1.5, 4: -0.5}, min_tokens=5
+    )
     logits, [seq] = rows(logits_V, params, 1, prompt=[0, 1], output=[2, 2, 4], stop_ids={5})
     z = _process(logits, [seq])[0]
     want = logits_V.clone()
-    want[5] = -math.inf                       # a stop id before min_tokens
+    want[5] = -math.inf  # a stop id before min_tokens
     want[3] += 1.5
-    want[4] += -0.5                           # bias before penalties (vLLM's order)
-    for t in (0, 1, 2, 4):                    # repetition: prompt {0, 1} and output {2, 4}
+    want[4] += -0.5  # bias before penalties (vLLM's order)
+    for t in (0, 1, 2, 4):  # repetition: prompt {0, 1} and output {2, 4}
         want[t] = want[t] / 2.0 if want[t] > 0 else want[t] * 2.0
-    want[2] -= 0.25 * 2 + 0.5                 # frequency (twice) + presence
+    want[2] -= 0.25 * 2 + 0.5  # frequency (twice) + presence
     want[4] -= 0.25 * 1 + 0.5
     assert torch.equal(z, want), (z, want)
     # greedy takes the argmax of the processed logits; the reported logprob stays the model's
@@ -145,12 +161,23 @@ def test_top_logprobs_are_the_k_best_of_the_reported_distribution():
         assert lp == pytest.approx(ref[7].item(), abs=1e-6)
 
 
-DEGENERATE = [dict(top_p=1e-46), dict(temperature=1e-30), dict(temperature=1e-45), dict(temperature=1e30),
-              dict(min_p=1.0), dict(top_k=1, top_p=1e-46, min_p=1.0), dict(logit_bias={t: 100.0 for t in range(8)}),
-              dict(logit_bias={t: -100.0 for t in range(8)}, temperature=1e-30), dict(repetition_penalty=100.0),
-              dict(repetition_penalty=0.01, temperature=1e-38), dict(presence_penalty=-2.0, frequency_penalty=2.0),
-              dict(temperature=5e-324), dict(temperature=1e300), dict(top_p=5e-324, min_p=1e-40),
-              dict(logit_bias={6: 100.0}, temperature=1e-40)]
+DEGENERATE = [
+    dict(top_p=1e-46),
+    dict(temperature=1e-30),
+    dict(temperature=1e-45),
+    dict(temperature=1e30),
+    dict(min_p=1.0),
+    dict(top_k=1, top_p=1e-46, min_p=1.0),
+    dict(logit_bias={t: 100.0 for t in range(8)}),
+    dict(logit_bias={t: -100.0 for t in range(8)}, temperature=1e-30),
+    dict(repetition_penalty=100.0),
+    dict(repetition_penalty=0.01, temperature=1e-38),
+    dict(presence_penalty=-2.0, frequency_penalty=2.0),
+    dict(temperature=5e-324),
+    dict(temperature=1e300),
+    dict(top_p=5e-324, min_p=1e-40),
+    dict(logit_bias={6: 100.0}, temperature=1e-40),
+]
 
 
 @pytest.mark.unit
@@ -186,23 +213,35 @@ def test_a_row_with_non_finite_logits_or_nothing_to_sample_fails_alone():
     assert 0 <= out.token_ids[0] < 8 and math.isfinite(out.logprobs[0])
 
 
-@pytest.mark.parametrize("fields, name", [
-    (dict(top_k=-1), "top_k"), (dict(min_p=1.5), "min_p"), (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=1e3), "repetition_penalty"), (dict(logit_bias={1: 101.0}), "logit_bias"),
-    (dict(logit_bias={10**7: 1.0}), "logit_bias"), (dict(min_tokens=20, max_tokens=4), "min_tokens"),
-    (dict(top_logprobs=21), "top_logprobs"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=float("nan")), "temperature"), (dict(top_p=float("nan")), "top_p"),
-])
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e3), "repetition_penalty"),
+        (dict(logit_bias={1: 101.0}), "logit_bias"),
+        (dict(logit_bias={10**7: 1.0}), "logit_bias"),
+        (dict(min_tokens=20, max_tokens=4), "min_tokens"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+    ],
+)
 @pytest.mark.unit
 def test_out_of_range_fields_raise_engine_error_naming_them(fields, name):
     from training.deployment.engine.config import validate_request
+
     with pytest.raises(EngineError) as e:
         validate_request([1, 2], SamplingParams(**fields), vocab_size=1000, max_model_len=256)
     assert str(e.value).startswith(name)
 
 
 # ---------------------------------------------------------------- the engine on the tiny model
+
 
 def run_engine(path: str, body, **kw):
     async def main():
@@ -212,6 +251,7 @@ def run_engine(path: str, body, **kw):
             return await body(eng)
         finally:
             await eng.shutdown()
+
     return asyncio.run(main())
 
 
@@ -223,7 +263,7 @@ def hf_model(tiny_model_path):
 def hf_greedy(model, prompt, n, **kw) -> list[int]:
     kw.setdefault("eos_token_id", None)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_with_penalty_bias_and_min_tokens_matches_transformers(tiny_model_path, hf_model):
@@ -236,14 +276,15 @@ def test_greedy_with_penalty_bias_and_min_tokens_matches_transformers(tiny_model
             eng.generate(PROMPT, SamplingParams(**g, repetition_penalty=1.8)),
             eng.generate(PROMPT, SamplingParams(**g, logit_bias={5: 3.0, plain[0]: -4.0})),
             eng.generate(PROMPT, SamplingParams(**g, stop_token_ids=[stop], min_tokens=4)),
-            eng.generate(PROMPT, SamplingParams(**g, stop_token_ids=[stop])))
+            eng.generate(PROMPT, SamplingParams(**g, stop_token_ids=[stop])),
+        )
 
     rep, bias, min_tok, no_min = run_engine(tiny_model_path, body)
     assert rep.output_token_ids == hf_greedy(hf_model, PROMPT, 12, repetition_penalty=1.8) != plain
     assert bias.output_token_ids == hf_greedy(hf_model, PROMPT, 12, sequence_bias={(5,): 3.0, (plain[0],): -4.0})
     assert bias.output_token_ids != plain
     ref = hf_greedy(hf_model, PROMPT, 12, min_new_tokens=4, eos_token_id=stop)
-    ref = ref[:ref.index(stop) + 1] if stop in ref else ref
+    ref = ref[: ref.index(stop) + 1] if stop in ref else ref
     assert min_tok.output_token_ids == ref
     assert len(min_tok.output_token_ids) > 4 and stop not in min_tok.output_token_ids[:4]
     assert no_min.output_token_ids == [stop] and no_min.stop_reason == stop
@@ -253,13 +294,21 @@ def test_logprobs_under_every_field_are_the_models_at_temperature(tiny_model_pat
     fields = dict(max_tokens=10, temperature=0.7, seed=2, ignore_eos=True, top_logprobs=4)
 
     async def body(eng):
-        return await asyncio.gather(*[eng.generate(PROMPT, SamplingParams(**fields, **extra)) for extra in (
-            dict(), dict(top_k=3, min_p=0.05), dict(presence_penalty=1.0, frequency_penalty=0.5),
-            dict(repetition_penalty=1.5, logit_bias={9: 5.0}, min_tokens=3))])
+        return await asyncio.gather(
+            *[
+                eng.generate(PROMPT, SamplingParams(**fields, **extra))
+                for extra in (
+                    dict(),
+                    dict(top_k=3, min_p=0.05),
+                    dict(presence_penalty=1.0, frequency_penalty=0.5),
+                    dict(repetition_penalty=1.5, logit_bias={9: 5.0}, min_tokens=3),
+                )
+            ]
+        )
 
     for res in run_engine(tiny_model_path, body):
         with torch.no_grad():
-            logits = hf_model(torch.tensor([PROMPT + res.output_token_ids])).logits[0, len(PROMPT) - 1:-1]
+            logits = hf_model(torch.tensor([PROMPT + res.output_token_ids])).logits[0, len(PROMPT) - 1 : -1]
         ref = torch.log_softmax(logits / 0.7, -1)
         got = torch.tensor(res.output_logprobs)
         assert torch.allclose(got, ref.gather(1, torch.tensor(res.output_token_ids)[:, None])[:, 0], atol=1e-4)
@@ -271,8 +320,16 @@ def test_logprobs_under_every_field_are_the_models_at_temperature(tiny_model_pat
 
 def test_seeded_request_samples_the_same_whatever_its_neighbours_ask(tiny_model_path):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=77, ignore_eos=True)
-    neighbours = [dict(top_k=5), dict(top_p=0.3), dict(min_p=0.2), dict(repetition_penalty=2.0),
-                  dict(logit_bias={3: 10.0}), dict(top_logprobs=5), dict(temperature=0.0), dict(min_tokens=5)]
+    neighbours = [
+        dict(top_k=5),
+        dict(top_p=0.3),
+        dict(min_p=0.2),
+        dict(repetition_penalty=2.0),
+        dict(logit_bias={3: 10.0}),
+        dict(top_logprobs=5),
+        dict(temperature=0.0),
+        dict(min_tokens=5),
+    ]
 
     async def body(eng):
         alone = await eng.generate(PROMPT, params)
@@ -289,8 +346,8 @@ def test_stop_reason_names_the_stop_string_or_stop_token(tiny_model_path):
     async def body(eng):
         sampled = dict(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
         full = await eng.generate(PROMPT, SamplingParams(**sampled))
-        k = next(i for i in range(10, len(full.text) - 3) if full.text.find(full.text[i:i + 3]) == i)
-        stop = full.text[k:k + 3]
+        k = next(i for i in range(10, len(full.text) - 3) if full.text.find(full.text[i : i + 3]) == i)
+        stop = full.text[k : k + 3]
         by_str = await eng.generate(PROMPT, SamplingParams(**sampled, stop=["never-there", stop]))
         kept = await eng.generate(PROMPT, SamplingParams(**sampled, stop=[stop], include_stop_str_in_output=True))
         tok = full.output_token_ids[5]
@@ -300,19 +357,26 @@ def test_stop_reason_names_the_stop_string_or_stop_token(tiny_model_path):
     full, stop, by_str, kept, tok, by_tok = run_engine(tiny_model_path, body)
     assert full.stop_reason is None and full.finish_reason == "length"
     assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
-    assert by_str.text == full.text[:full.text.find(stop)]
-    assert kept.text == full.text[:full.text.find(stop) + len(stop)] and kept.stop_reason == stop
+    assert by_str.text == full.text[: full.text.find(stop)]
+    assert kept.text == full.text[: full.text.find(stop) + len(stop)] and kept.stop_reason == stop
     assert by_tok.stop_reason == tok and by_tok.output_token_ids[-1] == tok
 
 
 def test_a_sequence_that_fails_inside_a_step_fails_alone(tiny_model_path, hf_model):
     """Injected fault (validation makes it impossible for real): a row whose logit_bias names a token
     outside the vocabulary makes the batched sampler raise; only that sequence fails."""
+
     async def body(eng):
-        good = [eng.generate(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-                for p in (PROMPT, PROMPT[:5], [42] * 7)]
-        bad = eng.engine.make_sequence(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), None,
-                                       eng._deliver(fut := asyncio.get_running_loop().create_future()))
+        good = [
+            eng.generate(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            for p in (PROMPT, PROMPT[:5], [42] * 7)
+        ]
+        bad = eng.engine.make_sequence(
+            PROMPT,
+            SamplingParams(max_tokens=8, ignore_eos=True),
+            None,
+            eng._deliver(fut := asyncio.get_running_loop().create_future()),
+        )
         bad.params = replace(bad.params, logit_bias={10**9: 1.0})
         with eng._cond:
             eng._inbox.append(bad)

@@ -29,18 +29,25 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(api_key=API_KEY, startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("srv") / "server.log"), engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=16, device="cpu", dtype="float32"))
+    cfg = DeployConfig(
+        api_key=API_KEY,
+        startup_timeout_s=120,
+        log_file=str(tmp_path_factory.mktemp("srv") / "server.log"),
+        engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=16, device="cpu", dtype="float32"),
+    )
     with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
         yield dep
 
 
 def call(server, method, path, body=None, headers=AUTH, raw=None):
     """One HTTP request in a fresh event loop -> (status, json)."""
+
     async def go():
         async with aiohttp.ClientSession() as s:
             data = raw if raw is not None else (json.dumps(body) if body is not None else None)
             async with s.request(method, server.base_url + path, data=data, headers=headers) as r:
                 return r.status, await r.json(content_type=None)
+
     return asyncio.run(go())
 
 
@@ -51,8 +58,7 @@ def complete(server, **body):
 
 
 def greedy_ids(server, prompt, n_tokens=12):
-    out = complete(server, prompt=prompt, max_tokens=n_tokens, temperature=0.0, ignore_eos=True,
-                   return_token_ids=True)
+    out = complete(server, prompt=prompt, max_tokens=n_tokens, temperature=0.0, ignore_eos=True, return_token_ids=True)
     return out["choices"][0]["token_ids"], out["choices"][0]["weight_version"]
 
 
@@ -71,9 +77,16 @@ def test_ready_line_health_and_models(server):
     assert status == 200 and isinstance(stats, dict) and stats.get("paused") is False
 
 
-@pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/v1/completions", "POST"),
-                                         ("/update_weights_from_shm", "POST"), ("/pause", "POST"),
-                                         ("/weight_version", "GET")])
+@pytest.mark.parametrize(
+    "path,method",
+    [
+        ("/v1/models", "GET"),
+        ("/v1/completions", "POST"),
+        ("/update_weights_from_shm", "POST"),
+        ("/pause", "POST"),
+        ("/weight_version", "GET"),
+    ],
+)
 def test_api_key_required_everywhere_but_health(server, path, method):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, out = call(server, method, path, {"prompt": PROMPT}, headers=headers)
@@ -81,8 +94,7 @@ def test_api_key_required_everywhere_but_health(server, path, method):
 
 
 def test_completion_token_ids_logprobs_usage_version(server):
-    out = complete(server, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3, logprobs=1,
-                   return_token_ids=True)
+    out = complete(server, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3, logprobs=1, return_token_ids=True)
     (ch,) = out["choices"]
     assert ch["prompt_token_ids"] == PROMPT
     assert 1 <= len(ch["token_ids"]) <= 8
@@ -119,13 +131,23 @@ def test_n_choices_seeded_and_reproducible(server):
 def test_32_concurrent_requests_of_different_lengths(server):
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:
+
             async def one(i):
-                body = {"prompt": PROMPT[: 1 + i % 8] + [i + 20] * (i % 5), "max_tokens": 1 + i, "ignore_eos": True,
-                        "temperature": 1.0, "seed": i, "return_token_ids": True, "logprobs": 0}
+                body = {
+                    "prompt": PROMPT[: 1 + i % 8] + [i + 20] * (i % 5),
+                    "max_tokens": 1 + i,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "seed": i,
+                    "return_token_ids": True,
+                    "logprobs": 0,
+                }
                 async with s.post(server.base_url + "/v1/completions", json=body) as r:
                     assert r.status == 200
                     return i, await r.json()
+
             return await asyncio.gather(*[one(i) for i in range(32)])
+
     t0 = time.perf_counter()
     results = asyncio.run(go())
     elapsed = time.perf_counter() - t0
@@ -171,14 +193,17 @@ def test_bad_completion_input_is_400_naming_the_field(server, body, param):
     assert complete(server, prompt=PROMPT, max_tokens=2)["choices"]  # still serving
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": "calc"}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": "calc"}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
+    ],
+)
 def test_bad_chat_input_is_400_naming_the_field(server, body, param):
     status, out = call(server, "POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == param, out
@@ -198,15 +223,26 @@ def test_malformed_json_non_object_body_and_model_names(server, tiny_model_path)
 def test_openai_client_completions_and_chat(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=1,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=1,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     ch = r.choices[0]
     assert len(ch.logprobs.token_logprobs) == 6 and len(ch.model_extra["token_ids"]) == 6
     assert ch.model_extra["prompt_token_ids"] == PROMPT and r.model_extra["weight_version"] == 0
     assert r.usage.completion_tokens == 6
-    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "add 2 and 3"}],
-                                       max_tokens=5, logprobs=True, temperature=0.0,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "add 2 and 3"}],
+        max_tokens=5,
+        logprobs=True,
+        temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     cc = c.choices[0]
     assert len(cc.logprobs.content) == len(cc.model_extra["token_ids"]) == 5
     assert isinstance(cc.message.content, str) and cc.message.role == "assistant"
@@ -217,15 +253,27 @@ def test_openai_client_completions_and_chat(server):
 
 def test_chat_renders_template_with_tools(server, tiny_model_path):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2 + 3"}]
-    status, out = call(server, "POST", "/v1/chat/completions",
-                       {"messages": messages, "tools": tools, "max_tokens": 4, "logprobs": True,
-                        "return_token_ids": True, "temperature": 0.0})
+    status, out = call(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "tools": tools,
+            "max_tokens": 4,
+            "logprobs": True,
+            "return_token_ids": True,
+            "temperature": 0.0,
+        },
+    )
     assert status == 200, out
-    expected = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
+    expected = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert out["prompt_token_ids"] == expected == out["choices"][0]["prompt_token_ids"]
     assert "calculator" in tok.decode(expected)
     assert [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]] and out["weight_version"] == 0
@@ -235,8 +283,9 @@ def test_chat_renders_template_with_tools(server, tiny_model_path):
 
 def test_tool_call_blocks_become_openai_tool_calls():
     text = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
-    content, calls = parse_tool_calls(text + ' <tool_call>{"name": "x", "arguments": "{}"}</tool_call> bad: '
-                                             "<tool_call>{not json}</tool_call>")
+    content, calls = parse_tool_calls(
+        text + ' <tool_call>{"name": "x", "arguments": "{}"}</tool_call> bad: <tool_call>{not json}</tool_call>'
+    )
     assert [c["function"]["name"] for c in calls] == ["calculator", "x"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "2+3"}
     assert calls[1]["function"]["arguments"] == "{}" and calls[0]["type"] == "function" and calls[0]["id"]
@@ -246,13 +295,24 @@ def test_tool_call_blocks_become_openai_tool_calls():
     assert len(calls) == 1 and calls[0]["id"] != parse_tool_calls(text)[1][0]["id"]  # ids unique per response
     assert parse_tool_calls("plain answer") == ("plain answer", [])
     from training.deployment.engine.config import SamplingParams
-    req = ParsedRequest(prompts=[[1, 2]], n=1, params=SamplingParams(), seed=None, logprobs=0,
-                        return_token_ids=True, model="tiny", tools=[{"type": "function"}], parse_tool_calls=True)
+
+    req = ParsedRequest(
+        prompts=[[1, 2]],
+        n=1,
+        params=SamplingParams(),
+        seed=None,
+        logprobs=0,
+        return_token_ids=True,
+        model="tiny",
+        tools=[{"type": "function"}],
+        parse_tool_calls=True,
+    )
     res = GenerationResult([1, 2], [5, 6], [-0.1, -0.2], "stop", 4, 0, text)
 
     class Tok:
         def decode(self, ids):
             return f"<{ids[0]}>"
+
     out = build_chat_response(req, [res], Tok())
     ch = out["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] == "Let me compute."
@@ -263,15 +323,25 @@ def test_tool_call_blocks_become_openai_tool_calls():
 
 def test_sampled_logprobs_match_transformers_forward(server, tiny_model_path):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    out = complete(server, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=11, n=2, ignore_eos=True,
-                   logprobs=0, return_token_ids=True)
+    out = complete(
+        server,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=1.0,
+        seed=11,
+        n=2,
+        ignore_eos=True,
+        logprobs=0,
+        return_token_ids=True,
+    )
     worst = 0.0
     for ch in out["choices"]:
         ids = torch.tensor([PROMPT + ch["token_ids"]])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-        ref = logp[len(PROMPT) - 1:-1].gather(1, torch.tensor(ch["token_ids"])[:, None])[:, 0]
+        ref = logp[len(PROMPT) - 1 : -1].gather(1, torch.tensor(ch["token_ids"])[:, None])[:, 0]
         worst = max(worst, (ref - torch.tensor(ch["logprobs"]["token_logprobs"])).abs().max().item())
     print(f"max |server - transformers| logprob = {worst:.2e}")
     assert worst < 1e-4
@@ -280,12 +350,18 @@ def test_sampled_logprobs_match_transformers_forward(server, tiny_model_path):
 def test_session_reuses_kv_on_the_next_turn(server):
     headers = {**AUTH, "x-multi-turn-session-id": "session-a"}
     fresh = [61, 62, 63, 64, 65, 66, 67]  # no other test sent it: nothing of it is cached yet
-    s1, out1 = call(server, "POST", "/v1/completions",
-                    {"prompt": fresh, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}, headers)
+    s1, out1 = call(
+        server,
+        "POST",
+        "/v1/completions",
+        {"prompt": fresh, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True},
+        headers,
+    )
     assert s1 == 200 and out1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     turn2 = fresh + out1["choices"][0]["token_ids"] + [30, 31, 32]
-    s2, out2 = call(server, "POST", "/v1/completions",
-                    {"prompt": turn2, "max_tokens": 4, "return_token_ids": True}, headers)
+    s2, out2 = call(
+        server, "POST", "/v1/completions", {"prompt": turn2, "max_tokens": 4, "return_token_ids": True}, headers
+    )
     assert s2 == 200
     cached = out2["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < len(turn2), out2["usage"]
@@ -294,19 +370,34 @@ def test_session_reuses_kv_on_the_next_turn(server):
 def _concurrent_completions(server, bodies: list[dict]) -> list[dict]:
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:
+
             async def one(body):
                 async with s.post(server.base_url + "/v1/completions", json={"model": "tiny", **body}) as r:
                     assert r.status == 200
                     return await r.json()
+
             return await asyncio.gather(*[one(b) for b in bodies])
+
     return asyncio.run(go())
 
 
 def test_grpo_group_over_http_computes_its_prompt_once_and_reports_cached_tokens(server):
     prompt = [300 + (7 * i) % 97 for i in range(40)]  # fresh: no other test sent it
     before = call(server, "GET", "/stats")[1]
-    outs = _concurrent_completions(server, [{"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": i,
-                                             "ignore_eos": True, "return_token_ids": True} for i in range(8)])
+    outs = _concurrent_completions(
+        server,
+        [
+            {
+                "prompt": prompt,
+                "max_tokens": 5,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            for i in range(8)
+        ],
+    )
     after = call(server, "GET", "/stats")[1]
     cached = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
     assert cached[0] == 0 and all(c >= len(prompt) - 1 for c in cached[1:])  # one member computed it
@@ -328,8 +419,9 @@ def test_pause_holds_requests_until_resume(server):
         async with aiohttp.ClientSession(headers=AUTH) as s:
             async with s.post(server.base_url + "/pause") as r:
                 assert r.status == 200
-            task = asyncio.ensure_future(s.post(server.base_url + "/v1/completions",
-                                                json={"prompt": PROMPT, "max_tokens": 3}))
+            task = asyncio.ensure_future(
+                s.post(server.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+            )
             await asyncio.sleep(0.5)
             held = not task.done()
             async with s.post(server.base_url + "/resume") as r:
@@ -338,30 +430,36 @@ def test_pause_holds_requests_until_resume(server):
             status = resp.status
             resp.release()
             return held, status
+
     held, status = asyncio.run(go())
     assert held and status == 200
 
 
 # ---- weight updates: these change the server's state, so they run last ----
 
+
 def _perturbed(model_path: str, scale: float = 2.0) -> dict[str, torch.Tensor]:
     """The model's tensors plus noise (norm weights get absolute noise: their std is 0)."""
     from safetensors.torch import load_file
+
     tensors = load_file(f"{model_path}/model.safetensors")
     g = torch.Generator().manual_seed(0)
-    return {k: v + torch.randn(v.shape, generator=g) * (scale if "norm" in k else scale * v.float().std())
-            for k, v in tensors.items()}
+    return {
+        k: v + torch.randn(v.shape, generator=g) * (scale if "norm" in k else scale * v.float().std())
+        for k, v in tensors.items()
+    }
 
 
 def _hf_greedy(model_path: str, tensors: dict[str, torch.Tensor], prompt: list[int], n_tokens: int = 12):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     model.load_state_dict(tensors, strict=False)
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_weight_update_changes_greedy_output_and_version(server, tiny_model_path, tmp_path):
@@ -378,9 +476,11 @@ def test_weight_update_changes_greedy_output_and_version(server, tiny_model_path
     assert call(server, "GET", "/weight_version")[1]["weight_version"] == 1
     # back to the original weights through the disk path: the original greedy output returns
     from safetensors.torch import load_file
+
     original = load_file(f"{tiny_model_path}/model.safetensors")
-    asyncio.run(push_weights(server.base_url, original.items(), 2, mode="disk", directory=str(tmp_path / "w"),
-                             api_key=API_KEY))
+    asyncio.run(
+        push_weights(server.base_url, original.items(), 2, mode="disk", directory=str(tmp_path / "w"), api_key=API_KEY)
+    )
     again, v2 = greedy_ids(server, PROMPT)
     assert v2 == 2 and again == before
 
@@ -390,15 +490,23 @@ def test_in_flight_update_over_http_labels_every_token_with_its_version(server, 
 
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0.0, "ignore_eos": True,
-                    "return_token_ids": True, "logprobs": 0}
+            body = {
+                "model": "tiny",
+                "prompt": PROMPT,
+                "max_tokens": 200,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "logprobs": 0,
+            }
             long = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
             while (await (await s.get(server.base_url + "/stats")).json())["running"] == 0:
                 assert not long.done(), "the request ended before it was seen running"  # fail, never spin
                 await asyncio.sleep(0.005)
             await s.post(server.base_url + "/pause")  # hold it mid-sequence: the push lands between two steps
-            await push_weights(server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY,
-                               wait_for_inflight=False)
+            await push_weights(
+                server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY, wait_for_inflight=False
+            )
             await s.post(server.base_url + "/resume")
             async with await long as r:
                 assert r.status == 200

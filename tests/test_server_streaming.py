@@ -24,17 +24,28 @@ openai = pytest.importorskip("openai")
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2 + 3"}]
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"expression": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "evaluate arithmetic",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(startup_timeout_s=120, log_file=str(tmp_path_factory.mktemp("stream") / "server.log"),
-                       engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=8, device="cpu",
-                                                  dtype="float32", enable_prefix_caching=False))
+    cfg = DeployConfig(
+        startup_timeout_s=120,
+        log_file=str(tmp_path_factory.mktemp("stream") / "server.log"),
+        engine_config=EngineConfig(
+            max_model_len=MAX_MODEL_LEN, max_batch_size=8, device="cpu", dtype="float32", enable_prefix_caching=False
+        ),
+    )
     # no prefix caching: a reused prefix's K/V differs from a fresh prefill in the 7th digit, and these tests
     # compare a streamed request with the same request answered whole, digit for digit
     with EmbeddedDeployment(tiny_model_path, cfg) as dep:
@@ -56,6 +67,7 @@ def stats(server) -> dict:
         async with aiohttp.ClientSession() as s:
             async with s.get(server.base_url + "/stats") as r:
                 return await r.json()
+
     return asyncio.run(go())
 
 
@@ -64,8 +76,16 @@ def extra(obj, name):
 
 
 def test_streamed_completions_equal_the_whole_response_token_for_token(client):
-    body = dict(model="tiny-qwen3", prompt=[PROMPT, PROMPT[:5]], max_tokens=20, temperature=1.0, seed=11, n=2,
-                logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+    body = dict(
+        model="tiny-qwen3",
+        prompt=[PROMPT, PROMPT[:5]],
+        max_tokens=20,
+        temperature=1.0,
+        seed=11,
+        n=2,
+        logprobs=2,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     whole = client.completions.create(**body)
     chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -79,8 +99,9 @@ def test_streamed_completions_equal_the_whole_response_token_for_token(client):
         assert extra(mine[0], "prompt_token_ids") == extra(want, "prompt_token_ids")
         assert sum((extra(c, "token_ids") for c in mine), []) == extra(want, "token_ids")
         versions = sum((extra(c, "token_weight_versions") for c in mine), [])
-        assert versions == (extra(want, "token_weight_versions")
-                            or [extra(want, "weight_version")] * len(extra(want, "token_ids")))
+        assert versions == (
+            extra(want, "token_weight_versions") or [extra(want, "weight_version")] * len(extra(want, "token_ids"))
+        )
         assert "".join(c.text for c in mine) == want.text
         lps = [c.logprobs for c in mine if c.logprobs]
         assert sum((lp.token_logprobs for lp in lps), []) == want.logprobs.token_logprobs
@@ -94,9 +115,18 @@ def test_streamed_completions_equal_the_whole_response_token_for_token(client):
 def test_streamed_chat_equals_the_whole_response(client, tools):
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
-    body = dict(model="tiny-qwen3", messages=CHAT, max_tokens=24, temperature=1.0, seed=5, n=2, logprobs=True,
-                top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True},
-                **({"tools": tools} if tools else {}))
+    body = dict(
+        model="tiny-qwen3",
+        messages=CHAT,
+        max_tokens=24,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        **({"tools": tools} if tools else {}),
+    )
     whole = client.chat.completions.create(**body)
     state = ChatCompletionStreamState()
     chunks = []
@@ -117,11 +147,12 @@ def test_streamed_chat_equals_the_whole_response(client, tools):
 
 
 def test_a_stop_string_is_never_streamed(client):
-    body = dict(model="tiny-qwen3", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=3,
-                extra_body={"ignore_eos": True})
+    body = dict(
+        model="tiny-qwen3", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
     text = client.completions.create(**body).choices[0].text
-    k = next(i for i in range(len(text) // 2, 0, -1) if text.find(text[i:i + 4]) == i)
-    stop = text[k:k + 4]
+    k = next(i for i in range(len(text) // 2, 0, -1) if text.find(text[i : i + 4]) == i)
+    stop = text[k : k + 4]
     whole = client.completions.create(**body, stop=[stop]).choices[0]
     pieces = [c.choices[0].text for c in client.completions.create(**body, stop=[stop], stream=True)]
     assert whole.text == text[:k] and whole.finish_reason == "stop" and whole.model_extra["stop_reason"] == stop
@@ -142,7 +173,7 @@ SCRIPTS = [
     'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "lookup", "arguments": "{\\"q\\": \\"five\\"}"}\n</tool_call>\nDone, twice.',
-    'The answer is 5 and < is not a tag.  ',
+    "The answer is 5 and < is not a tag.  ",
     'Trailing unclosed: <tool_call>{"name": "calculator", "arguments": {"expression": "7*6"}}',
 ]
 
@@ -156,10 +187,21 @@ def test_tool_calls_stream_in_the_openai_chat_format(tokenizer, script):
     from openai.types.chat import ChatCompletionChunk
 
     ids = tokenizer.encode(script, add_special_tokens=False)
-    result = GenerationResult([1, 2], ids, [-0.5] * len(ids), "stop", 0, 0,
-                              tokenizer.decode(ids, skip_special_tokens=True))
-    req = ParsedRequest(prompts=[[1, 2]], n=1, params=SamplingParams(), seed=None, logprobs=None,
-                        return_token_ids=True, model="tiny", tools=TOOLS, parse_tool_calls=True, stream=True)
+    result = GenerationResult(
+        [1, 2], ids, [-0.5] * len(ids), "stop", 0, 0, tokenizer.decode(ids, skip_special_tokens=True)
+    )
+    req = ParsedRequest(
+        prompts=[[1, 2]],
+        n=1,
+        params=SamplingParams(),
+        seed=None,
+        logprobs=None,
+        return_token_ids=True,
+        model="tiny",
+        tools=TOOLS,
+        parse_tool_calls=True,
+        stream=True,
+    )
     chunks = ChunkStream(req, chat=True, tokenizer=tokenizer)
     raw = chunks.opening()
     for t in ids[:-1]:
@@ -172,8 +214,9 @@ def test_tool_calls_stream_in_the_openai_chat_format(tokenizer, script):
     want = build_chat_response(req, [result], tokenizer)["choices"][0]
     assert got.finish_reason == want["finish_reason"]
     assert (got.message.content or None) == want["message"]["content"]
-    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in want["message"]["tool_calls"]]
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in want["message"]["tool_calls"]
+    ]
     assert sum((c["choices"][0].get("token_ids", []) for c in raw), []) == ids
     calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in raw if c["choices"][0]["delta"].get("tool_calls")]
     for first, args in zip(calls[::2], calls[1::2]):  # per call: id + name, then the arguments
@@ -252,8 +295,9 @@ def test_an_abort_lands_within_one_engine_step(tiny_model_path, how):
     from training.deployment.engine import AsyncEngine, EngineConfig
 
     async def go():
-        eng = AsyncEngine(EngineConfig(model=tiny_model_path, max_batch_size=4, max_model_len=512, device="cpu",
-                                       dtype="float32"))
+        eng = AsyncEngine(
+            EngineConfig(model=tiny_model_path, max_batch_size=4, max_model_len=512, device="cpu", dtype="float32")
+        )
         await eng.start()
         notes = _AbortRecordingEngine.install(eng)
         try:
@@ -289,6 +333,7 @@ def test_an_abort_lands_within_one_engine_step(tiny_model_path, how):
 
 def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path):
     """Handler cancellation applies to generation only: a control request runs to its end."""
+
     async def go():
         async with aiohttp.ClientSession() as s:
             async with s.get(server.base_url + "/weight_version") as r:
@@ -300,11 +345,15 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
                     if (await r.json())["running"] == 1:
                         break
                 await asyncio.sleep(0.01)
-            push = {"path": f"{tiny_model_path}/model.safetensors", "weight_version": version + 1,
-                    "wait_for_inflight": True}  # waits for the running generation: the client gives up first
+            push = {
+                "path": f"{tiny_model_path}/model.safetensors",
+                "weight_version": version + 1,
+                "wait_for_inflight": True,
+            }  # waits for the running generation: the client gives up first
             with pytest.raises(asyncio.TimeoutError):
-                await s.post(server.base_url + "/update_weights_from_disk", json=push,
-                             timeout=aiohttp.ClientTimeout(total=0.1))
+                await s.post(
+                    server.base_url + "/update_weights_from_disk", json=push, timeout=aiohttp.ClientTimeout(total=0.1)
+                )
             (await gen).release()
             deadline = time.monotonic() + 60
             while True:
@@ -326,8 +375,9 @@ def test_streamed_tokens_carry_the_weight_version_that_sampled_them(tiny_model_p
     weights = load_file(f"{tiny_model_path}/model.safetensors")
 
     async def go():
-        eng = AsyncEngine(EngineConfig(model=tiny_model_path, max_batch_size=2, max_model_len=512, device="cpu",
-                                       dtype="float32"))
+        eng = AsyncEngine(
+            EngineConfig(model=tiny_model_path, max_batch_size=2, max_model_len=512, device="cpu", dtype="float32")
+        )
         await eng.start()
         try:
             versions, update = [], None

@@ -15,36 +15,53 @@ import torch
 from aiohttp import web
 
 from training.deployment.sampler import DeploymentRequestError
-from training.deployment.sglang import (SGLangDeployment, SGLangSampler, build_generate_request,
-                                        distributed_init_body, distributed_update_body, parse_generate_item)
+from training.deployment.sglang import (
+    SGLangDeployment,
+    SGLangSampler,
+    build_generate_request,
+    distributed_init_body,
+    distributed_update_body,
+    parse_generate_item,
+)
 from training.deployment.weight_sync import WeightSyncError
 from training.utils import DeployConfig, EngineConfig
 
 
 def answer(ids, lps, finish=None, version="default", text="x"):
     """One ``/generate`` answer as SGLang documents it (``return_logprob: true``)."""
-    return {"text": text, "output_ids": ids,
-            "meta_info": {"id": "abc", "finish_reason": finish or {"type": "length", "length": len(ids)},
-                          "prompt_tokens": 3, "completion_tokens": len(ids), "cached_tokens": 2,
-                          "weight_version": version,
-                          "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+    return {
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": "abc",
+            "finish_reason": finish or {"type": "length", "length": len(ids)},
+            "prompt_tokens": 3,
+            "completion_tokens": len(ids),
+            "cached_tokens": 2,
+            "weight_version": version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+        },
+    }
 
 
 def test_request_maps_openai_names_and_seeds_each_copy():
-    body = build_generate_request([1, 2, 3], 2, {"max_tokens": 8, "temperature": 0.7, "stop": "\n", "seed": 10,
-                                                 "logprobs": 0, "top_p": None})
+    body = build_generate_request(
+        [1, 2, 3], 2, {"max_tokens": 8, "temperature": 0.7, "stop": "\n", "seed": 10, "logprobs": 0, "top_p": None}
+    )
     assert body["input_ids"] == [[1, 2, 3], [1, 2, 3]] and body["return_logprob"] is True
-    assert body["sampling_params"][0] == {"max_new_tokens": 8, "temperature": 0.7, "stop": ["\n"],
-                                          "sampling_seed": 10}
+    assert body["sampling_params"][0] == {"max_new_tokens": 8, "temperature": 0.7, "stop": ["\n"], "sampling_seed": 10}
     assert body["sampling_params"][1]["sampling_seed"] == 11
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: build_generate_request([1], 1, {"best_of": 2}), "^sampling: 'best_of' has no SGLang equivalent"),
-    (lambda: build_generate_request([], 1, {}), "^prompt_ids:"),
-    (lambda: build_generate_request([1], 0, {}), "^n:"),
-    (lambda: distributed_init_body("h", 1, 1), "^world_size:"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: build_generate_request([1], 1, {"best_of": 2}), "^sampling: 'best_of' has no SGLang equivalent"),
+        (lambda: build_generate_request([], 1, {}), "^prompt_ids:"),
+        (lambda: build_generate_request([1], 0, {}), "^n:"),
+        (lambda: distributed_init_body("h", 1, 1), "^world_size:"),
+    ],
+)
 def test_bad_requests_name_the_field(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -58,12 +75,15 @@ def test_parse_answer_to_completion():
     assert parse_generate_item([1], answer([7], [-0.1]), sent_under=6).weight_version == 6
 
 
-@pytest.mark.parametrize("item, match", [
-    ({"text": ""}, "no meta_info"),
-    ({"meta_info": {"finish_reason": {"type": "stop"}}}, "output_token_logprobs"),
-    (answer([7], [-0.1], {"type": "timeout"}), "finish_reason"),
-    ({**answer([7], [-0.1]), "output_ids": [9]}, "disagree"),
-])
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ({"text": ""}, "no meta_info"),
+        ({"meta_info": {"finish_reason": {"type": "stop"}}}, "output_token_logprobs"),
+        (answer([7], [-0.1], {"type": "timeout"}), "finish_reason"),
+        ({**answer([7], [-0.1]), "output_ids": [9]}, "disagree"),
+    ],
+)
 def test_malformed_answers_raise_with_the_reason(item, match):
     with pytest.raises(DeploymentRequestError, match=match):
         parse_generate_item([1], item)
@@ -100,9 +120,16 @@ class FakeSGLang:
         body = await request.json()
         self.requests.append(("/generate", body))
         batch = isinstance(body["input_ids"][0], list)
-        outs = [answer([20 + i, 2], [-0.25, -0.75], {"type": "stop", "matched": 2}, self.version,
-                       text='<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
-                for i in range(len(body["input_ids"]) if batch else 1)]
+        outs = [
+            answer(
+                [20 + i, 2],
+                [-0.25, -0.75],
+                {"type": "stop", "matched": 2},
+                self.version,
+                text='<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+            )
+            for i in range(len(body["input_ids"]) if batch else 1)
+        ]
         return web.json_response(outs if batch else outs[0])
 
     async def control(self, request):
@@ -112,8 +139,9 @@ class FakeSGLang:
             if self.refuse:
                 return web.json_response({"success": False, "message": "shape mismatch for lm_head.weight"})
             self.version = body["weight_version"]
-            return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                      "num_paused_requests": 0})
+            return web.json_response(
+                {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+            )
         return web.json_response({})
 
 
@@ -126,17 +154,23 @@ def test_sampler_over_generate_and_chat(tiny_model_path):
         async with FakeSGLang() as fake:
             s = SGLangSampler(fake.url, tokenizer=tok).with_defaults(max_tokens=4, temperature=1.0)
             cs = await s.sample_with_prompt_tokens([1, 2, 3], n=2, seed=5)
-            chat = await s.chat([{"role": "user", "content": "hi"}],
-                                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+            chat = await s.chat(
+                [{"role": "user", "content": "hi"}],
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            )
             await s.close()
             return fake.requests, cs, chat
 
     requests, cs, (chat,) = asyncio.run(scenario())
     assert [c.output_tokens for c in cs] == [[20, 2], [21, 2]] and cs[0].inference_logprobs == [-0.25, -0.75]
     assert requests[0][1]["sampling_params"][1] == {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 6}
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                       tokenize=True, return_dict=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tokenize=True,
+        return_dict=False,
+    )
     assert requests[1][1]["input_ids"] == [list(rendered)] and chat.prompt_tokens == list(rendered)
     assert chat.finish_reason == "tool_calls" and chat.tool_calls[0]["function"]["name"] == "f"
 
@@ -154,8 +188,9 @@ def test_weight_push_writes_a_folder_and_posts_update_weights_from_disk(tiny_mod
             # not .start(): its blocking health check would wait on this very event loop
             dep = SGLangDeployment(tiny_model_path, DeployConfig(engine="sglang", base_url=fake.url))
             try:
-                out = await dep.push_weights(weights, 5, mode="disk", directory=str(tmp_path / f"w{refuse}"),
-                                             wait_for_inflight=refuse)
+                out = await dep.push_weights(
+                    weights, 5, mode="disk", directory=str(tmp_path / f"w{refuse}"), wait_for_inflight=refuse
+                )
             finally:
                 dep.stop()
             return fake.requests, out
@@ -172,7 +207,9 @@ def test_weight_push_writes_a_folder_and_posts_update_weights_from_disk(tiny_mod
 
 
 def test_launch_command_and_distributed_bodies():
-    dep = SGLangDeployment("/m", DeployConfig(engine="sglang", engine_args=["--tp", "2"], engine_config=EngineConfig(max_model_len=1024)))
+    dep = SGLangDeployment(
+        "/m", DeployConfig(engine="sglang", engine_args=["--tp", "2"], engine_config=EngineConfig(max_model_len=1024))
+    )
     dep.port = 30000
     cmd = dep._command()
     assert cmd[1:5] == ["-m", "sglang.launch_server", "--model-path", "/m"]
@@ -181,7 +218,11 @@ def test_launch_command_and_distributed_bodies():
     assert distributed_init_body("10.0.0.1", 29500, 3)["rank_offset"] == 1
     body = distributed_update_body([("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16))], 7)
     assert (body["names"], body["dtypes"], body["shapes"], body["weight_version"]) == (
-        ["a.weight"], ["bfloat16"], [[2, 3]], "7")
+        ["a.weight"],
+        ["bfloat16"],
+        [[2, 3]],
+        "7",
+    )
 
 
 # ----------------------------------------------------------------------- real SGLang (GPU only)
@@ -214,8 +255,9 @@ def test_real_server(tmp_path):
         s = SGLangSampler(dep.base_url)
         (before,) = await s.sample_with_prompt_tokens([5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        weights = [(k, v + 0.5 * v.std() * torch.randn_like(v)) for k, v in model.state_dict().items()
-                   if k != "lm_head.weight"]
+        weights = [
+            (k, v + 0.5 * v.std() * torch.randn_like(v)) for k, v in model.state_dict().items() if k != "lm_head.weight"
+        ]
         await dep.push_weights(weights, 1, mode="disk", directory=str(tmp_path / "w"))
         (after,) = await s.sample_with_prompt_tokens([5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
         await s.close()

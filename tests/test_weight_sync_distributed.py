@@ -31,7 +31,19 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 @pytest.fixture(scope="module")
 def servers(tiny_model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("dist-srv")
-    deps = [EmbeddedDeployment(tiny_model_path, DeployConfig(api_key=API_KEY, startup_timeout_s=120, log_file=str(logs / f"server{i}.log"), engine_config=EngineConfig(max_model_len=512, max_batch_size=8, device="cpu", dtype="float32")), served_model_name="tiny") for i in range(2)]
+    deps = [
+        EmbeddedDeployment(
+            tiny_model_path,
+            DeployConfig(
+                api_key=API_KEY,
+                startup_timeout_s=120,
+                log_file=str(logs / f"server{i}.log"),
+                engine_config=EngineConfig(max_model_len=512, max_batch_size=8, device="cpu", dtype="float32"),
+            ),
+            served_model_name="tiny",
+        )
+        for i in range(2)
+    ]
     try:
         with ThreadPoolExecutor(2) as pool:  # start both at once
             list(pool.map(EmbeddedDeployment.start, deps))
@@ -51,8 +63,9 @@ def loop():
 
 @pytest.fixture(scope="module")
 def sender(servers, loop):
-    s = DistributedWeightSender([d.base_url for d in servers], "127.0.0.1", 0, backend="gloo", api_key=API_KEY,
-                                timeout_s=60)
+    s = DistributedWeightSender(
+        [d.base_url for d in servers], "127.0.0.1", 0, backend="gloo", api_key=API_KEY, timeout_s=60
+    )
     loop.run_until_complete(s.connect())
     yield s
     s.close()
@@ -63,6 +76,7 @@ def call(base_url, method, path, body=None):
         async with aiohttp.ClientSession(headers=AUTH) as s:
             async with s.request(method, base_url + path, data=json.dumps(body) if body is not None else None) as r:
                 return r.status, await r.json(content_type=None)
+
     return asyncio.run(go())
 
 
@@ -80,42 +94,53 @@ def greedy(base_url, n_tokens=12):
 def perturbed(model_path: str, seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors plus noise (norm weights get absolute noise: their std is 0)."""
     from safetensors.torch import load_file
+
     g = torch.Generator().manual_seed(seed)
-    return {k: v + torch.randn(v.shape, generator=g) * (scale if "norm" in k else scale * v.std())
-            for k, v in load_file(f"{model_path}/model.safetensors").items()}
+    return {
+        k: v + torch.randn(v.shape, generator=g) * (scale if "norm" in k else scale * v.std())
+        for k, v in load_file(f"{model_path}/model.safetensors").items()
+    }
 
 
 def hf_model(model_path: str, tensors: dict[str, torch.Tensor]):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     model.load_state_dict(tensors, strict=False)  # tied head: the embedding carries it
     return model
 
 
 def max_logprob_error(model, base_url, seed=3) -> float:
-    ch = complete(base_url, max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True, logprobs=0,
-                  return_token_ids=True)
+    ch = complete(
+        base_url, max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True, logprobs=0, return_token_ids=True
+    )
     ids = torch.tensor([PROMPT + ch["token_ids"]])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    ref = logp[len(PROMPT) - 1:-1].gather(1, torch.tensor(ch["token_ids"])[:, None])[:, 0]
+    ref = logp[len(PROMPT) - 1 : -1].gather(1, torch.tensor(ch["token_ids"])[:, None])[:, 0]
     return (ref - torch.tensor(ch["logprobs"]["token_logprobs"])).abs().max().item()
 
 
 def meta_body(tensors: dict[str, torch.Tensor], version: int, **override) -> dict:
-    body = {"names": list(tensors), "dtypes": ["float32"] * len(tensors),
-            "shapes": [list(t.shape) for t in tensors.values()], "weight_version": version,
-            "update_id": "test-update"}
+    body = {
+        "names": list(tensors),
+        "dtypes": ["float32"] * len(tensors),
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "weight_version": version,
+        "update_id": "test-update",
+    }
     body.update(override)
     return body
 
 
 # ---------------------------------------------------------------- no server needed
 
+
 def test_unique_weights_sends_tied_tensors_once_and_rejects_bad_input():
     emb = torch.zeros(4, 2)
-    items = unique_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb),
-                            ("model.norm.weight", torch.ones(2))])
+    items = unique_weights(
+        [("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("model.norm.weight", torch.ones(2))]
+    )
     assert [n for n, _ in items] == ["model.embed_tokens.weight", "model.norm.weight"]
     with pytest.raises(ValueError, match="dtype torch.int64"):
         unique_weights([("a", torch.zeros(2, dtype=torch.int64))])
@@ -125,8 +150,15 @@ def test_unique_weights_sends_tied_tensors_once_and_rejects_bad_input():
         unique_weights([])
 
 
-@pytest.mark.parametrize("kwargs,field", [({"base_urls": []}, "base_urls"), ({"backend": "mpi"}, "backend"),
-                                          ({"master_port": 70000}, "master_port"), ({"master_addr": ""}, "master_addr")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"base_urls": []}, "base_urls"),
+        ({"backend": "mpi"}, "backend"),
+        ({"master_port": 70000}, "master_port"),
+        ({"master_addr": ""}, "master_addr"),
+    ],
+)
 def test_sender_arguments_are_checked(kwargs, field):
     args = {"base_urls": ["http://127.0.0.1:1"], "master_addr": "127.0.0.1", "master_port": 0, **kwargs}
     with pytest.raises(ValueError, match=field):
@@ -135,18 +167,28 @@ def test_sender_arguments_are_checked(kwargs, field):
 
 # ---------------------------------------------------------------- before any group exists
 
+
 def test_update_without_group_and_bad_init_bodies_are_400(servers, tiny_model_path):
     url = servers[0].base_url
     status, out = call(url, "POST", "/update_weights_from_distributed", meta_body(perturbed(tiny_model_path, 0), 1))
     assert status == 400 and "init_weight_update_group" in out["error"]["message"]
     good = {"master_addr": "127.0.0.1", "master_port": 29999, "rank": 1, "world_size": 2, "backend": "gloo"}
-    for field, value in [("backend", "nccl"), ("rank", 0), ("rank", 2), ("world_size", 1), ("backend", "mpi"), ("master_port", 0),
-                         ("master_addr", ""), ("timeout_s", -1)]:
+    for field, value in [
+        ("backend", "nccl"),
+        ("rank", 0),
+        ("rank", 2),
+        ("world_size", 1),
+        ("backend", "mpi"),
+        ("master_port", 0),
+        ("master_addr", ""),
+        ("timeout_s", -1),
+    ]:
         status, out = call(url, "POST", "/init_weight_update_group", {**good, field: value})
         assert status == 400 and out["error"]["param"] == field, (field, out)
 
 
 # ---------------------------------------------------------------- with the group
+
 
 def test_push_reaches_both_servers_and_matches_transformers(servers, sender, loop, tiny_model_path):
     before = [greedy(d.base_url) for d in servers]
@@ -208,17 +250,20 @@ def test_bfloat16_weights_go_through_a_one_tensor_buffer(servers, sender, loop, 
         assert max_logprob_error(model, d.base_url) < 1e-5
 
 
-@pytest.mark.parametrize("override,param", [
-    ({"dtypes": "float32"}, "dtypes"),
-    ("bad_dtype", "dtypes"),
-    ("unknown_name", "names"),
-    ("missing_name", "names"),
-    ("duplicate_name", "names"),
-    ("bad_shape", "shapes"),
-    ({"weight_version": "3"}, "weight_version"),
-    ({"update_id": "../x"}, "update_id"),
-    ({"wait_for_inflight": "yes"}, "wait_for_inflight"),
-])
+@pytest.mark.parametrize(
+    "override,param",
+    [
+        ({"dtypes": "float32"}, "dtypes"),
+        ("bad_dtype", "dtypes"),
+        ("unknown_name", "names"),
+        ("missing_name", "names"),
+        ("duplicate_name", "names"),
+        ("bad_shape", "shapes"),
+        ({"weight_version": "3"}, "weight_version"),
+        ({"update_id": "../x"}, "update_id"),
+        ({"wait_for_inflight": "yes"}, "wait_for_inflight"),
+    ],
+)
 def test_bad_metadata_is_400_naming_the_field(servers, sender, tiny_model_path, override, param):
     tensors = perturbed(tiny_model_path, 0)
     body = meta_body(tensors, 3)
@@ -264,13 +309,18 @@ def test_an_accepted_update_is_dropped_when_the_trainer_aborts(servers, sender, 
 
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            req = asyncio.ensure_future(s.post(url + "/update_weights_from_distributed",
-                                               json=meta_body(perturbed(tiny_model_path, 6), 11, update_id="abort-me")))
+            req = asyncio.ensure_future(
+                s.post(
+                    url + "/update_weights_from_distributed",
+                    json=meta_body(perturbed(tiny_model_path, 6), 11, update_id="abort-me"),
+                )
+            )
             while not sender.store.check([accept_key("abort-me", 1)]):
                 await asyncio.sleep(0.01)
             sender.store.set(go_key("abort-me"), b"abort")
             resp = await req
             return resp.status, await resp.json()
+
     status, out = asyncio.run(go())
     assert status == 409 and "aborted" in out["error"]["message"]
     assert greedy(url) == before
@@ -282,9 +332,19 @@ def test_wait_for_inflight_finishes_running_sequences_on_old_weights(servers, se
 
     async def go():
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            long_req = asyncio.ensure_future(s.post(url + "/v1/completions", json={
-                "model": "tiny", "prompt": PROMPT, "max_tokens": 300, "temperature": 0.0, "ignore_eos": True,
-                "return_token_ids": True}))
+            long_req = asyncio.ensure_future(
+                s.post(
+                    url + "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": PROMPT,
+                        "max_tokens": 300,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                )
+            )
             while True:  # the long request is running when the update arrives
                 async with s.get(url + "/stats") as r:
                     if (await r.json())["running"] == 1:
@@ -293,6 +353,7 @@ def test_wait_for_inflight_finishes_running_sequences_on_old_weights(servers, se
             await sender.push(perturbed(tiny_model_path, seed=7).items(), old_v + 1)
             resp = await long_req
             return (await resp.json())["choices"][0]
+
     ch = loop.run_until_complete(go())
     assert ch["weight_version"] == old_v and ch["token_ids"] == old_ids  # all 300 tokens from the old weights
     assert greedy(url)[1] == old_v + 1
@@ -313,14 +374,17 @@ def test_sync_time_distributed_vs_shm(servers, sender, loop, tiny_model_path):
         asyncio.run(push_weights(url, tensors.items(), base + 2 * i + 1, api_key=API_KEY))
         shm_s.append(time.perf_counter() - t0)
     assert greedy(url)[1] == base + 5
-    print(f"tiny model {nbytes / 1e6:.2f} MB, {len(tensors)} tensors: distributed (gloo, 2 servers) "
-          f"median {statistics.median(dist_s) * 1e3:.1f} ms; shm (1 server) median "
-          f"{statistics.median(shm_s) * 1e3:.1f} ms")
+    print(
+        f"tiny model {nbytes / 1e6:.2f} MB, {len(tensors)} tensors: distributed (gloo, 2 servers) "
+        f"median {statistics.median(dist_s) * 1e3:.1f} ms; shm (1 server) median "
+        f"{statistics.median(shm_s) * 1e3:.1f} ms"
+    )
 
 
 def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(servers, sender, tiny_model_path):
     """Runs last: server 0 joins a second group, whose trainer vanishes after half the tensors."""
     from training.deployment.dist_weights import broadcast_from_trainer
+
     url = servers[0].base_url
     tensors = perturbed(tiny_model_path, seed=9)
     half = list(tensors.values())[: len(tensors) // 2]
@@ -329,8 +393,9 @@ def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(serv
         lost = DistributedWeightSender([url], "127.0.0.1", 0, api_key=API_KEY, timeout_s=5)
         await lost.connect()
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            req = asyncio.ensure_future(s.post(url + "/update_weights_from_distributed",
-                                               json=meta_body(tensors, 50, update_id="half-way")))
+            req = asyncio.ensure_future(
+                s.post(url + "/update_weights_from_distributed", json=meta_body(tensors, 50, update_id="half-way"))
+            )
             while not lost.store.check([accept_key("half-way", 1)]):
                 await asyncio.sleep(0.01)
             lost.store.set(go_key("half-way"), b"go")
@@ -339,6 +404,7 @@ def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(serv
             lost.close()  # the trainer is gone
             resp = await asyncio.wait_for(req, 60)
             return resp.status, await resp.json()
+
     status, out = asyncio.run(go())
     assert status == 500 and "half-way" in out["error"]["message"], out
     assert call(url, "GET", "/health")[1]["weight_version"] == -1
@@ -353,12 +419,14 @@ def test_a_tensor_that_does_not_match_its_spec_stops_the_push(servers, tiny_mode
     tensors = perturbed(tiny_model_path, seed=11)
     names = list(tensors)
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-    swapped = [(n, tensors[n]) for n in names[:2]] + [(names[3], tensors[names[3]])] + \
-              [(n, tensors[n]) for n in names[3:]]
+    swapped = (
+        [(n, tensors[n]) for n in names[:2]] + [(names[3], tensors[names[3]])] + [(n, tensors[n]) for n in names[3:]]
+    )
 
     async def go():
         async with DistributedWeightSender([url], "127.0.0.1", 0, api_key=API_KEY, timeout_s=30) as s:
             await s.push(iter(swapped), 60, specs=specs)
+
     with pytest.raises(WeightSyncError, match=f"expected '{names[2]}'"):
         asyncio.run(go())
     assert call(url, "GET", "/health")[1]["weight_version"] == -1  # a partial update is not a version

@@ -156,13 +156,19 @@ def plot_metrics(log_path: str | Path, out: str | Path | None = None, window: in
         raise ImportError("plotting needs matplotlib: pip install -e '.[plot]' (or: pip install matplotlib)") from e
 
     panels = _panels(series)
-    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(11, 2.8 * max(len(panels), 1)),
-                             sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        max(len(panels), 1), 1, figsize=(11, 2.8 * max(len(panels), 1)), sharex=True, squeeze=False
+    )
     axes = axes[:, 0]
     if not panels:
-        axes[0].text(0.5, 0.5, "no data: none of rollout/reward_mean, eval/*, offpolicy/staleness_*,\n"
-                               "perf/*_s, train/loss in this file",
-                     ha="center", va="center", transform=axes[0].transAxes)
+        axes[0].text(
+            0.5,
+            0.5,
+            "no data: none of rollout/reward_mean, eval/*, offpolicy/staleness_*,\nperf/*_s, train/loss in this file",
+            ha="center",
+            va="center",
+            transform=axes[0].transAxes,
+        )
         axes[0].set_axis_off()
     for ax, (title, keys) in zip(axes, panels):
         if title == "reward":
@@ -173,8 +179,13 @@ def plot_metrics(log_path: str | Path, out: str | Path | None = None, window: in
             _draw_step_time(ax, series, keys)
         else:
             for k in keys:
-                ax.plot(series[k].steps, series[k].values, marker="o" if len(series[k].steps) < 30 else None,
-                        markersize=3, label=k)
+                ax.plot(
+                    series[k].steps,
+                    series[k].values,
+                    marker="o" if len(series[k].steps) < 30 else None,
+                    markersize=3,
+                    label=k,
+                )
         ax.set_title(title, loc="left", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)

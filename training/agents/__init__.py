@@ -2,19 +2,57 @@
 engine, the orchestrator, and ``make_agent_rollout_fn`` for the normal recipe (see README.md)."""
 
 from training.agents.agents import Action, AgentStep, ConversationAgent, ModelAgent, StepResult, ToolAgent
-from training.agents.environments import (FINISH_TOOL, Environment, FinishTool, IntermediateRewards,
-                                          TaskEnvironment, ToolEnvironment)
+from training.agents.environments import (
+    FINISH_TOOL,
+    Environment,
+    FinishTool,
+    IntermediateRewards,
+    TaskEnvironment,
+    ToolEnvironment,
+)
 from training.agents.orchestrator import Orchestrator, TrajectoryGroup, WeightSyncLock
 from training.agents.rollout_fn import engine_for_setup, make_agent_rollout_fn
-from training.utils.tool_parsers import (HermesToolParser, JsonToolParser, ParsedCalls, ToolCall, ToolParser,
-                                          get_tool_parser, render_prompt_ids)
+from training.utils.tool_parsers import (
+    HermesToolParser,
+    JsonToolParser,
+    ParsedCalls,
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+    render_prompt_ids,
+)
 from training.agents.tools import FunctionTool, Tool, ToolManager, ToolResult
 from training.agents.trajectory import Episode, TrajectoryEngine
 
 __all__ = [
-    "Action", "AgentStep", "ConversationAgent", "ModelAgent", "StepResult", "ToolAgent",
-    "FINISH_TOOL", "Environment", "FinishTool", "IntermediateRewards", "TaskEnvironment", "ToolEnvironment",
-    "Orchestrator", "TrajectoryGroup", "WeightSyncLock", "engine_for_setup", "make_agent_rollout_fn",
-    "HermesToolParser", "JsonToolParser", "ParsedCalls", "ToolParser", "get_tool_parser", "render_prompt_ids",
-    "FunctionTool", "Tool", "ToolCall", "ToolManager", "ToolResult", "Episode", "TrajectoryEngine",
+    "Action",
+    "AgentStep",
+    "ConversationAgent",
+    "ModelAgent",
+    "StepResult",
+    "ToolAgent",
+    "FINISH_TOOL",
+    "Environment",
+    "FinishTool",
+    "IntermediateRewards",
+    "TaskEnvironment",
+    "ToolEnvironment",
+    "Orchestrator",
+    "TrajectoryGroup",
+    "WeightSyncLock",
+    "engine_for_setup",
+    "make_agent_rollout_fn",
+    "HermesToolParser",
+    "JsonToolParser",
+    "ParsedCalls",
+    "ToolParser",
+    "get_tool_parser",
+    "render_prompt_ids",
+    "FunctionTool",
+    "Tool",
+    "ToolCall",
+    "ToolManager",
+    "ToolResult",
+    "Episode",
+    "TrajectoryEngine",
 ]

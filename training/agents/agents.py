@@ -80,10 +80,14 @@ class ConversationAgent:
         turn = len(self.steps)
         self.messages.append({"role": "assistant", "content": text})
         action = self.parse(text, turn)
-        self.steps.append(AgentStep(turn=turn, response=text,
-                                    tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments}
-                                                for c in action.tool_calls],
-                                    parse_errors=list(action.parse_errors)))
+        self.steps.append(
+            AgentStep(
+                turn=turn,
+                response=text,
+                tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in action.tool_calls],
+                parse_errors=list(action.parse_errors),
+            )
+        )
         return action
 
     def observe(self, result: StepResult) -> list[dict]:
@@ -114,8 +118,7 @@ class ModelAgent(ConversationAgent):
 class ToolAgent(ConversationAgent):
     """Parses tool calls with ``parser``; tool results come back as ``role: tool`` messages in call order."""
 
-    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                 parser: ToolParser | str = "hermes"):
+    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None, parser: ToolParser | str = "hermes"):
         super().__init__(messages, tools)
         self.parser = get_tool_parser(parser) if isinstance(parser, str) else parser
 
@@ -125,7 +128,9 @@ class ToolAgent(ConversationAgent):
 
     def feedback_messages(self, result: StepResult) -> list[dict]:
         obs = result.observation
-        out = [{"role": "tool", "tool_call_id": cid, "content": text}
-               for cid, text in (obs.get("tool_outputs") or {}).items()]
+        out = [
+            {"role": "tool", "tool_call_id": cid, "content": text}
+            for cid, text in (obs.get("tool_outputs") or {}).items()
+        ]
         out += [{"role": "tool", "content": format_parse_error(e)} for e in obs.get("parse_errors") or []]
         return out + super().feedback_messages(result)

@@ -33,8 +33,11 @@ class FinishTool(Tool):
 
     name = FINISH_TOOL
     description = "Submit the final answer and end the task."
-    parameters = {"type": "object", "properties": {"answer": {"type": "string", "description": "The final answer."}},
-                  "required": ["answer"]}
+    parameters = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "description": "The final answer."}},
+        "required": ["answer"],
+    }
 
     def apply(self, **kwargs: Any) -> Any:
         raise RuntimeError("finish is handled by the environment, not executed")
@@ -92,9 +95,17 @@ class TaskEnvironment(Environment):
 class ToolEnvironment(Environment):
     """Executes tool calls; ends on ``finish``, on a call-free reply, or at ``max_steps``."""
 
-    def __init__(self, task: dict, tools: ToolManager, reward_fn: RewardFn, *, max_steps: int = 8,
-                 intermediate_rewards: Optional[IntermediateRewards] = None, answer_without_finish: bool = True,
-                 reminder: str = "Use the tools, then call finish with your answer."):
+    def __init__(
+        self,
+        task: dict,
+        tools: ToolManager,
+        reward_fn: RewardFn,
+        *,
+        max_steps: int = 8,
+        intermediate_rewards: Optional[IntermediateRewards] = None,
+        answer_without_finish: bool = True,
+        reminder: str = "Use the tools, then call finish with your answer.",
+    ):
         if max_steps < 1:
             raise ValueError(f"max_steps: must be >= 1, got {max_steps}")
         if FINISH_TOOL in tools.tools:
@@ -121,8 +132,12 @@ class ToolEnvironment(Environment):
 
     async def _finish(self, answer: str, shaping: float, stop: str, obs: dict) -> StepResult:
         reward = await _score(self.reward_fn, answer, self.task)
-        return StepResult(observation=obs, reward=reward + shaping, done=True,
-                          info={"answer": answer, "stop_reason": stop, "final_reward": reward})
+        return StepResult(
+            observation=obs,
+            reward=reward + shaping,
+            done=True,
+            info={"answer": answer, "stop_reason": stop, "final_reward": reward},
+        )
 
     async def step(self, action: Action) -> StepResult:
         self.num_steps += 1
@@ -137,9 +152,11 @@ class ToolEnvironment(Environment):
         results = await self.tools.execute_all(calls)
         self.results.extend(results)
         shaping = self._shaping(results, len(action.parse_errors))
-        obs = {"tool_outputs": {r.call_id: r.output for r in results},
-               "tool_statuses": {r.call_id: r.status for r in results},
-               "parse_errors": list(action.parse_errors)}
+        obs = {
+            "tool_outputs": {r.call_id: r.output for r in results},
+            "tool_statuses": {r.call_id: r.status for r in results},
+            "parse_errors": list(action.parse_errors),
+        }
         if not calls and not action.parse_errors:
             obs["text"] = self.reminder
         if self.num_steps >= self.max_steps:

@@ -88,12 +88,23 @@ class TrajectoryGroup:
 class Orchestrator:
     """Runs ``group_size`` episodes per row with bounded concurrency and yields full groups."""
 
-    def __init__(self, engine: TrajectoryEngine, agent_factory: AgentFactory, env_factory: EnvFactory, *,
-                 group_size: int = 4, max_concurrency: int = 32, max_open_groups: int = 16,
-                 group_key: Optional[Callable[[dict], Hashable]] = None,
-                 episode_timeout_s: Optional[float] = None):
-        for name, value in (("group_size", group_size), ("max_concurrency", max_concurrency),
-                            ("max_open_groups", max_open_groups)):
+    def __init__(
+        self,
+        engine: TrajectoryEngine,
+        agent_factory: AgentFactory,
+        env_factory: EnvFactory,
+        *,
+        group_size: int = 4,
+        max_concurrency: int = 32,
+        max_open_groups: int = 16,
+        group_key: Optional[Callable[[dict], Hashable]] = None,
+        episode_timeout_s: Optional[float] = None,
+    ):
+        for name, value in (
+            ("group_size", group_size),
+            ("max_concurrency", max_concurrency),
+            ("max_open_groups", max_open_groups),
+        ):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if episode_timeout_s is not None and not episode_timeout_s > 0:
@@ -122,8 +133,9 @@ class Orchestrator:
                     try:
                         return await asyncio.wait_for(episode, self.episode_timeout_s)
                     except asyncio.TimeoutError:
-                        raise asyncio.TimeoutError(f"episode ran past episode_timeout_s={self.episode_timeout_s}") \
-                            from None
+                        raise asyncio.TimeoutError(
+                            f"episode ran past episode_timeout_s={self.episode_timeout_s}"
+                        ) from None
                 finally:
                     self._running -= 1
 

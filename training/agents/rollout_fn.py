@@ -29,29 +29,47 @@ AgentFactory = Callable[[dict], ConversationAgent]
 EnvFactory = Callable[[dict], Environment]
 
 
-def engine_for_setup(setup: RolloutSetup, *, max_total_tokens: Optional[int] = None,
-                     sampling: Optional[dict] = None, chat_template_kwargs: Optional[dict] = None) -> TrajectoryEngine:
+def engine_for_setup(
+    setup: RolloutSetup,
+    *,
+    max_total_tokens: Optional[int] = None,
+    sampling: Optional[dict] = None,
+    chat_template_kwargs: Optional[dict] = None,
+) -> TrajectoryEngine:
     """A ``TrajectoryEngine`` on the recipe's sampler; the length limit is the smaller of ``max_total_tokens``
     and ``setup.max_seq_len``."""
     limits = [x for x in (max_total_tokens, setup.max_seq_len) if x]
     sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
-    return TrajectoryEngine(sampler, setup.tokenizer, max_total_tokens=min(limits) if limits else None,
-                            sampling=sampling, chat_template_kwargs=chat_template_kwargs)
+    return TrajectoryEngine(
+        sampler,
+        setup.tokenizer,
+        max_total_tokens=min(limits) if limits else None,
+        sampling=sampling,
+        chat_template_kwargs=chat_template_kwargs,
+    )
 
 
-def make_agent_rollout_fn(agent_factory: AgentFactory, env_factory: EnvFactory, *,
-                          max_total_tokens: Optional[int] = None, sampling: Optional[dict[str, Any]] = None,
-                          chat_template_kwargs: Optional[dict] = None, as_run: bool = True,
-                          template_check: str = "warn") -> Callable[[RolloutSetup], RolloutFn]:
+def make_agent_rollout_fn(
+    agent_factory: AgentFactory,
+    env_factory: EnvFactory,
+    *,
+    max_total_tokens: Optional[int] = None,
+    sampling: Optional[dict[str, Any]] = None,
+    chat_template_kwargs: Optional[dict] = None,
+    as_run: bool = True,
+    template_check: str = "warn",
+) -> Callable[[RolloutSetup], RolloutFn]:
     """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``."""
     if template_check not in CHECK_MODES:
         raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
 
     def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
-        run_template_check(setup.tokenizer, template_check, where="make_agent_rollout_fn",
-                           **(chat_template_kwargs or {}))
-        engine = engine_for_setup(setup, max_total_tokens=max_total_tokens, sampling=sampling,
-                                  chat_template_kwargs=chat_template_kwargs)
+        run_template_check(
+            setup.tokenizer, template_check, where="make_agent_rollout_fn", **(chat_template_kwargs or {})
+        )
+        engine = engine_for_setup(
+            setup, max_total_tokens=max_total_tokens, sampling=sampling, chat_template_kwargs=chat_template_kwargs
+        )
 
         async def rollout_fn(row: dict) -> RolloutResult:
             env = env_factory(row)

@@ -16,15 +16,24 @@ import json
 import sys
 
 from training.utils.template_check import (
-    SCRIPT, SCRIPT_TOOLS, TemplateCheckError, TurnCheck, check_template_appends, run_template_check,
+    SCRIPT,
+    SCRIPT_TOOLS,
+    TemplateCheckError,
+    TurnCheck,
+    check_template_appends,
+    run_template_check,
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="'tiny', 'smollm2', a folder or a hub id whose tokenizer to check")
-    p.add_argument("--chat-template-kwargs", default="{}", type=json.loads,
-                   help='JSON object passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument(
+        "--chat-template-kwargs",
+        default="{}",
+        type=json.loads,
+        help="JSON object passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
+    )
     a = p.parse_args(argv)
     if not isinstance(a.chat_template_kwargs, dict):
         p.error("--chat-template-kwargs must be a JSON object")
@@ -38,8 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c.appends for c in checks) else 1
 
 
-__all__ = ["SCRIPT", "SCRIPT_TOOLS", "TemplateCheckError", "TurnCheck", "check_template_appends", "main",
-           "run_template_check"]
+__all__ = [
+    "SCRIPT",
+    "SCRIPT_TOOLS",
+    "TemplateCheckError",
+    "TurnCheck",
+    "check_template_appends",
+    "main",
+    "run_template_check",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

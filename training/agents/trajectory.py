@@ -104,8 +104,15 @@ class Episode:
 class TrajectoryEngine:
     """Runs agent-environment episodes against a ``DeploymentSampler``."""
 
-    def __init__(self, sampler: Any, tokenizer: Any, *, max_total_tokens: Optional[int] = None,
-                 sampling: Optional[dict] = None, chat_template_kwargs: Optional[dict] = None):
+    def __init__(
+        self,
+        sampler: Any,
+        tokenizer: Any,
+        *,
+        max_total_tokens: Optional[int] = None,
+        sampling: Optional[dict] = None,
+        chat_template_kwargs: Optional[dict] = None,
+    ):
         if max_total_tokens is not None and max_total_tokens < 2:
             raise ValueError(f"max_total_tokens: must be >= 2 or None, got {max_total_tokens}")
         self.sampler = sampler
@@ -121,14 +128,16 @@ class TrajectoryEngine:
 
     def render_glue(self, history: list[dict], new_messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
         """Template tokens between an assistant reply (after ``history``) and the next assistant reply."""
-        msgs, tools_arg = messages_with_tools(self.tokenizer,
-                                              history + [{"role": "assistant", "content": STUB}] + new_messages, tools)
-        text = self.tokenizer.apply_chat_template(msgs, tools=tools_arg, tokenize=False, add_generation_prompt=True,
-                                                  **self.template_kwargs)
+        msgs, tools_arg = messages_with_tools(
+            self.tokenizer, history + [{"role": "assistant", "content": STUB}] + new_messages, tools
+        )
+        text = self.tokenizer.apply_chat_template(
+            msgs, tools=tools_arg, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
         i = text.rfind(STUB)
         if i < 0:
             raise TemplateGlueError("the chat template dropped the assistant reply; cannot build token-in prompts")
-        return list(self.tokenizer.encode(text[i + len(STUB):], add_special_tokens=False))
+        return list(self.tokenizer.encode(text[i + len(STUB) :], add_special_tokens=False))
 
     # ---- episode ---------------------------------------------------------------------------
     def _max_new_tokens(self) -> Optional[int]:
@@ -175,12 +184,23 @@ class TrajectoryEngine:
             env_s = time.perf_counter() - t1
             total += result.reward
             new_messages = agent.observe(result)
-            turns.append({"turn": turn, "prompt_tokens": c.prompt_len, "output_tokens": len(out),
-                          "finish_reason": c.finish_reason, "weight_version": c.weight_version,
-                          "cached_tokens": c.cached_tokens, "sample_s": round(sample_s, 4), "env_s": round(env_s, 4),
-                          "tool_calls": len(action.tool_calls), "parse_errors": len(action.parse_errors),
-                          "statuses": dict(result.observation.get("tool_statuses", {})),
-                          "reward": result.reward, "done": result.done})
+            turns.append(
+                {
+                    "turn": turn,
+                    "prompt_tokens": c.prompt_len,
+                    "output_tokens": len(out),
+                    "finish_reason": c.finish_reason,
+                    "weight_version": c.weight_version,
+                    "cached_tokens": c.cached_tokens,
+                    "sample_s": round(sample_s, 4),
+                    "env_s": round(env_s, 4),
+                    "tool_calls": len(action.tool_calls),
+                    "parse_errors": len(action.parse_errors),
+                    "statuses": dict(result.observation.get("tool_statuses", {})),
+                    "reward": result.reward,
+                    "done": result.done,
+                }
+            )
             if result.done:
                 finish_reason = c.finish_reason
                 final_reward = result.info.get("final_reward", result.reward)
@@ -193,7 +213,7 @@ class TrajectoryEngine:
                 seg.add_context(self.render_prompt(agent.messages, tools))
                 session = uuid.uuid4().hex
                 continue
-            history = agent.messages[:len(agent.messages) - len(new_messages) - 1]
+            history = agent.messages[: len(agent.messages) - len(new_messages) - 1]
             glue = self.render_glue(history, new_messages, tools)
             if c.finish_reason == "stop" and out and glue and glue[0] == out[-1]:
                 glue = glue[1:]  # the model emitted the end-of-turn token itself: keep its own
@@ -205,11 +225,19 @@ class TrajectoryEngine:
             final_reward = await env.truncate("length")
             total += final_reward
         closed.append(seg)
-        samples = [RolloutSample(tokens=s.tokens, logprobs=s.logprobs, loss_mask=s.loss_mask, reward=total,
-                                 token_weight_versions=s.token_weight_versions,
-                                 finish_reason=finish_reason if s is seg else "stop",
-                                 text=last_text if s is seg else "")
-                   for s in closed if s.num_generated > 0]
+        samples = [
+            RolloutSample(
+                tokens=s.tokens,
+                logprobs=s.logprobs,
+                loss_mask=s.loss_mask,
+                reward=total,
+                token_weight_versions=s.token_weight_versions,
+                finish_reason=finish_reason if s is seg else "stop",
+                text=last_text if s is seg else "",
+            )
+            for s in closed
+            if s.num_generated > 0
+        ]
         status_counts: dict[str, int] = {}
         for t in turns:
             for status in t["statuses"].values():
@@ -217,14 +245,22 @@ class TrajectoryEngine:
             if t["parse_errors"]:
                 status_counts["unparsable"] = status_counts.get("unparsable", 0) + t["parse_errors"]
         compactions = sum(1 for s in closed if s.reason == "compaction")
-        metadata = {"return": total, "tool_status_counts": status_counts, "final_reward": final_reward,
-                    "finish_reason": finish_reason, "truncated": finish_reason == "length",
-                    "num_turns": len(turns), "num_calls": len(turns),
-                    "labels": {"NEW": min(1, len(turns)), "APPEND": max(0, len(turns) - 1 - compactions),
-                               "WIPE": compactions},
-                    "drift": 0, "wall_s": round(time.perf_counter() - t_start, 4), "turns": turns,
-                    "segments": [{"start_turn": s.start_turn, "reason": s.reason, "tokens": len(s.tokens),
-                                  "generated": s.num_generated} for s in closed],
-                    "messages": agent.messages}
-        return Episode(segments=samples, reward=total, finish_reason=finish_reason, metadata=metadata,
-                       prompts=prompts)
+        metadata = {
+            "return": total,
+            "tool_status_counts": status_counts,
+            "final_reward": final_reward,
+            "finish_reason": finish_reason,
+            "truncated": finish_reason == "length",
+            "num_turns": len(turns),
+            "num_calls": len(turns),
+            "labels": {"NEW": min(1, len(turns)), "APPEND": max(0, len(turns) - 1 - compactions), "WIPE": compactions},
+            "drift": 0,
+            "wall_s": round(time.perf_counter() - t_start, 4),
+            "turns": turns,
+            "segments": [
+                {"start_turn": s.start_turn, "reason": s.reason, "tokens": len(s.tokens), "generated": s.num_generated}
+                for s in closed
+            ],
+            "messages": agent.messages,
+        }
+        return Episode(segments=samples, reward=total, finish_reason=finish_reason, metadata=metadata, prompts=prompts)

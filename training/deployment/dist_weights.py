@@ -46,8 +46,12 @@ import torch.distributed as dist
 from training.deployment.weight_sync import WeightSyncError
 from training.utils.http import auth_headers
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 """Wire dtype names (explicit map, never ``eval``); only floating-point weights move."""
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BACKENDS = ("gloo", "nccl")
@@ -80,8 +84,9 @@ def _local_addr_towards(host: str, port: int) -> Optional[str]:
         return None
 
 
-def make_process_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float,
-                       bind_addr: Optional[str] = None) -> Any:
+def make_process_group(
+    store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float, bind_addr: Optional[str] = None
+) -> Any:
     """A ProcessGroup on ``store`` outside the default group (blocks until every rank calls it).
 
     gloo binds ``bind_addr`` (None: the default device, which honours ``GLOO_SOCKET_IFNAME``);
@@ -92,8 +97,11 @@ def make_process_group(store: dist.Store, rank: int, world_size: int, backend: s
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_addr) if bind_addr
-                         else dist.ProcessGroupGloo.create_default_device()]
+        opts._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=bind_addr)
+            if bind_addr
+            else dist.ProcessGroupGloo.create_default_device()
+        ]
         return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     if backend == "nccl":
         if not hasattr(dist, "ProcessGroupNCCL"):
@@ -122,6 +130,7 @@ def gloo_bind_addr(master_addr: str, master_port: int, backend: str) -> Optional
 
 # ============================================================================ trainer side
 
+
 def unique_weights(named_weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs that travel, in order: a tensor seen before (tied) is skipped.
 
@@ -138,8 +147,9 @@ def unique_weights(named_weights: Iterable[tuple[str, torch.Tensor]]) -> list[tu
     return items
 
 
-def check_specs(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-                what: str = "specs") -> list[tuple[str, torch.dtype, tuple]]:
+def check_specs(
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], what: str = "specs"
+) -> list[tuple[str, torch.dtype, tuple]]:
     """``specs`` as a list, checked: at least one, names unique, dtypes in ``DTYPES`` (errors name ``what``)."""
     specs = [(n, d, tuple(shape)) for n, d, shape in specs]
     if not specs:
@@ -179,9 +189,17 @@ class DistributedWeightSender:
     picks a free port (read it back from ``master_port`` after ``connect()``).
     """
 
-    def __init__(self, base_urls: Sequence[str], master_addr: str, master_port: int = 0,
-                 backend: str = "gloo", *, api_key: Optional[str] = None, timeout_s: float = 600.0,
-                 device: Optional[torch.device | str] = None):
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        master_addr: str,
+        master_port: int = 0,
+        backend: str = "gloo",
+        *,
+        api_key: Optional[str] = None,
+        timeout_s: float = 600.0,
+        device: Optional[torch.device | str] = None,
+    ):
         if not base_urls:
             raise ValueError("base_urls: at least one server is needed")
         if not isinstance(master_addr, str) or not master_addr:
@@ -212,7 +230,9 @@ class DistributedWeightSender:
         self.close()
 
     def _session(self) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(headers=auth_headers(self.api_key), timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return aiohttp.ClientSession(
+            headers=auth_headers(self.api_key), timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+        )
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: dict) -> dict:
         try:
@@ -241,19 +261,39 @@ class DistributedWeightSender:
         """Host the store, ask every server to join (``POST /init_weight_update_group``), join as rank 0."""
         if self.pg is not None:
             return
-        self.store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=True,
-                                   wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.store = dist.TCPStore(
+            self.master_addr,
+            self.master_port,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
         self.master_port = self.store.port
         async with self._session() as session:
-            tasks = [asyncio.ensure_future(self._post(session, f"{u}/init_weight_update_group", {
-                "master_addr": self.master_addr, "master_port": self.master_port, "rank": r,
-                "world_size": self.world_size, "backend": self.backend, "timeout_s": self.timeout_s}))
-                for r, u in enumerate(self.base_urls, start=1)]
+            tasks = [
+                asyncio.ensure_future(
+                    self._post(
+                        session,
+                        f"{u}/init_weight_update_group",
+                        {
+                            "master_addr": self.master_addr,
+                            "master_port": self.master_port,
+                            "rank": r,
+                            "world_size": self.world_size,
+                            "backend": self.backend,
+                            "timeout_s": self.timeout_s,
+                        },
+                    )
+                )
+                for r, u in enumerate(self.base_urls, start=1)
+            ]
             try:
                 await self._wait_keys([joined_key(r) for r in range(1, self.world_size)], tasks)
                 bind = gloo_bind_addr(self.master_addr, self.master_port, self.backend)
-                self.pg = await asyncio.to_thread(make_process_group, self.store, 0, self.world_size,
-                                                  self.backend, self.timeout_s, bind)
+                self.pg = await asyncio.to_thread(
+                    make_process_group, self.store, 0, self.world_size, self.backend, self.timeout_s, bind
+                )
                 await asyncio.gather(*tasks)
             except BaseException:
                 for t in tasks:
@@ -272,9 +312,14 @@ class DistributedWeightSender:
                 pass
         self.store = None
 
-    async def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], weight_version: int, *,
-                   wait_for_inflight: bool = True,
-                   specs: Optional[Sequence[tuple[str, torch.dtype, tuple[int, ...]]]] = None) -> dict:
+    async def push(
+        self,
+        named_weights: Iterable[tuple[str, torch.Tensor]],
+        weight_version: int,
+        *,
+        wait_for_inflight: bool = True,
+        specs: Optional[Sequence[tuple[str, torch.dtype, tuple[int, ...]]]] = None,
+    ) -> dict:
         """Send metadata, then broadcast each tensor; return once every server reports ``weight_version``.
 
         Returns ``{"bytes", "num_tensors", "broadcast_s", "total_s", "peak_tensor_bytes", "servers"}``;
@@ -299,12 +344,19 @@ class DistributedWeightSender:
             else:
                 stream, specs = named_weights, check_specs(specs)
             uid = f"v{weight_version}-{uuid.uuid4().hex[:12]}"
-            body = {"names": [n for n, _, _ in specs], "dtypes": [DTYPE_NAMES[d] for _, d, _ in specs],
-                    "shapes": [list(shape) for _, _, shape in specs], "weight_version": weight_version,
-                    "wait_for_inflight": wait_for_inflight, "update_id": uid}
+            body = {
+                "names": [n for n, _, _ in specs],
+                "dtypes": [DTYPE_NAMES[d] for _, d, _ in specs],
+                "shapes": [list(shape) for _, _, shape in specs],
+                "weight_version": weight_version,
+                "wait_for_inflight": wait_for_inflight,
+                "update_id": uid,
+            }
             async with self._session() as session:
-                tasks = [asyncio.ensure_future(self._post(session, f"{u}/update_weights_from_distributed", body))
-                         for u in self.base_urls]
+                tasks = [
+                    asyncio.ensure_future(self._post(session, f"{u}/update_weights_from_distributed", body))
+                    for u in self.base_urls
+                ]
                 try:
                     await self._wait_keys([accept_key(uid, r) for r in range(1, self.world_size)], tasks)
                 except BaseException as first:  # no tensor moved: tell the servers that accepted to drop it
@@ -313,8 +365,10 @@ class DistributedWeightSender:
                     if not isinstance(first, WeightSyncError):
                         raise
                     errors = [str(r) for r in results if isinstance(r, BaseException)]
-                    raise WeightSyncError(f"weight update v{weight_version} refused, every server keeps its old "
-                                          f"weights: " + "; ".join(errors or [str(first)])) from first
+                    raise WeightSyncError(
+                        f"weight update v{weight_version} refused, every server keeps its old "
+                        f"weights: " + "; ".join(errors or [str(first)])
+                    ) from first
                 self.store.set(go_key(uid), b"go")
                 t1 = time.perf_counter()
                 try:
@@ -330,14 +384,21 @@ class DistributedWeightSender:
                 answers = await asyncio.gather(*tasks)
                 for u, a in zip(self.base_urls, answers):
                     if a.get("weight_version") != weight_version:
-                        raise WeightSyncError(f"{u}: reports weight_version {a.get('weight_version')} "
-                                              f"after loading {weight_version}")
-            return {"bytes": sent, "num_tensors": len(specs), "broadcast_s": t2 - t1,
-                    "total_s": time.perf_counter() - t0, "peak_tensor_bytes": peak,
-                    "servers": dict(zip(self.base_urls, answers))}
+                        raise WeightSyncError(
+                            f"{u}: reports weight_version {a.get('weight_version')} after loading {weight_version}"
+                        )
+            return {
+                "bytes": sent,
+                "num_tensors": len(specs),
+                "broadcast_s": t2 - t1,
+                "total_s": time.perf_counter() - t0,
+                "peak_tensor_bytes": peak,
+                "servers": dict(zip(self.base_urls, answers)),
+            }
 
-    def _broadcast_all(self, stream: Iterable[tuple[str, torch.Tensor]],
-                       specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[int, int]:
+    def _broadcast_all(
+        self, stream: Iterable[tuple[str, torch.Tensor]], specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+    ) -> tuple[int, int]:
         """Broadcast the tensors of ``stream`` in order, each checked against its spec first."""
         sent = peak = 0
         it = iter(stream)

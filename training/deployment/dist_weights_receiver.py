@@ -17,10 +17,19 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from training.deployment.dist_weights import (BACKENDS, DTYPES, accept_key, gloo_bind_addr, broadcast_from_trainer, go_key,
-                                              joined_key, make_process_group)
+from training.deployment.dist_weights import (
+    BACKENDS,
+    DTYPES,
+    accept_key,
+    gloo_bind_addr,
+    broadcast_from_trainer,
+    go_key,
+    joined_key,
+    make_process_group,
+)
 from training.deployment.engine.config import PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import RequestError
+
 
 @dataclass
 class GroupSpec:
@@ -90,26 +99,29 @@ def parse_update_body(body: Any, expected: Mapping[str, tuple[int, ...]], tied: 
         if not isinstance(v, list):
             raise RequestError(f"'{field}' must be a list", field)
     if not (len(names) == len(dtypes) == len(shapes)):
-        raise RequestError(f"'names', 'dtypes' and 'shapes' must have equal lengths, got "
-                           f"{len(names)}, {len(dtypes)}, {len(shapes)}", "shapes")
+        raise RequestError(
+            f"'names', 'dtypes' and 'shapes' must have equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}",
+            "shapes",
+        )
     seen: set[str] = set()
     plan = UpdatePlan([], [], [], version, wait, uid)
     for i, (name, dt, shape) in enumerate(zip(names, dtypes, shapes)):
         if not isinstance(name, str) or name not in expected:
-            hint = (" (the model ties it to the embedding: leave it out)"
-                    if tied and name == "lm_head.weight" else "")
+            hint = " (the model ties it to the embedding: leave it out)" if tied and name == "lm_head.weight" else ""
             raise RequestError(f"names[{i}]: {name!r} is not a weight of this model{hint}", "names")
         if name in seen:
             raise RequestError(f"names[{i}]: {name!r} appears twice", "names")
         seen.add(name)
         if dt not in DTYPES:
             raise RequestError(f"dtypes[{i}]: {dt!r} is not one of {sorted(DTYPES)}", "dtypes")
-        if (not isinstance(shape, list) or
-                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise RequestError(f"shapes[{i}]: must be a list of non-negative integers, got {shape!r}", "shapes")
         if tuple(shape) != tuple(expected[name]):
-            raise RequestError(f"shapes[{i}]: {shape} for {name!r} does not match the model's "
-                               f"{list(expected[name])}", "shapes")
+            raise RequestError(
+                f"shapes[{i}]: {shape} for {name!r} does not match the model's {list(expected[name])}", "shapes"
+            )
         plan.names.append(name)
         plan.dtypes.append(DTYPES[dt])
         plan.shapes.append(tuple(shape))
@@ -130,11 +142,18 @@ class WeightUpdateGroup:
 
     def join(self) -> None:
         s = self.spec
-        self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=s.timeout_s))
+        self.store = dist.TCPStore(
+            s.master_addr, s.master_port, s.world_size, is_master=False, timeout=datetime.timedelta(seconds=s.timeout_s)
+        )
         self.store.set(joined_key(s.rank), b"1")
-        self.pg = make_process_group(self.store, s.rank, s.world_size, s.backend, s.timeout_s,
-                                     gloo_bind_addr(s.master_addr, s.master_port, s.backend))
+        self.pg = make_process_group(
+            self.store,
+            s.rank,
+            s.world_size,
+            s.backend,
+            s.timeout_s,
+            gloo_bind_addr(s.master_addr, s.master_port, s.backend),
+        )
 
     def close(self) -> None:
         pg, self.pg, self.store = self.pg, None, None
@@ -166,16 +185,18 @@ class WeightUpdateGroup:
             for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
                 target = targets[name]
                 comm_device = target.device if nccl else torch.device("cpu")
-                direct = (error is None and target.dtype == dtype and target.device == comm_device
-                          and target.is_contiguous())
+                direct = (
+                    error is None and target.dtype == dtype and target.device == comm_device and target.is_contiguous()
+                )
                 buf = target if direct else torch.empty(shape, dtype=dtype, device=comm_device)
                 nbytes = buf.numel() * buf.element_size()
                 try:
                     broadcast_from_trainer(pg, buf)
                 except Exception as e:
                     if copied or direct:
-                        raise PartialWeightUpdateError(f"receiving {name} failed after {copied} tensors "
-                                                       f"were replaced: {e}") from e
+                        raise PartialWeightUpdateError(
+                            f"receiving {name} failed after {copied} tensors were replaced: {e}"
+                        ) from e
                     raise WeightUpdateError(f"receiving {name} failed (old weights kept): {e}") from e
                 stats["received_bytes"] += nbytes
                 if not direct:
@@ -191,6 +212,5 @@ class WeightUpdateGroup:
             if error is not None:
                 cls = PartialWeightUpdateError if copied else WeightUpdateError
                 raise cls(f"{error[0]}: copy failed: {error[1]}")
+
         return load
-
-

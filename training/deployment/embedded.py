@@ -31,18 +31,44 @@ class EmbeddedDeployment(ServerProcess):
 
     engine = "embedded"
 
-    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, log_file: Optional[str] = None,
-                 base_url: Optional[str] = None, served_model_name: Optional[str] = None,
-                 watchdog_interval_s: float = 1.0, stop_grace_s: float = 10.0, extra_args: Iterable[str] = ()):
-        super().__init__(model, cfg, log_file=log_file, base_url=base_url, watchdog_interval_s=watchdog_interval_s,
-                         stop_grace_s=stop_grace_s, extra_args=extra_args)
+    def __init__(
+        self,
+        model: str,
+        cfg: Optional[DeployConfig] = None,
+        *,
+        log_file: Optional[str] = None,
+        base_url: Optional[str] = None,
+        served_model_name: Optional[str] = None,
+        watchdog_interval_s: float = 1.0,
+        stop_grace_s: float = 10.0,
+        extra_args: Iterable[str] = (),
+    ):
+        super().__init__(
+            model,
+            cfg,
+            log_file=log_file,
+            base_url=base_url,
+            watchdog_interval_s=watchdog_interval_s,
+            stop_grace_s=stop_grace_s,
+            extra_args=extra_args,
+        )
         self.served_model_name = served_model_name or self.cfg.deployment_id
 
     def _command(self) -> list[str]:
         engine_config = dataclasses.replace(self.cfg.engine_config, model=self.model)
-        cmd = [sys.executable, "-m", "training.deployment.serve", "--host", self.host, "--port", str(self.port),
-               "--engine-config", json.dumps(dataclasses.asdict(engine_config)),
-               "--exit-with-parent", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "training.deployment.serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--engine-config",
+            json.dumps(dataclasses.asdict(engine_config)),
+            "--exit-with-parent",
+            str(os.getpid()),
+        ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         return cmd + self.extra_args
@@ -54,8 +80,9 @@ class EmbeddedDeployment(ServerProcess):
             env["DEPLOYMENT_API_KEY"] = self.api_key  # via env, not argv: keeps the key out of `ps`
         return env
 
-    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
-                     wait_for_inflight: bool = True) -> dict:
+    def load_weights(
+        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+    ) -> dict:
         """POST the file (shm) or the folder (disk) to the server; it answers once it serves the new version."""
         if mode == "shm":
             endpoint, path = "/update_weights_from_shm", os.path.join(folder, "model.safetensors")
@@ -69,6 +96,7 @@ class EmbeddedDeployment(ServerProcess):
             raise WeightSyncError(f"{self.base_url}{endpoint}: HTTP {status or 'no answer'}: {text[:2000]}")
         answer: dict[str, Any] = json.loads(text)
         if answer.get("weight_version") != weight_version:
-            raise WeightSyncError(f"{self.base_url}: reports weight_version {answer.get('weight_version')} "
-                                  f"after loading {weight_version}")
+            raise WeightSyncError(
+                f"{self.base_url}: reports weight_version {answer.get('weight_version')} after loading {weight_version}"
+            )
         return answer

@@ -15,8 +15,9 @@ from training.deployment.server_process import ServerProcess
 from training.utils.config import ENGINES, DeployConfig
 
 
-def make_deployment(model: str, cfg: DeployConfig, *, log_file: Optional[str] = None,
-                    base_url: Optional[str] = None) -> ServerProcess:
+def make_deployment(
+    model: str, cfg: DeployConfig, *, log_file: Optional[str] = None, base_url: Optional[str] = None
+) -> ServerProcess:
     """The server-process object for ``cfg.engine``, not started yet (use it as a context manager).
 
     ``embedded``: ``EmbeddedDeployment``; ``vllm``: ``VLLMDeployment``; ``sglang``: ``SGLangDeployment``.
@@ -42,8 +43,13 @@ def make_sampler(base_urls: list[str], cfg: DeployConfig, tokenizer: Any = None)
     with the retry and timeout settings of ``cfg``."""
     from training.deployment.sampler import DeploymentSampler
 
-    kwargs = dict(api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                  backoff_s=cfg.retry_backoff_s, model=cfg.deployment_id)
+    kwargs = dict(
+        api_key=cfg.api_key,
+        timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+        backoff_s=cfg.retry_backoff_s,
+        model=cfg.deployment_id,
+    )
     if cfg.engine == "sglang":
         from training.deployment.sglang import SGLangSampler
 

@@ -15,21 +15,52 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-COMMON = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
-    # vLLM extras
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "return_token_ids", "return_tokens_as_token_ids",
-})
+COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "best_of",
+        # vLLM extras
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+    }
+)
 HONOURED = {
     "completions": COMMON | {"prompt", "logprobs", "add_special_tokens"},
-    "chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
-                      "continue_final_message"},
+    "chat": COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    },
 }
-METADATA = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                      "request_id"})
+METADATA = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+)
 
 
 def _off(value: Any) -> bool:
@@ -91,6 +122,8 @@ def refusal(body: dict, endpoint: str) -> Optional[tuple[str, str]]:
             if harmless(value):
                 continue
             return name, f"'{name}'={value!r} is not supported by this server: {what} is not implemented"
-        return name, (f"unknown field '{name}': refused rather than ignored, since it could change what is "
-                      "generated (see the deployment README for the fields this server honours)")
+        return name, (
+            f"unknown field '{name}': refused rather than ignored, since it could change what is "
+            "generated (see the deployment README for the fields this server honours)"
+        )
     return None

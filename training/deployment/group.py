@@ -51,8 +51,15 @@ WeightSyncHook = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[Non
 class DeploymentGroup:
     """Replicas (launched or attached), their sampler, and weight pushes to all of them at once."""
 
-    def __init__(self, model: str, cfg: DeployConfig, *, log_dir: Optional[str | Path] = None,
-                 weights_dir: Optional[str | Path] = None, replicas: Optional[list[ServerProcess]] = None):
+    def __init__(
+        self,
+        model: str,
+        cfg: DeployConfig,
+        *,
+        log_dir: Optional[str | Path] = None,
+        weights_dir: Optional[str | Path] = None,
+        replicas: Optional[list[ServerProcess]] = None,
+    ):
         self.model = model
         if cfg.base_url is None and replicas is None and cfg.api_key is None:
             cfg = dataclasses.replace(cfg, api_key=secrets.token_urlsafe(24))
@@ -62,8 +69,11 @@ class DeploymentGroup:
         servers or load weights into them."""
         self.log_dir = Path(log_dir) if log_dir is not None else None
         """Where launched servers write their logs (``deployment.log``, ``deployment-<i>.log``)."""
-        self.weights_dir = Path(weights_dir) if weights_dir is not None else (
-            self.log_dir / "weights" if self.log_dir is not None else None)
+        self.weights_dir = (
+            Path(weights_dir)
+            if weights_dir is not None
+            else (self.log_dir / "weights" if self.log_dir is not None else None)
+        )
         """Where ``weight_sync="disk"`` writes ``model.safetensors`` (default ``<log_dir>/weights``)."""
         self.replicas: list[ServerProcess] = replicas if replicas is not None else self._make_replicas()
         self.sampler: Any = None
@@ -72,16 +82,24 @@ class DeploymentGroup:
         """``(before, after)`` coroutine functions run around every push (``RolloutSetup.weight_sync_hooks``)."""
         self._folder: Optional[WeightFolder] = None
         self._sender = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.replicas)),
-                                                           thread_name_prefix="weight-push")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(2, len(self.replicas)), thread_name_prefix="weight-push"
+        )
 
     @classmethod
-    def attach(cls, base_urls: Sequence[str], cfg: Optional[DeployConfig] = None, *, model: str = "",
-               weights_dir: Optional[str | Path] = None) -> "DeploymentGroup":
+    def attach(
+        cls,
+        base_urls: Sequence[str],
+        cfg: Optional[DeployConfig] = None,
+        *,
+        model: str = "",
+        weights_dir: Optional[str | Path] = None,
+    ) -> "DeploymentGroup":
         """A group over running servers of ``cfg.engine`` (no launch, no restart)."""
         cfg = cfg or DeployConfig()
-        return cls(model, cfg, weights_dir=weights_dir,
-                   replicas=[make_deployment(model, cfg, base_url=u) for u in base_urls])
+        return cls(
+            model, cfg, weights_dir=weights_dir, replicas=[make_deployment(model, cfg, base_url=u) for u in base_urls]
+        )
 
     def _make_replicas(self) -> list[ServerProcess]:
         cfg = self.cfg
@@ -152,9 +170,14 @@ class DeploymentGroup:
             await self.sampler.close()
 
     # ------------------------------------------------------------ weights
-    async def push(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
-                   specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]] = None,
-                   wait_for_inflight: bool = True) -> dict:
+    async def push(
+        self,
+        named_weights: Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]] = None,
+        wait_for_inflight: bool = True,
+    ) -> dict:
         """Load new weights into every replica as ``weight_version`` (see the module docstring).
 
         ``specs`` (``(name, dtype, shape)`` per tensor, e.g. ``PolicyTrainer.weight_specs()``) lets the
@@ -166,8 +189,9 @@ class DeploymentGroup:
             await before()
         try:
             if self.weight_sync_mode == "distributed":
-                out = await self._distributed_sender().push(named_weights, weight_version, specs=specs,
-                                                            wait_for_inflight=wait_for_inflight)
+                out = await self._distributed_sender().push(
+                    named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight
+                )
             else:
                 out = await self._push_file(named_weights, weight_version, wait_for_inflight)
             if self.sampler is not None:
@@ -178,8 +202,9 @@ class DeploymentGroup:
         out["total_s"] = time.perf_counter() - t0
         return out
 
-    async def _push_file(self, named_weights: Iterable[tuple[str, Any]], weight_version: int,
-                         wait_for_inflight: bool) -> dict:
+    async def _push_file(
+        self, named_weights: Iterable[tuple[str, Any]], weight_version: int, wait_for_inflight: bool
+    ) -> dict:
         mode = self.weight_sync_mode
         if self._folder is None:
             if mode == "disk" and self.weights_dir is None:
@@ -189,13 +214,22 @@ class DeploymentGroup:
         write = await loop.run_in_executor(self._pool, self._folder.write, named_weights)
         t1 = time.perf_counter()
         folder = str(self._folder.folder)
-        answers = await asyncio.gather(*(loop.run_in_executor(self._pool, self._load, r, folder, weight_version,
-                                                              mode, wait_for_inflight) for r in self.replicas))
-        return {"path": str(self._folder.file), **write, "load_s": time.perf_counter() - t1,
-                "servers": dict(zip(self.base_urls, answers))}
+        answers = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, self._load, r, folder, weight_version, mode, wait_for_inflight)
+                for r in self.replicas
+            )
+        )
+        return {
+            "path": str(self._folder.file),
+            **write,
+            "load_s": time.perf_counter() - t1,
+            "servers": dict(zip(self.base_urls, answers)),
+        }
 
-    def _load(self, replica: ServerProcess, folder: str, weight_version: int, mode: str,
-              wait_for_inflight: bool) -> dict:
+    def _load(
+        self, replica: ServerProcess, folder: str, weight_version: int, mode: str, wait_for_inflight: bool
+    ) -> dict:
         """Load into one replica (blocking): restart it first if dead; retry once if it died during the load."""
         replica.ensure_alive()
         restarts = replica.restart_count
@@ -204,8 +238,9 @@ class DeploymentGroup:
         except WeightSyncError:
             if not replica.recover(restarts):
                 raise  # a refusal by a live server (its old weights stay), or an attached server
-            log.warning("%s died during the weight push of v%d; retrying after its restart", replica.base_url,
-                        weight_version)
+            log.warning(
+                "%s died during the weight push of v%d; retrying after its restart", replica.base_url, weight_version
+            )
             answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
         replica.note_weights(folder, weight_version, mode)
         return answer
@@ -217,14 +252,26 @@ class DeploymentGroup:
 
             d = self.cfg
             self._sender = DistributedWeightSender(
-                self.base_urls, d.weight_sync_master_addr, d.weight_sync_master_port, d.weight_sync_backend,
-                api_key=d.api_key, timeout_s=d.request_timeout_s)
+                self.base_urls,
+                d.weight_sync_master_addr,
+                d.weight_sync_master_port,
+                d.weight_sync_backend,
+                api_key=d.api_key,
+                timeout_s=d.request_timeout_s,
+            )
         return self._sender
 
 
-async def push_weights(base_urls: str | Sequence[str], named_weights: Iterable[tuple[str, Any]], weight_version: int,
-                       *, mode: str = "shm", directory: Optional[str] = None, api_key: Optional[str] = None,
-                       wait_for_inflight: bool = True) -> dict:
+async def push_weights(
+    base_urls: str | Sequence[str],
+    named_weights: Iterable[tuple[str, Any]],
+    weight_version: int,
+    *,
+    mode: str = "shm",
+    directory: Optional[str] = None,
+    api_key: Optional[str] = None,
+    wait_for_inflight: bool = True,
+) -> dict:
     """One push to running servers of this package (no launch): write once, load into each, clean up.
 
     ``mode="disk"`` writes ``<directory>/model.safetensors`` (kept); ``shm`` writes a /dev/shm file that

@@ -31,12 +31,12 @@ SESSION_HEADER = "x-multi-turn-session-id"
 """Request header whose value becomes the engine ``session_id`` (KV reuse across turns)."""
 
 
-
 class RequestError(Exception):
     """A client error: ``status`` (400 unless told), the problem, the offending field."""
 
-    def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
-                 err_type: str = "invalid_request_error"):
+    def __init__(
+        self, message: str, param: Optional[str] = None, *, status: int = 400, err_type: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -86,6 +86,7 @@ class ParsedRequest:
 
 # ---------------------------------------------------------------- field readers
 
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -94,8 +95,9 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None,
-         hi: Optional[int] = None) -> Optional[int]:
+def _int(
+    body: dict, name: str, default: Optional[int], lo: Optional[int] = None, hi: Optional[int] = None
+) -> Optional[int]:
     v = body.get(name)
     if v is None:
         return default
@@ -157,8 +159,12 @@ def _check_model(body: dict, served_names: tuple[str, ...]) -> str:
     if not isinstance(model, str):
         raise RequestError(f"'model' must be a string, got {type(model).__name__}", "model")
     if model not in served_names:
-        raise RequestError(f"The model '{model}' does not exist; this server serves '{served_names[0]}'",
-                           "model", status=404, err_type="NotFoundError")
+        raise RequestError(
+            f"The model '{model}' does not exist; this server serves '{served_names[0]}'",
+            "model",
+            status=404,
+            err_type="NotFoundError",
+        )
     return served_names[0]
 
 
@@ -205,9 +211,15 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return bool(opts.get("include_usage"))
 
 
-def _sampling(body: dict, prompt_len: int, max_model_len: int, vocab_size: int, top_logprobs: int,
-              default_max_tokens: Optional[int], max_tokens_names: tuple[str, ...]
-              ) -> tuple[SamplingParams, Optional[int], int]:
+def _sampling(
+    body: dict,
+    prompt_len: int,
+    max_model_len: int,
+    vocab_size: int,
+    top_logprobs: int,
+    default_max_tokens: Optional[int],
+    max_tokens_names: tuple[str, ...],
+) -> tuple[SamplingParams, Optional[int], int]:
     """Shared sampling fields -> (SamplingParams without seed, seed, n)."""
     max_tokens, name_used = None, max_tokens_names[0]
     for name in max_tokens_names:
@@ -216,31 +228,45 @@ def _sampling(body: dict, prompt_len: int, max_model_len: int, vocab_size: int, 
             break
     room = max_model_len - prompt_len
     if room < 1:
-        raise RequestError(f"the prompt has {prompt_len} tokens; max_model_len={max_model_len} leaves no room "
-                           "for a completion", "prompt" if "prompt" in body else "messages")
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens; max_model_len={max_model_len} leaves no room for a completion",
+            "prompt" if "prompt" in body else "messages",
+        )
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
-        raise RequestError(f"'{name_used}'={max_tokens} plus the prompt's {prompt_len} tokens exceeds "
-                           f"max_model_len={max_model_len}", name_used)
+        raise RequestError(
+            f"'{name_used}'={max_tokens} plus the prompt's {prompt_len} tokens exceeds max_model_len={max_model_len}",
+            name_used,
+        )
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
-        raise RequestError(f"'best_of'={best_of} is not supported: only best_of == n ({n}) is (every sample is "
-                           "returned)", "best_of")
-    seed = _int(body, "seed", None, lo=-2**63, hi=2**64 - n)  # choice i uses seed + i: a 64-bit generator seed
+        raise RequestError(
+            f"'best_of'={best_of} is not supported: only best_of == n ({n}) is (every sample is returned)", "best_of"
+        )
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**64 - n)  # choice i uses seed + i: a 64-bit generator seed
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("'stop_token_ids' must be a list of integers", "stop_token_ids")
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0),
-        seed=None, stop=_stop(body), stop_token_ids=list(stop_token_ids), ignore_eos=_bool(body, "ignore_eos", False),
-        top_k=_top_k(body), min_p=_float(body, "min_p", 0.0),
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0),
+        top_p=_float(body, "top_p", 1.0),
+        seed=None,
+        stop=_stop(body),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=_top_k(body),
+        min_p=_float(body, "min_p", 0.0),
         presence_penalty=_float(body, "presence_penalty", 0.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0), logit_bias=_logit_bias(body, vocab_size),
-        min_tokens=_int(body, "min_tokens", 0, lo=0), top_logprobs=top_logprobs,
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
+        repetition_penalty=_float(body, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=_int(body, "min_tokens", 0, lo=0),
+        top_logprobs=top_logprobs,
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+    )
     return params, seed, n
 
 
@@ -251,8 +277,7 @@ def _validate(prompts: list[list[int]], params: SamplingParams, engine: Any) -> 
             validate_request(prompt, params, engine.vocab_size, engine.max_model_len)
         except EngineError as e:
             head = str(e).split(":", 1)[0].split("[", 1)[0].strip()
-            raise RequestError(str(e), {"prompt_token_ids": "prompt"}.get(head, head)
-                               ) from None
+            raise RequestError(str(e), {"prompt_token_ids": "prompt"}.get(head, head)) from None
 
 
 def _as_dict(body: Any, endpoint: str) -> dict:
@@ -265,6 +290,7 @@ def _as_dict(body: Any, endpoint: str) -> dict:
 
 
 # ---------------------------------------------------------------- /v1/completions
+
 
 def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
     """Validate a /v1/completions body against the engine's vocabulary and context length."""
@@ -287,8 +313,11 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
             if not p:
                 raise RequestError("'prompt' is an empty string", "prompt")
             if len(p) > max_chars:
-                raise RequestError(f"'prompt' has {len(p)} characters; it cannot fit max_model_len="
-                                   f"{engine.max_model_len} tokens (limit {max_chars} characters)", "prompt")
+                raise RequestError(
+                    f"'prompt' has {len(p)} characters; it cannot fit max_model_len="
+                    f"{engine.max_model_len} tokens (limit {max_chars} characters)",
+                    "prompt",
+                )
             ids = engine.tokenizer.encode(p, add_special_tokens=add_special)
             if not ids:
                 raise RequestError("'prompt' tokenized to no tokens", "prompt")
@@ -297,16 +326,26 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
             prompts.append(_token_ids(p, engine.vocab_size, "prompt"))
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     stream = _bool(body, "stream", False)
-    params, seed, n = _sampling(body, max(len(p) for p in prompts), engine.max_model_len, engine.vocab_size,
-                                logprobs or 0, 16, ("max_tokens",))
+    params, seed, n = _sampling(
+        body, max(len(p) for p in prompts), engine.max_model_len, engine.vocab_size, logprobs or 0, 16, ("max_tokens",)
+    )
     _validate(prompts, params, engine)
-    return ParsedRequest(prompts=prompts, n=n, params=params, seed=seed, logprobs=logprobs,
-                         return_token_ids=_bool(body, "return_token_ids", False), model=model, stream=stream,
-                         include_usage=_stream_options(body, stream),
-                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
+    return ParsedRequest(
+        prompts=prompts,
+        n=n,
+        params=params,
+        seed=seed,
+        logprobs=logprobs,
+        return_token_ids=_bool(body, "return_token_ids", False),
+        model=model,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+    )
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
+
 
 def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
     """Whether tool calls are parsed: ``auto`` (default) and ``none`` are honoured; forcing a call is refused."""
@@ -316,10 +355,12 @@ def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
     if choice == "none":
         return False
     if choice == "required" or isinstance(choice, dict):
-        raise RequestError(f"'tool_choice'={choice!r} is not supported: forcing a tool call needs constrained "
-                           "decoding, which this server does not implement; use 'auto' or 'none'", "tool_choice")
-    raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}",
-                       "tool_choice")
+        raise RequestError(
+            f"'tool_choice'={choice!r} is not supported: forcing a tool call needs constrained "
+            "decoding, which this server does not implement; use 'auto' or 'none'",
+            "tool_choice",
+        )
+    raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice")
 
 
 def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
@@ -336,32 +377,46 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     max_chars = MAX_CHARS_PER_TOKEN * engine.max_model_len
     chars = len(json.dumps(messages, ensure_ascii=False))
     if chars > max_chars:
-        raise RequestError(f"'messages' have {chars} characters; they cannot fit max_model_len={engine.max_model_len} "
-                           f"tokens (limit {max_chars} characters)", "messages")
+        raise RequestError(
+            f"'messages' have {chars} characters; they cannot fit max_model_len={engine.max_model_len} "
+            f"tokens (limit {max_chars} characters)",
+            "messages",
+        )
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")
     parse_calls = _tool_choice(body, tools)
     if body.get("parallel_tool_calls") is False:
-        raise RequestError("'parallel_tool_calls': false is not supported: this server does not limit a reply to "
-                           "one tool call", "parallel_tool_calls")
+        raise RequestError(
+            "'parallel_tool_calls': false is not supported: this server does not limit a reply to one tool call",
+            "parallel_tool_calls",
+        )
     _bool(body, "parallel_tool_calls", True)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     if template_kwargs.get("chat_template") is not None:
-        raise RequestError("'chat_template_kwargs.chat_template' is not supported: request-supplied chat templates "
-                           "are not rendered (the model's own template is used)", "chat_template_kwargs")
+        raise RequestError(
+            "'chat_template_kwargs.chat_template' is not supported: request-supplied chat templates "
+            "are not rendered (the model's own template is used)",
+            "chat_template_kwargs",
+        )
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     continue_final = _bool(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
-        raise RequestError("'continue_final_message': true needs 'add_generation_prompt': false",
-                           "continue_final_message")
+        raise RequestError(
+            "'continue_final_message': true needs 'add_generation_prompt': false", "continue_final_message"
+        )
     try:
-        ids = engine.tokenizer.apply_chat_template(messages, tools=tools or None,
-                                                   add_generation_prompt=add_generation_prompt,
-                                                   continue_final_message=continue_final, tokenize=True,
-                                                   return_dict=False, **template_kwargs)
+        ids = engine.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=True,
+            return_dict=False,
+            **template_kwargs,
+        )
     except Exception as e:  # jinja errors name the template problem
         raise RequestError(f"the chat template could not render 'messages': {e}", "messages") from e
     if not ids:
@@ -372,12 +427,27 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     if top is not None and not wants_logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream = _bool(body, "stream", False)
-    params, seed, n = _sampling(body, len(prompt), engine.max_model_len, engine.vocab_size,
-                                (top or 0) if wants_logprobs else 0, None, ("max_completion_tokens", "max_tokens"))
+    params, seed, n = _sampling(
+        body,
+        len(prompt),
+        engine.max_model_len,
+        engine.vocab_size,
+        (top or 0) if wants_logprobs else 0,
+        None,
+        ("max_completion_tokens", "max_tokens"),
+    )
     _validate([prompt], params, engine)
-    return ParsedRequest(prompts=[prompt], n=n, params=params, seed=seed,
-                         logprobs=(top or 0) if wants_logprobs else None,
-                         return_token_ids=_bool(body, "return_token_ids", False), model=model,
-                         tools=tools or None, parse_tool_calls=parse_calls, stream=stream,
-                         include_usage=_stream_options(body, stream),
-                         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
+    return ParsedRequest(
+        prompts=[prompt],
+        n=n,
+        params=params,
+        seed=seed,
+        logprobs=(top or 0) if wants_logprobs else None,
+        return_token_ids=_bool(body, "return_token_ids", False),
+        model=model,
+        tools=tools or None,
+        parse_tool_calls=parse_calls,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+    )

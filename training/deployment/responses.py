@@ -23,8 +23,14 @@ def token_text(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
     return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer: Any, req: ParsedRequest, token_ids: list[int], logprobs: list[float],
-                        top_logprobs: Optional[list[list[tuple[int, float]]]], offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer: Any,
+    req: ParsedRequest,
+    token_ids: list[int],
+    logprobs: list[float],
+    top_logprobs: Optional[list[list[tuple[int, float]]]],
+    offset: int = 0,
+) -> dict:
     """Completions ``logprobs`` for these tokens; ``text_offset`` counts from ``offset``.
 
     With ``logprobs = k > 0`` each ``top_logprobs`` entry maps the k most likely tokens' strings to
@@ -46,9 +52,15 @@ def completion_logprobs(tokenizer: Any, req: ParsedRequest, token_ids: list[int]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any, req: ParsedRequest, token_ids: list[int], logprobs: list[float],
-                  top_logprobs: Optional[list[list[tuple[int, float]]]]) -> dict:
+def chat_logprobs(
+    tokenizer: Any,
+    req: ParsedRequest,
+    token_ids: list[int],
+    logprobs: list[float],
+    top_logprobs: Optional[list[list[tuple[int, float]]]],
+) -> dict:
     """Chat ``logprobs.content`` for these tokens, each with its k most likely alternatives."""
+
     def entry(t: int, lp: float) -> dict:
         s = token_text(tokenizer, t, req.tokens_as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
@@ -66,9 +78,12 @@ def usage(req: ParsedRequest, results: list[list[GenerationResult]]) -> dict:
     completion_tokens = sum(len(r.output_token_ids) for rs in results for r in rs)
     # a prompt is computed once for all its choices (the others reuse it): what that computation reused
     cached = sum(min((r.cached_prompt_tokens for r in rs), default=0) for rs in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def response_version(results: list[list[GenerationResult]]) -> int:
@@ -83,18 +98,31 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
         for i, r in enumerate(rs):
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, req, r.output_token_ids, r.output_logprobs,
-                                               r.output_top_logprobs)
-            choice = {"index": p * req.n + i, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason,
-                      "stop_reason": r.stop_reason, "weight_version": r.weight_version}
+                logprobs = completion_logprobs(
+                    tokenizer, req, r.output_token_ids, r.output_logprobs, r.output_top_logprobs
+                )
+            choice = {
+                "index": p * req.n + i,
+                "text": r.text,
+                "logprobs": logprobs,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+                "weight_version": r.weight_version,
+            }
             if req.return_token_ids:
                 choice["token_ids"] = list(r.output_token_ids)
                 choice["token_weight_versions"] = list(r.token_weight_versions)
                 choice["prompt_token_ids"] = list(r.prompt_token_ids)
             choices.append(choice)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": choices, "usage": usage(req, results),
-            "weight_version": response_version(results)}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req, results),
+        "weight_version": response_version(results),
+    }
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -124,17 +152,28 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
         logprobs = None
         if req.logprobs is not None:
             logprobs = chat_logprobs(tokenizer, req, r.output_token_ids, r.output_logprobs, r.output_top_logprobs)
-        choice = {"index": i, "message": message, "logprobs": logprobs,
-                  "finish_reason": chat_finish_reason(r, bool(calls)), "stop_reason": r.stop_reason,
-                  "weight_version": r.weight_version}
+        choice = {
+            "index": i,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": chat_finish_reason(r, bool(calls)),
+            "stop_reason": r.stop_reason,
+            "weight_version": r.weight_version,
+        }
         if req.return_token_ids:
             choice["token_ids"] = list(r.output_token_ids)
             choice["token_weight_versions"] = list(r.token_weight_versions)
             choice["prompt_token_ids"] = list(r.prompt_token_ids)
         choices.append(choice)
-    out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-           "model": req.model, "choices": choices, "usage": usage(req, [results]),
-           "weight_version": response_version([results])}
+    out = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req, [results]),
+        "weight_version": response_version([results]),
+    }
     if req.return_token_ids:
         out["prompt_token_ids"] = list(req.prompts[0])
     return out

@@ -38,8 +38,7 @@ __all__ = ["Completion", "DeploymentRequestError", "DeploymentSampler", "SESSION
 class DeploymentRequestError(RuntimeError):
     """The deployment refused or failed a request. ``status`` is the HTTP status (None: no answer)."""
 
-    def __init__(self, message: str, *, status: Optional[int] = None, param: Optional[str] = None,
-                 url: str = ""):
+    def __init__(self, message: str, *, status: Optional[int] = None, param: Optional[str] = None, url: str = ""):
         super().__init__(f"{url}: HTTP {status}: {message}" if status else f"{url}: {message}")
         self.status = status
         self.param = param
@@ -74,11 +73,11 @@ class Completion:
 
     @property
     def output_tokens(self) -> list[int]:
-        return self.full_tokens[self.prompt_len:]
+        return self.full_tokens[self.prompt_len :]
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return self.full_tokens[:self.prompt_len]
+        return self.full_tokens[: self.prompt_len]
 
     @property
     def tool_calls(self) -> list[dict]:
@@ -120,8 +119,9 @@ class _HttpClient:
         self._drop_dead()
         sess = self._sessions.get(loop)
         if sess is None or sess.closed:
-            sess = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                         connector=aiohttp.TCPConnector(limit=0))
+            sess = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), connector=aiohttp.TCPConnector(limit=0)
+            )
             self._sessions[loop] = sess
         return sess
 
@@ -152,9 +152,19 @@ class DeploymentSampler:
     ``x-session-affinity`` (``training.utils.http.session_headers``).
     """
 
-    def __init__(self, base_url: Union[str, Sequence[str]], *, api_key: Optional[str] = None, model: Optional[str] = None,
-                 timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 0.5, down_s: float = 5.0,
-                 sampling_defaults: Optional[dict] = None, _client: Optional[_HttpClient] = None):
+    def __init__(
+        self,
+        base_url: Union[str, Sequence[str]],
+        *,
+        api_key: Optional[str] = None,
+        model: Optional[str] = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+        down_s: float = 5.0,
+        sampling_defaults: Optional[dict] = None,
+        _client: Optional[_HttpClient] = None,
+    ):
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("base_url: give at least one URL")
@@ -181,9 +191,17 @@ class DeploymentSampler:
 
     def with_defaults(self, **sampling: Any) -> "DeploymentSampler":
         """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""
-        return type(self)(self.base_urls, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s,
-                                 max_retries=self.max_retries, backoff_s=self.backoff_s,
-                                 down_s=self.down_s, sampling_defaults={**self.sampling_defaults, **sampling}, _client=self._client)
+        return type(self)(
+            self.base_urls,
+            api_key=self.api_key,
+            model=self.model,
+            timeout_s=self.timeout_s,
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
+            down_s=self.down_s,
+            sampling_defaults={**self.sampling_defaults, **sampling},
+            _client=self._client,
+        )
 
     async def close(self) -> None:
         """Close this event loop's session (other samplers made by ``with_defaults`` share it)."""
@@ -230,8 +248,14 @@ class DeploymentSampler:
             return own if own in live else live[digest % len(live)]
         return min(live, key=lambda u: self._client.in_flight.get(u, 0))
 
-    async def request(self, method: str, path: str, body: Optional[dict] = None,
-                      session_id: Optional[str] = None, base_url: Optional[str] = None) -> dict:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[dict] = None,
+        session_id: Optional[str] = None,
+        base_url: Optional[str] = None,
+    ) -> dict:
         """Send one JSON request with the retry and failover policy; return the decoded JSON answer.
 
         ``base_url`` pins the replica (no failover); by default ``pick_replica`` chooses it, again
@@ -258,14 +282,18 @@ class DeploymentSampler:
                 in_flight[base] -= 1
             failed = base
             log.warning("deployment %s%s attempt %d/%d failed: %s", base, path, attempt + 1, self.max_retries + 1, last)
-        raise DeploymentRequestError(f"gave up after {self.max_retries + 1} attempts: {last}", url=failed or "",
-                                     status=getattr(last, "status", None)) from last
+        raise DeploymentRequestError(
+            f"gave up after {self.max_retries + 1} attempts: {last}",
+            url=failed or "",
+            status=getattr(last, "status", None),
+        ) from last
 
     async def _attempt(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
         """One HTTP exchange: the JSON answer, or ``DeploymentRequestError`` with the status (connection errors pass)."""
         try:
-            async with self._client.session().request(method, url, json=body,
-                                                      headers=self._headers(session_id)) as resp:
+            async with self._client.session().request(
+                method, url, json=body, headers=self._headers(session_id)
+            ) as resp:
                 if resp.status < 400:
                     return await resp.json(content_type=None)
                 message, param = _error_message(await resp.text())
@@ -279,8 +307,9 @@ class DeploymentSampler:
             body["model"] = self.model
         return body
 
-    async def sample_with_prompt_tokens(self, prompt_ids: list[int], n: int = 1, *,
-                                        session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+    async def sample_with_prompt_tokens(
+        self, prompt_ids: list[int], n: int = 1, *, session_id: Optional[str] = None, **sampling: Any
+    ) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt via /v1/completions."""
         if not prompt_ids:
             raise ValueError("prompt_ids: must not be empty")
@@ -298,8 +327,15 @@ class DeploymentSampler:
             result.append(_completion(prompt, ch, lps, ch.get("text", ""), out, cached, sent_under=sent_under))
         return result
 
-    async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
-                   session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+    async def chat(
+        self,
+        messages: list[dict],
+        n: int = 1,
+        *,
+        tools: Optional[list[dict]] = None,
+        session_id: Optional[str] = None,
+        **sampling: Any,
+    ) -> list[Completion]:
         """Sample ``n`` chat completions via /v1/chat/completions (template applied by the server)."""
         body = self._body(n, sampling)
         body["messages"] = messages
@@ -313,13 +349,15 @@ class DeploymentSampler:
         for ch in sorted(out["choices"], key=lambda c: c["index"]):
             prompt = ch.get("prompt_token_ids") or out.get("prompt_token_ids")
             if prompt is None:
-                raise DeploymentRequestError("the server returned no prompt_token_ids (needs return_token_ids)",
-                                             url=self.base_url)
+                raise DeploymentRequestError(
+                    "the server returned no prompt_token_ids (needs return_token_ids)", url=self.base_url
+                )
             content = (ch.get("logprobs") or {}).get("content")
             lps = None if content is None else [c["logprob"] for c in content]
             msg = ch.get("message") or {}
-            result.append(_completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg,
-                                      sent_under=sent_under))
+            result.append(
+                _completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg, sent_under=sent_under)
+            )
         return result
 
     async def health(self) -> dict:
@@ -334,6 +372,7 @@ class DeploymentSampler:
 
 def _error_message(text: str) -> tuple[str, Optional[str]]:
     import json
+
     try:
         err = json.loads(text).get("error", {})
         if isinstance(err, dict):
@@ -348,28 +387,45 @@ def _cached(out: dict) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def _completion(prompt: list[int], ch: dict, lps: Optional[list[float]], text: str, out: dict, cached: int,
-                message: Optional[dict] = None, sent_under: int = 0) -> Completion:
+def _completion(
+    prompt: list[int],
+    ch: dict,
+    lps: Optional[list[float]],
+    text: str,
+    out: dict,
+    cached: int,
+    message: Optional[dict] = None,
+    sent_under: int = 0,
+) -> Completion:
     """One choice as a ``Completion``; ``sent_under`` labels it when the server reports no version."""
     tokens = ch.get("token_ids")
     if tokens is None:
         raise DeploymentRequestError("the server returned no token_ids (needs return_token_ids support)")
     if lps is None or len(lps) != len(tokens):
-        raise DeploymentRequestError(f"the server returned {0 if lps is None else len(lps)} logprobs "
-                                     f"for {len(tokens)} tokens")
+        raise DeploymentRequestError(
+            f"the server returned {0 if lps is None else len(lps)} logprobs for {len(tokens)} tokens"
+        )
     version = ch.get("weight_version", out.get("weight_version"))
     per_token = ch.get("token_weight_versions")
     if per_token is not None:
         if len(per_token) != len(tokens):
-            raise DeploymentRequestError(f"the server returned {len(per_token)} token_weight_versions "
-                                         f"for {len(tokens)} tokens")
+            raise DeploymentRequestError(
+                f"the server returned {len(per_token)} token_weight_versions for {len(tokens)} tokens"
+            )
         per_token = [int(v) for v in per_token]
     elif version is None:
         per_token = [sent_under] * len(tokens)
-    return Completion(full_tokens=list(prompt) + list(tokens), prompt_len=len(prompt),
-                      inference_logprobs=[float(x) for x in lps], finish_reason=ch.get("finish_reason") or "stop",
-                      text=text, weight_version=sent_under if version is None else int(version), message=message,
-                      cached_tokens=cached, token_weight_versions=per_token)
+    return Completion(
+        full_tokens=list(prompt) + list(tokens),
+        prompt_len=len(prompt),
+        inference_logprobs=[float(x) for x in lps],
+        finish_reason=ch.get("finish_reason") or "stop",
+        text=text,
+        weight_version=sent_under if version is None else int(version),
+        message=message,
+        cached_tokens=cached,
+        token_weight_versions=per_token,
+    )
 
 
 def build_deployment_sampler(setup: Any) -> DeploymentSampler:

@@ -40,31 +40,61 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.deployment.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0 = any free port, printed in the ready line)")
-    p.add_argument("--api-key", default=os.environ.get("DEPLOYMENT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $DEPLOYMENT_API_KEY; unset = no auth)")
-    p.add_argument("--allow-open-bind", action="store_true",
-                   help="start on a --host other than loopback without an API key (anyone who reaches the port "
-                        "can then pause the server and load weights into it)")
-    p.add_argument("--weight-dir", action="append", default=None, metavar="DIR",
-                   help="a folder /update_weights_from_disk may read (repeat for several; symlinks are resolved "
-                        "and must stay inside; default: the temp dir, /dev/shm, the working directory and the model folder)")
-    p.add_argument("--weight-peer", action="append", default=None, metavar="HOST",
-                   help="a host /init_weight_update_group may connect to (repeat; default: loopback only)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DEPLOYMENT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $DEPLOYMENT_API_KEY; unset = no auth)",
+    )
+    p.add_argument(
+        "--allow-open-bind",
+        action="store_true",
+        help="start on a --host other than loopback without an API key (anyone who reaches the port "
+        "can then pause the server and load weights into it)",
+    )
+    p.add_argument(
+        "--weight-dir",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a folder /update_weights_from_disk may read (repeat for several; symlinks are resolved "
+        "and must stay inside; default: the temp dir, /dev/shm, the working directory and the model folder)",
+    )
+    p.add_argument(
+        "--weight-peer",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="a host /init_weight_update_group may connect to (repeat; default: loopback only)",
+    )
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
-    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                   help="shut down when process PID is no longer this server's parent")
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="shut down when process PID is no longer this server's parent",
+    )
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--engine-config", default=None, metavar="JSON",
-                   help="every EngineConfig field as one JSON object (what the launcher passes); "
-                        "the flags below override its values")
+    p.add_argument(
+        "--engine-config",
+        default=None,
+        metavar="JSON",
+        help="every EngineConfig field as one JSON object (what the launcher passes); "
+        "the flags below override its values",
+    )
     engine = p.add_argument_group("engine settings (EngineConfig)")
     docs, types_ = field_docs(EngineConfig), field_types(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        engine.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-                            type=functools.partial(_flag_value, annotation=types_[f.name], name=f.name),
-                            help=f"{docs.get(f.name, '')} (default {f.default!r})" if f.default is not
-                            dataclasses.MISSING else docs.get(f.name, ""))
+        engine.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            type=functools.partial(_flag_value, annotation=types_[f.name], name=f.name),
+            help=f"{docs.get(f.name, '')} (default {f.default!r})"
+            if f.default is not dataclasses.MISSING
+            else docs.get(f.name, ""),
+        )
     return p
 
 
@@ -93,7 +123,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if isinstance(base.get("cuda_graph_batch_sizes"), list):
         base["cuda_graph_batch_sizes"] = tuple(base["cuda_graph_batch_sizes"])
     if not base.get("model"):
-        raise SystemExit("--model is required (or a \"model\" in --engine-config)")
+        raise SystemExit('--model is required (or a "model" in --engine-config)')
     try:
         return EngineConfig(**base)
     except ValueError as e:
@@ -116,11 +146,16 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
 
     engine = AsyncEngine(engine_config_from_args(args))
     await engine.start()
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, manage_engine=False,
-                     weight_dirs=args.weight_dir, weight_peers=args.weight_peer)
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        manage_engine=False,
+        weight_dirs=args.weight_dir,
+        weight_peers=args.weight_peer,
+    )
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
-                           handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0, handler_cancellation=True)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -132,8 +167,11 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
         await site.start()
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
         name = args.served_model_name or engine.model_name
-        print(f"{READY_PREFIX} http://{args.host}:{port} model={name} weight_version={engine.weight_version}",
-              file=ready_file or sys.stdout, flush=True)
+        print(
+            f"{READY_PREFIX} http://{args.host}:{port} model={name} weight_version={engine.weight_version}",
+            file=ready_file or sys.stdout,
+            flush=True,
+        )
         if args.exit_with_parent is not None:
             watcher = asyncio.create_task(_watch_parent(args.exit_with_parent, stop))
         await stop.wait()
@@ -153,9 +191,11 @@ def check_bind(args: argparse.Namespace) -> None:
     if args.host in LOOPBACK_HOSTS or args.host.startswith("127.") or args.api_key:
         return
     if not args.allow_open_bind:
-        raise SystemExit(f"--host {args.host}: binding beyond this host without --api-key lets anyone who reaches "
-                         "the port pause the server and load weights into it; set --api-key (or "
-                         "$DEPLOYMENT_API_KEY), or pass --allow-open-bind if this network is trusted")
+        raise SystemExit(
+            f"--host {args.host}: binding beyond this host without --api-key lets anyone who reaches "
+            "the port pause the server and load weights into it; set --api-key (or "
+            "$DEPLOYMENT_API_KEY), or pass --allow-open-bind if this network is trusted"
+        )
     logging.getLogger(__name__).warning("serving on %s without an API key (--allow-open-bind)", args.host)
 
 

@@ -27,8 +27,12 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import (EngineError, PartialWeightUpdateError, SequenceFailedError,
-                                              WeightUpdateError)
+from training.deployment.engine.config import (
+    EngineError,
+    PartialWeightUpdateError,
+    SequenceFailedError,
+    WeightUpdateError,
+)
 from training.deployment.protocol import (
     ParsedRequest,
     RequestError,
@@ -60,8 +64,9 @@ def shm_roots() -> list[Path]:
     return [shm.resolve()] if shm.is_dir() else [Path(tempfile.gettempdir()).resolve()]
 
 
-def _json_error(status: int, message: str, err_type: str = "invalid_request_error",
-                param: Optional[str] = None) -> web.Response:
+def _json_error(
+    status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None
+) -> web.Response:
     return web.json_response(error_body(message, err_type, param), status=status)
 
 
@@ -75,8 +80,9 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     api_key = request.app[SETTINGS_KEY].get("api_key")
     if api_key and request.path not in _OPEN_PATHS:
         if not bearer_ok(request.headers.get("Authorization"), api_key):
-            return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error")
+            return _json_error(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error"
+            )
     try:
         if request.path in _CANCEL_ON_DISCONNECT:
             return await handler(request)
@@ -160,9 +166,13 @@ async def _generate_all(request: web.Request, req: ParsedRequest, body: Any) -> 
     The first error (or a client disconnect) cancels the request's other choices.
     """
     engine = request.app[ENGINE_KEY]
-    tasks = [[asyncio.ensure_future(engine.generate(prompt, req.params_for(i),
-                                                    session_id=_session_id(request, body, i)))
-              for i in range(req.n)] for prompt in req.prompts]
+    tasks = [
+        [
+            asyncio.ensure_future(engine.generate(prompt, req.params_for(i), session_id=_session_id(request, body, i)))
+            for i in range(req.n)
+        ]
+        for prompt in req.prompts
+    ]
     flat = [t for row in tasks for t in row]
     try:
         await asyncio.gather(*flat)
@@ -186,8 +196,9 @@ async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: boo
 
     async def consume(p: int, i: int) -> None:
         try:
-            async for delta in engine.generate_stream(req.prompts[p], req.params_for(i),
-                                                      session_id=_session_id(request, body, i)):
+            async for delta in engine.generate_stream(
+                req.prompts[p], req.params_for(i), session_id=_session_id(request, body, i)
+            ):
                 queue.put_nowait((p, i, delta))
         except Exception as e:  # reported in the stream; the other choices are cancelled
             queue.put_nowait((p, i, e))
@@ -203,8 +214,7 @@ async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: boo
             p, i, item = await queue.get()
             if isinstance(item, Exception):
                 log.error("streamed request failed: %s: %s", type(item).__name__, item)
-                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}",
-                                                "internal_error")))
+                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}", "internal_error")))
                 break
             for chunk in chunks.update(p, i, item):
                 await resp.write(sse(chunk))
@@ -245,8 +255,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     engine, settings = request.app[ENGINE_KEY], request.app[SETTINGS_KEY]
-    card = {"id": settings["served_names"][0], "object": "model", "created": settings["started"],
-            "owned_by": "training", "root": engine.model_name, "max_model_len": engine.max_model_len}
+    card = {
+        "id": settings["served_names"][0],
+        "object": "model",
+        "created": settings["started"],
+        "owned_by": "training",
+        "root": engine.model_name,
+        "max_model_len": engine.max_model_len,
+    }
     return web.json_response({"object": "list", "data": [card]})
 
 
@@ -280,8 +296,12 @@ def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
         raise RequestError("'force' must be a boolean", "force")
     served = request.app[ENGINE_KEY].weight_version
     if version < served and not force:
-        raise RequestError(f"'weight_version' {version} is older than the served {served}; send \"force\": true "
-                           "to roll back on purpose", "weight_version", status=409)
+        raise RequestError(
+            f"'weight_version' {version} is older than the served {served}; send \"force\": true "
+            "to roll back on purpose",
+            "weight_version",
+            status=409,
+        )
     return path, version, wait
 
 
@@ -290,8 +310,11 @@ def _confined(path: str, roots: list[Path]) -> Path:
     whether a path outside them exists."""
     resolved = Path(path).resolve()
     if not any(resolved.is_relative_to(r) for r in roots):
-        raise RequestError(f"'path' is not under the server's weight folders ({', '.join(map(str, roots))}; "
-                           "set them with --weight-dir)", "path")
+        raise RequestError(
+            f"'path' is not under the server's weight folders ({', '.join(map(str, roots))}; "
+            "set them with --weight-dir)",
+            "path",
+        )
     return resolved
 
 
@@ -332,8 +355,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
     await engine.update_weights(tensors, version, wait_for_inflight=wait)
-    return web.json_response({"weight_version": engine.weight_version, "read_s": read_s,
-                              "load_s": time.perf_counter() - t0})
+    return web.json_response(
+        {"weight_version": engine.weight_version, "read_s": read_s, "load_s": time.perf_counter() - t0}
+    )
 
 
 async def update_weights_from_shm(request: web.Request) -> web.Response:
@@ -345,8 +369,9 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
     await engine.update_weights(tensors, version, wait_for_inflight=wait)
-    return web.json_response({"weight_version": engine.weight_version, "read_s": read_s,
-                              "load_s": time.perf_counter() - t0})
+    return web.json_response(
+        {"weight_version": engine.weight_version, "read_s": read_s, "load_s": time.perf_counter() - t0}
+    )
 
 
 async def init_weight_update_group(request: web.Request) -> web.Response:
@@ -356,12 +381,17 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
     spec = parse_group_body(await _read_json(request))
     peers = request.app[SETTINGS_KEY]["weight_peers"]
     if spec.master_addr not in peers:
-        raise RequestError(f"'master_addr' {spec.master_addr!r} is not an allowed weight peer ({', '.join(peers)}; "
-                           "start the server with --weight-peer HOST to allow it)", "master_addr", status=403)
+        raise RequestError(
+            f"'master_addr' {spec.master_addr!r} is not an allowed weight peer ({', '.join(peers)}; "
+            "start the server with --weight-peer HOST to allow it)",
+            "master_addr",
+            status=403,
+        )
     device = request.app[ENGINE_KEY].engine.device
     if spec.backend == "nccl" and device.type != "cuda":
-        raise RequestError(f"'backend' nccl needs the engine on CUDA; this engine runs on {device}: use gloo",
-                           "backend")
+        raise RequestError(
+            f"'backend' nccl needs the engine on CUDA; this engine runs on {device}: use gloo", "backend"
+        )
     state = request.app[DIST_KEY]
     if state["busy"]:
         raise RequestError("a weight-update group join or update is in progress", status=409)
@@ -377,16 +407,29 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
             await asyncio.wait_for(asyncio.to_thread(group.join), spec.timeout_s)
         except Exception as e:
             group.close()
-            reason = f"not every rank joined within timeout_s={spec.timeout_s:g}" \
-                if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-            raise RequestError(f"could not join the weight-update group at {spec.master_addr}:"
-                               f"{spec.master_port} as rank {spec.rank}/{spec.world_size}: {reason}", "master_addr",
-                               status=503) from e
+            reason = (
+                f"not every rank joined within timeout_s={spec.timeout_s:g}"
+                if isinstance(e, asyncio.TimeoutError)
+                else f"{type(e).__name__}: {e}"
+            )
+            raise RequestError(
+                f"could not join the weight-update group at {spec.master_addr}:"
+                f"{spec.master_port} as rank {spec.rank}/{spec.world_size}: {reason}",
+                "master_addr",
+                status=503,
+            ) from e
         state["group"] = group
     finally:
         state["busy"] = False
-    return web.json_response({"status": "joined", "rank": spec.rank, "world_size": spec.world_size,
-                              "backend": spec.backend, "join_s": time.perf_counter() - t0})
+    return web.json_response(
+        {
+            "status": "joined",
+            "rank": spec.rank,
+            "world_size": spec.world_size,
+            "backend": spec.backend,
+            "join_s": time.perf_counter() - t0,
+        }
+    )
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -406,23 +449,26 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         try:
             go = await asyncio.to_thread(group.accept_and_wait_go, plan.update_id)
         except Exception as e:
-            raise RequestError(f"lost the trainer before the transfer started (old weights kept): {e}",
-                               status=503) from e
+            raise RequestError(
+                f"lost the trainer before the transfer started (old weights kept): {e}", status=503
+            ) from e
         if not go:
-            raise RequestError("the trainer aborted this update (another server refused it); old weights kept",
-                               status=409)
+            raise RequestError(
+                "the trainer aborted this update (another server refused it); old weights kept", status=409
+            )
         t0, stats = time.perf_counter(), {}
         loader = group.make_loader(plan, runner.targets, stats)
         try:
-            await engine.update_weights_streamed(loader, plan.weight_version,
-                                                 wait_for_inflight=plan.wait_for_inflight)
+            await engine.update_weights_streamed(loader, plan.weight_version, wait_for_inflight=plan.wait_for_inflight)
         except PartialWeightUpdateError as e:
-            return _json_error(500, f"weight update failed half-way; weights are a mix, weight_version is "
-                                    f"{engine.weight_version}: {e}", "internal_error")
+            return _json_error(
+                500,
+                f"weight update failed half-way; weights are a mix, weight_version is {engine.weight_version}: {e}",
+                "internal_error",
+            )
     finally:
         state["busy"] = False
-    return web.json_response({"weight_version": engine.weight_version, "load_s": time.perf_counter() - t0,
-                              **stats})
+    return web.json_response({"weight_version": engine.weight_version, "load_s": time.perf_counter() - t0, **stats})
 
 
 async def pause(request: web.Request) -> web.Response:
@@ -435,9 +481,15 @@ async def resume(request: web.Request) -> web.Response:
     return web.json_response({"status": "running"})
 
 
-def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-               manage_engine: bool = True, weight_dirs: Optional[list[str]] = None,
-               weight_peers: Optional[list[str]] = None) -> web.Application:
+def create_app(
+    engine: Any,
+    *,
+    served_model_name: Optional[str] = None,
+    api_key: Optional[str] = None,
+    manage_engine: bool = True,
+    weight_dirs: Optional[list[str]] = None,
+    weight_peers: Optional[list[str]] = None,
+) -> web.Application:
     """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
 
     Serve it with ``handler_cancellation=True`` (``web.AppRunner`` / ``web.run_app``, as serve.py
@@ -454,28 +506,42 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
     name = served_model_name or engine.model_name
     model_arg = getattr(getattr(engine, "config", None), "model", engine.model_name)  # the --model value
     aliases = tuple(dict.fromkeys([name, engine.model_name, model_arg]))
-    dirs = weight_dirs if weight_dirs else [tempfile.gettempdir(), *map(str, shm_roots()), os.getcwd(),
-                                            *([model_arg] if isinstance(model_arg, str) and os.path.isdir(model_arg)
-                                              else [])]
-    app[SETTINGS_KEY] = {"api_key": api_key, "served_names": aliases, "started": int(time.time()),
-                         "weight_dirs": [Path(d).resolve() for d in dirs],
-                         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
-                         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")}
+    dirs = (
+        weight_dirs
+        if weight_dirs
+        else [
+            tempfile.gettempdir(),
+            *map(str, shm_roots()),
+            os.getcwd(),
+            *([model_arg] if isinstance(model_arg, str) and os.path.isdir(model_arg) else []),
+        ]
+    )
+    app[SETTINGS_KEY] = {
+        "api_key": api_key,
+        "served_names": aliases,
+        "started": int(time.time()),
+        "weight_dirs": [Path(d).resolve() for d in dirs],
+        "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
+        "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
+    }
     app[DIST_KEY] = {"group": None, "busy": False}
-    app.add_routes([
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat_completions),
-        web.get("/v1/models", models),
-        web.get("/health", health),
-        web.get("/weight_version", weight_version),
-        web.get("/stats", stats),
-        web.post("/update_weights_from_disk", update_weights_from_disk),
-        web.post("/update_weights_from_shm", update_weights_from_shm),
-        web.post("/init_weight_update_group", init_weight_update_group),
-        web.post("/update_weights_from_distributed", update_weights_from_distributed),
-        web.post("/pause", pause),
-        web.post("/resume", resume),
-    ])
+    app.add_routes(
+        [
+            web.post("/v1/completions", completions),
+            web.post("/v1/chat/completions", chat_completions),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/weight_version", weight_version),
+            web.get("/stats", stats),
+            web.post("/update_weights_from_disk", update_weights_from_disk),
+            web.post("/update_weights_from_shm", update_weights_from_shm),
+            web.post("/init_weight_update_group", init_weight_update_group),
+            web.post("/update_weights_from_distributed", update_weights_from_distributed),
+            web.post("/pause", pause),
+            web.post("/resume", resume),
+        ]
+    )
+
     async def _close_group(_app: web.Application) -> None:
         if _app[DIST_KEY]["group"] is not None:
             _app[DIST_KEY]["group"].close()
@@ -484,8 +550,10 @@ def create_app(engine: Any, *, served_model_name: Optional[str] = None, api_key:
 
     async def _close_tokenizer_thread(app: web.Application) -> None:
         app[SETTINGS_KEY]["tokenize_pool"].shutdown(wait=False, cancel_futures=True)
+
     app.on_cleanup.append(_close_tokenizer_thread)
     if manage_engine:
+
         async def _start(_app: web.Application) -> None:
             await engine.start()
 

@@ -55,9 +55,17 @@ class ServerProcess:
     engine = "server"
     health_path = "/health"
 
-    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, log_file: Optional[str] = None,
-                 base_url: Optional[str] = None, watchdog_interval_s: float = 1.0, stop_grace_s: float = 15.0,
-                 extra_args: Iterable[str] = ()):
+    def __init__(
+        self,
+        model: str,
+        cfg: Optional[DeployConfig] = None,
+        *,
+        log_file: Optional[str] = None,
+        base_url: Optional[str] = None,
+        watchdog_interval_s: float = 1.0,
+        stop_grace_s: float = 15.0,
+        extra_args: Iterable[str] = (),
+    ):
         self.model = str(model)
         self.cfg = cfg or DeployConfig()
         url = base_url if base_url is not None else self.cfg.base_url
@@ -69,8 +77,11 @@ class ServerProcess:
         self.watchdog_interval_s = watchdog_interval_s
         self.stop_grace_s = stop_grace_s
         self.extra_args = list(extra_args)
-        self.log_path = Path(log_file or self.cfg.log_file or
-                             Path(tempfile.gettempdir()) / f"{self.engine}-{os.getpid()}-{id(self):x}.log")
+        self.log_path = Path(
+            log_file
+            or self.cfg.log_file
+            or Path(tempfile.gettempdir()) / f"{self.engine}-{os.getpid()}-{id(self):x}.log"
+        )
         self.host = self.cfg.host
         self.port = self.cfg.port
         self.restarts: list[dict[str, Any]] = []
@@ -122,8 +133,10 @@ class ServerProcess:
         if self.attached_url:
             status, text = self._http("GET", self.health_path, timeout=10.0)
             if status != 200:
-                raise DeploymentStartError(f"{self.engine} server at {self.attached_url} is not healthy: "
-                                           f"GET {self.health_path} -> {status or 'no answer'}: {text[:500]}")
+                raise DeploymentStartError(
+                    f"{self.engine} server at {self.attached_url} is not healthy: "
+                    f"GET {self.health_path} -> {status or 'no answer'}: {text[:500]}"
+                )
             return self
         with self._lock:
             if self.is_alive():
@@ -166,8 +179,9 @@ class ServerProcess:
         if self.attached_url:
             if self.is_alive():
                 return False
-            raise DeploymentStartError(f"the {self.engine} server at {self.attached_url} is not answering "
-                                       "(attached: not restarted by us)")
+            raise DeploymentStartError(
+                f"the {self.engine} server at {self.attached_url} is not answering (attached: not restarted by us)"
+            )
         with self._lock:
             if self._stopping.is_set():
                 raise DeploymentStartError("the deployment was stopped")
@@ -197,8 +211,9 @@ class ServerProcess:
         return False
 
     # ------------------------------------------------------------ weights
-    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
-                     wait_for_inflight: bool = True) -> dict:
+    def load_weights(
+        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+    ) -> dict:
         """Load ``<folder>/model.safetensors`` into the running server as ``weight_version`` (blocking).
 
         ``mode`` says where the folder lives (``shm``: this host's /dev/shm; ``disk``: a folder the
@@ -210,25 +225,41 @@ class ServerProcess:
         """Record the weights now live, to load them again after a restart."""
         self.latest_weights = {"folder": str(folder), "weight_version": int(weight_version), "mode": mode}
 
-    async def push_weights(self, named_weights: Iterable[tuple[str, Any]], weight_version: int, *,
-                           mode: Optional[str] = None, directory: Optional[str] = None,
-                           wait_for_inflight: bool = True) -> dict:
+    async def push_weights(
+        self,
+        named_weights: Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        mode: Optional[str] = None,
+        directory: Optional[str] = None,
+        wait_for_inflight: bool = True,
+    ) -> dict:
         """Write the weights and load them into this one server (``DeploymentGroup.push`` for replicas)."""
         mode = mode or ("disk" if self.cfg.weight_sync == "disk" else "shm")
-        if self._own_weights is None or self._own_weights.mode != mode or (
-                directory and self._own_weights.folder != Path(directory).resolve()):
+        if (
+            self._own_weights is None
+            or self._own_weights.mode != mode
+            or (directory and self._own_weights.folder != Path(directory).resolve())
+        ):
             if self._own_weights is not None:
                 self._own_weights.remove()
             self._own_weights = WeightFolder(mode, directory)
         write = await self._own_weights.write_async(named_weights)
         t0 = time.perf_counter()
         folder = str(self._own_weights.folder)
-        out = await asyncio.to_thread(self.load_weights, folder, weight_version, mode=mode,
-                                      wait_for_inflight=wait_for_inflight)
+        out = await asyncio.to_thread(
+            self.load_weights, folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight
+        )
         self.note_weights(folder, weight_version, mode)
         load_s = time.perf_counter() - t0
-        return {**out, "path": str(self._own_weights.file), "bytes": write["bytes"], "write_s": write["write_s"],
-                "load_s": load_s, "total_s": write["write_s"] + load_s}
+        return {
+            **out,
+            "path": str(self._own_weights.file),
+            "bytes": write["bytes"],
+            "write_s": write["write_s"],
+            "load_s": load_s,
+            "total_s": write["write_s"] + load_s,
+        }
 
     # ------------------------------------------------------------ internals
     def _command(self) -> list[str]:
@@ -244,14 +275,23 @@ class ServerProcess:
         cmd = self._command()
         self._log_fh.write(f"=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
         t0 = time.monotonic()
-        self._proc = subprocess.Popen(cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=self._env(), start_new_session=True, cwd=str(self.log_path.parent))
+        self._proc = subprocess.Popen(
+            cmd,
+            stdout=self._log_fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._env(),
+            start_new_session=True,
+            cwd=str(self.log_path.parent),
+        )
         deadline = t0 + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             code = self._proc.poll()
             if code is not None:
-                raise DeploymentStartError(f"{self.engine} server exited with code {code} during startup; "
-                                           f"log {self.log_path}:\n{self.log_tail()}")
+                raise DeploymentStartError(
+                    f"{self.engine} server exited with code {code} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             if self._http("GET", self.health_path, timeout=2.0)[0] == 200:
                 self.startup_s = time.monotonic() - t0
                 log.info("%s server ready at %s after %.1f s", self.engine, self.base_url, self.startup_s)
@@ -260,13 +300,15 @@ class ServerProcess:
                 raise DeploymentStartError(f"the {self.engine} server was stopped during startup")
             time.sleep(HEALTH_POLL_S)
         self._terminate()
-        raise DeploymentStartError(f"{self.engine} server not healthy after {self.cfg.startup_timeout_s} s; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+        raise DeploymentStartError(
+            f"{self.engine} server not healthy after {self.cfg.startup_timeout_s} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
 
-    def _http(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0,
-              params: Optional[dict] = None) -> tuple[int, str]:
-        return control_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout,
-                               params=params)
+    def _http(
+        self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0, params: Optional[dict] = None
+    ) -> tuple[int, str]:
+        return control_request(method, self.base_url + path, body, api_key=self.api_key, timeout=timeout, params=params)
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None
@@ -285,14 +327,17 @@ class ServerProcess:
         if self._failed:
             raise DeploymentStartError(self._failed)
         if len(self.restarts) >= self.cfg.max_restarts:
-            self._failed = (f"{self.engine} server died and max_restarts={self.cfg.max_restarts} is spent; "
-                            f"log {self.log_path}:\n{self.log_tail()}")
+            self._failed = (
+                f"{self.engine} server died and max_restarts={self.cfg.max_restarts} is spent; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
             raise DeploymentStartError(self._failed)
         code = self._proc.poll() if self._proc else None
         entry: dict[str, Any] = {"time": time.time(), "exit_code": code, "ok": False, "error": None}
         self.restarts.append(entry)
-        log.warning("%s server died (exit code %s); restart %d/%d", self.engine, code, len(self.restarts),
-                    self.cfg.max_restarts)
+        log.warning(
+            "%s server died (exit code %s); restart %d/%d", self.engine, code, len(self.restarts), self.cfg.max_restarts
+        )
         try:
             self._proc = None
             self._spawn_and_wait()
@@ -301,8 +346,10 @@ class ServerProcess:
                 try:
                     self.load_weights(w["folder"], w["weight_version"], mode=w["mode"])
                 except Exception as e:  # noqa: BLE001 - reported as a failed restart
-                    raise DeploymentStartError(f"restarted {self.engine} server refused the latest weights "
-                                               f"(v{w['weight_version']}, {w['folder']}): {e}") from e
+                    raise DeploymentStartError(
+                        f"restarted {self.engine} server refused the latest weights "
+                        f"(v{w['weight_version']}, {w['folder']}): {e}"
+                    ) from e
             entry["ok"] = True
         except DeploymentStartError as e:
             entry["error"] = str(e)[:2000]

@@ -48,11 +48,21 @@ log = logging.getLogger(__name__)
 
 # OpenAI-style sampling names -> SGLang ``sampling_params`` names (the rest are refused by name).
 SAMPLING_NAMES = {
-    "max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
-    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
+    "max_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "skip_special_tokens": "skip_special_tokens",
 }
 IGNORED_NAMES = ("logprobs", "return_token_ids", "model", "n")
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -96,28 +106,32 @@ def _version(meta: dict, sent_under: int) -> int:
         return sent_under
 
 
-def parse_generate_item(prompt_ids: Sequence[int], item: dict, *, sent_under: int = 0,
-                        url: str = "") -> Completion:
+def parse_generate_item(prompt_ids: Sequence[int], item: dict, *, sent_under: int = 0, url: str = "") -> Completion:
     """One ``/generate`` answer as a ``Completion`` (errors name what is missing)."""
     if not isinstance(item, dict) or "meta_info" not in item:
         raise DeploymentRequestError(f"SGLang /generate answer has no meta_info: {str(item)[:300]}", url=url)
     meta = item["meta_info"]
     lps = meta.get("output_token_logprobs")
     if lps is None:
-        raise DeploymentRequestError("SGLang returned no meta_info.output_token_logprobs (needs return_logprob)",
-                                     url=url)
+        raise DeploymentRequestError(
+            "SGLang returned no meta_info.output_token_logprobs (needs return_logprob)", url=url
+        )
     tokens = [int(x[1]) for x in lps]
-    if item.get("output_ids") is not None and list(item["output_ids"])[-len(tokens):] != tokens and tokens:
+    if item.get("output_ids") is not None and list(item["output_ids"])[-len(tokens) :] != tokens and tokens:
         raise DeploymentRequestError("SGLang output_ids disagree with output_token_logprobs ids", url=url)
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     if kind not in FINISH_REASONS:
-        raise DeploymentRequestError(f"SGLang finish_reason {finish!r} is not one of {tuple(FINISH_REASONS)}",
-                                     url=url)
-    return Completion(full_tokens=list(prompt_ids) + tokens, prompt_len=len(prompt_ids),
-                      inference_logprobs=[float(x[0]) for x in lps], finish_reason=FINISH_REASONS[kind],
-                      text=item.get("text", ""), weight_version=_version(meta, sent_under),
-                      cached_tokens=int(meta.get("cached_tokens") or 0))
+        raise DeploymentRequestError(f"SGLang finish_reason {finish!r} is not one of {tuple(FINISH_REASONS)}", url=url)
+    return Completion(
+        full_tokens=list(prompt_ids) + tokens,
+        prompt_len=len(prompt_ids),
+        inference_logprobs=[float(x[0]) for x in lps],
+        finish_reason=FINISH_REASONS[kind],
+        text=item.get("text", ""),
+        weight_version=_version(meta, sent_under),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
 
 
 class SGLangSampler(DeploymentSampler):
@@ -133,8 +147,9 @@ class SGLangSampler(DeploymentSampler):
         s.tokenizer = self.tokenizer
         return s
 
-    async def sample_with_prompt_tokens(self, prompt_ids: list[int], n: int = 1, *,
-                                        session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+    async def sample_with_prompt_tokens(
+        self, prompt_ids: list[int], n: int = 1, *, session_id: Optional[str] = None, **sampling: Any
+    ) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt via ``/generate``."""
         body = build_generate_request(prompt_ids, n, {**self.sampling_defaults, **sampling})
         sent_under = self._client.noted_weight_version
@@ -144,14 +159,24 @@ class SGLangSampler(DeploymentSampler):
             raise DeploymentRequestError(f"SGLang returned {len(items)} answers for {n} samples", url=self.base_url)
         return [parse_generate_item(prompt_ids, it, sent_under=sent_under, url=self.base_url) for it in items]
 
-    async def chat(self, messages: list[dict], n: int = 1, *, tools: Optional[list[dict]] = None,
-                   session_id: Optional[str] = None, **sampling: Any) -> list[Completion]:
+    async def chat(
+        self,
+        messages: list[dict],
+        n: int = 1,
+        *,
+        tools: Optional[list[dict]] = None,
+        session_id: Optional[str] = None,
+        **sampling: Any,
+    ) -> list[Completion]:
         """Render ``messages`` with the chat template (needs ``tokenizer``) and sample from the ids."""
         if self.tokenizer is None:
-            raise ValueError("tokenizer: SGLangSampler.chat renders the chat template locally; "
-                             "pass tokenizer= (the model's tokenizer)")
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
+            raise ValueError(
+                "tokenizer: SGLangSampler.chat renders the chat template locally; "
+                "pass tokenizer= (the model's tokenizer)"
+            )
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         result = await self.sample_with_prompt_tokens(list(prompt), n, session_id=session_id, **sampling)
         for c in result:
             content, calls = parse_tool_calls(c.text) if tools else (c.text, [])
@@ -163,22 +188,37 @@ class SGLangSampler(DeploymentSampler):
 
     async def weight_version(self) -> int:
         """The version served now (``GET /get_weight_version``; the noted one if SGLang has no int)."""
-        versions = await asyncio.gather(*(self.request("GET", "/get_weight_version", base_url=u)
-                                          for u in self.base_urls))
+        versions = await asyncio.gather(
+            *(self.request("GET", "/get_weight_version", base_url=u) for u in self.base_urls)
+        )
         return min(_version(v, self._client.noted_weight_version) for v in versions)
 
 
-def distributed_init_body(master_address: str, master_port: int, world_size: int, *, rank_offset: int = 1,
-                          group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+def distributed_init_body(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    rank_offset: int = 1,
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+) -> dict:
     """``POST /init_weights_update_group`` body: the trainer is rank 0, the server's GPUs follow."""
     if world_size < 2:
         raise ValueError(f"world_size: the trainer plus at least one server rank, got {world_size}")
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
-def distributed_update_body(named_tensors: Iterable[tuple[str, Any]], weight_version: int, *,
-                            group_name: str = "weight_update_group") -> dict:
+def distributed_update_body(
+    named_tensors: Iterable[tuple[str, Any]], weight_version: int, *, group_name: str = "weight_update_group"
+) -> dict:
     """``POST /update_weights_from_distributed`` body; the trainer then broadcasts each tensor in order."""
     names, dtypes, shapes = [], [], []
     for name, t in named_tensors:
@@ -187,8 +227,14 @@ def distributed_update_body(named_tensors: Iterable[tuple[str, Any]], weight_ver
         shapes.append(list(t.shape))
     if not names:
         raise ValueError("named_tensors: no tensors given")
-    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": True, "weight_version": str(int(weight_version))}
+    return {
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "group_name": group_name,
+        "flush_cache": True,
+        "weight_version": str(int(weight_version)),
+    }
 
 
 class SGLangDeployment(ServerProcess):
@@ -196,16 +242,29 @@ class SGLangDeployment(ServerProcess):
 
     engine = "sglang"
 
-    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, extra_args: Iterable[str] = (),
-                 **kwargs: Any):
+    def __init__(
+        self, model: str, cfg: Optional[DeployConfig] = None, *, extra_args: Iterable[str] = (), **kwargs: Any
+    ):
         super().__init__(model, cfg, extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args], **kwargs)
         self.python = self.cfg.engine_python or sys.executable
         self.last_sync: dict[str, float] = {}
 
     def _command(self) -> list[str]:
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
-               "--port", str(self.port), "--context-length", str(self.cfg.engine_config.max_model_len),
-               "--max-running-requests", str(self.cfg.engine_config.max_batch_size)]
+        cmd = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--context-length",
+            str(self.cfg.engine_config.max_model_len),
+            "--max-running-requests",
+            str(self.cfg.engine_config.max_batch_size),
+        ]
         if self.cfg.engine_config.dtype != "auto":
             cmd += ["--dtype", self.cfg.engine_config.dtype]
         if self.api_key:
@@ -223,8 +282,9 @@ class SGLangDeployment(ServerProcess):
             if (src / name).is_file() and not (folder / name).exists():
                 shutil.copy2(src / name, folder / name)
 
-    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
-                     wait_for_inflight: bool = True) -> dict:
+    def load_weights(
+        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+    ) -> dict:
         """Copy the model's config next to the weights and ``POST /update_weights_from_disk``.
 
         Returns ``{"reload_s"}``; raises ``WeightSyncError`` when SGLang answers ``success: false``
@@ -240,8 +300,9 @@ class SGLangDeployment(ServerProcess):
             if not wait_for_inflight:
                 self._post("/continue_generation", {})
         if not isinstance(out, dict) or not out.get("success", False):
-            raise WeightSyncError(f"{self.base_url}/update_weights_from_disk refused v{weight_version} from "
-                                  f"{folder}: {str(out)[:2000]}")
+            raise WeightSyncError(
+                f"{self.base_url}/update_weights_from_disk refused v{weight_version} from {folder}: {str(out)[:2000]}"
+            )
         self.last_sync = {"reload_s": time.perf_counter() - t0}
         return dict(self.last_sync)
 

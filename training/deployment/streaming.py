@@ -35,8 +35,13 @@ from typing import Any, Optional
 from training.deployment.engine.config import GenerationDelta, GenerationResult
 from training.deployment.protocol import ParsedRequest
 from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
-from training.deployment.responses import (chat_finish_reason, chat_logprobs, completion_logprobs,
-                                           response_version, usage)
+from training.deployment.responses import (
+    chat_finish_reason,
+    chat_logprobs,
+    completion_logprobs,
+    response_version,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,26 +82,28 @@ class IncrementalText:
         """The text these tokens make safe to send."""
         self.ids += token_ids
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        before = decode(self.ids[self.prefix_offset:self.read_offset])
-        now = decode(self.ids[self.prefix_offset:])
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        now = decode(self.ids[self.prefix_offset :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.decoded += now[len(before):]
+            self.decoded += now[len(before) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         end = len(self.decoded)
         for s in self.stop:
             full = self.decoded.find(s, max(0, self.sent - len(s) + 1))
             end = min(end, full if full >= 0 else end, len(self.decoded) - _partial_suffix(self.decoded, s))
-        piece = self.decoded[self.sent:end] if end > self.sent else ""
+        piece = self.decoded[self.sent : end] if end > self.sent else ""
         self.sent += len(piece)
         return piece
 
     def finish(self, final_text: str) -> str:
         """The rest of the finished ``text`` (what was sent is always a prefix of it, but see below)."""
-        sent = self.decoded[:self.sent]
+        sent = self.decoded[: self.sent]
         if final_text.startswith(sent):
-            return final_text[len(sent):]
-        log.warning("streamed text diverged from the final text (tokenizer decode is not prefix-stable); "
-                    "the rest of the text is not streamed, the token ids are exact")
+            return final_text[len(sent) :]
+        log.warning(
+            "streamed text diverged from the final text (tokenizer decode is not prefix-stable); "
+            "the rest of the text is not streamed, the token ids are exact"
+        )
         return ""
 
 
@@ -138,22 +145,22 @@ class ToolCallStream:
                 i = self.buf.find(TOOL_OPEN)
                 if i < 0:
                     keep = 0 if final else _partial_suffix(self.buf, TOOL_OPEN)
-                    self._content(self.buf[:len(self.buf) - keep], out)
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    self._content(self.buf[: len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep :]
                     return out
                 self._content(self.buf[:i], out)
-                self.buf, self.in_call = self.buf[i + len(TOOL_OPEN):], True
+                self.buf, self.in_call = self.buf[i + len(TOOL_OPEN) :], True
             i = self.buf.find(TOOL_CLOSE)
             if i < 0 and not final:
                 return out
             body = self.buf if i < 0 else self.buf[:i]
-            self.buf, self.in_call = ("" if i < 0 else self.buf[i + len(TOOL_CLOSE):]), False
+            self.buf, self.in_call = ("" if i < 0 else self.buf[i + len(TOOL_CLOSE) :]), False
             self._call(body, closed=i >= 0, out=out)
 
     def _content(self, text: str, out: list[dict]) -> None:
         text = self.pending_ws + text
         body = text.rstrip()
-        self.pending_ws = text[len(body):]
+        self.pending_ws = text[len(body) :]
         if not self.sent_content and self.num_calls:
             body = body.lstrip()
         if body:
@@ -169,8 +176,18 @@ class ToolCallStream:
         call = to_openai_tool_calls(parsed.calls)[0]
         index = self.num_calls
         self.num_calls += 1
-        out.append({"tool_calls": [{"index": index, "id": f"{self.id_prefix}{index}", "type": "function",
-                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        out.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": f"{self.id_prefix}{index}",
+                        "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""},
+                    }
+                ]
+            }
+        )
         out.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
 
 
@@ -189,8 +206,17 @@ class ChoiceStream:
         """Chat: the role chunk every choice starts with."""
         if not self.chat:
             return []
-        return [self._tokens_info({"index": self.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}, GenerationDelta([], [], None))]
+        return [
+            self._tokens_info(
+                {
+                    "index": self.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                GenerationDelta([], [], None),
+            )
+        ]
 
     def update(self, delta: GenerationDelta) -> list[dict]:
         """The choice entries (one per chunk) this delta produces."""
@@ -200,8 +226,10 @@ class ChoiceStream:
         if not self.chat:
             if not (piece or wants_tokens or res):
                 return []
-            entry = self._tokens_info({"index": self.index, "text": piece, "logprobs": None,
-                                       "finish_reason": None, "stop_reason": None}, delta)
+            entry = self._tokens_info(
+                {"index": self.index, "text": piece, "logprobs": None, "finish_reason": None, "stop_reason": None},
+                delta,
+            )
             return [self._finished(entry, res, res.finish_reason) if res is not None else entry]
         if self.tools is not None:
             deltas = self.tools.feed(piece) + (self.tools.finish() if res is not None else [])
@@ -227,11 +255,13 @@ class ChoiceStream:
         self.first = False
         if req.logprobs is not None and delta.token_ids:
             if self.chat:
-                entry["logprobs"] = chat_logprobs(self.tokenizer, req, delta.token_ids, delta.logprobs,
-                                                  delta.top_logprobs)
+                entry["logprobs"] = chat_logprobs(
+                    self.tokenizer, req, delta.token_ids, delta.logprobs, delta.top_logprobs
+                )
             else:
-                entry["logprobs"] = completion_logprobs(self.tokenizer, req, delta.token_ids, delta.logprobs,
-                                                        delta.top_logprobs, self.offset)
+                entry["logprobs"] = completion_logprobs(
+                    self.tokenizer, req, delta.token_ids, delta.logprobs, delta.top_logprobs, self.offset
+                )
                 self.offset += sum(len(s) for s in entry["logprobs"]["tokens"])
         return entry
 
@@ -248,12 +278,19 @@ class ChunkStream:
         self.req, self.chat = req, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.choices = [[ChoiceStream(req, chat, p * req.n + i, prompt, tokenizer) for i in range(req.n)]
-                        for p, prompt in enumerate(req.prompts)]
+        self.choices = [
+            [ChoiceStream(req, chat, p * req.n + i, prompt, tokenizer) for i in range(req.n)]
+            for p, prompt in enumerate(req.prompts)
+        ]
 
     def _chunk(self, choices: list[dict]) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.req.model, "choices": choices}
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+        }
         if self.req.include_usage:
             out["usage"] = None
         return out

@@ -68,11 +68,25 @@ class VLLMDeployment(ServerProcess):
 
     engine = "vllm"
 
-    def __init__(self, model: str, cfg: Optional[DeployConfig] = None, *, log_file: Optional[str] = None,
-                 base_url: Optional[str] = None, stop_grace_s: float = 15.0, extra_args: Iterable[str] = (),
-                 refresh_tied_output: bool = True):
-        super().__init__(model, cfg, log_file=log_file, base_url=base_url, stop_grace_s=stop_grace_s,
-                         extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args])
+    def __init__(
+        self,
+        model: str,
+        cfg: Optional[DeployConfig] = None,
+        *,
+        log_file: Optional[str] = None,
+        base_url: Optional[str] = None,
+        stop_grace_s: float = 15.0,
+        extra_args: Iterable[str] = (),
+        refresh_tied_output: bool = True,
+    ):
+        super().__init__(
+            model,
+            cfg,
+            log_file=log_file,
+            base_url=base_url,
+            stop_grace_s=stop_grace_s,
+            extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args],
+        )
         self.python = self.cfg.engine_python or default_vllm_python()
         self.refresh_tied_output = refresh_tied_output
         """Reload through the worker extension (True) or vLLM's bare ``reload_weights`` (False:
@@ -88,13 +102,30 @@ class VLLMDeployment(ServerProcess):
         return "auto" if torch.cuda.is_available() else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
 
     def _command(self) -> list[str]:
-        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", self.host, "--port", str(self.port), "--dtype", self._dtype(), "--enforce-eager",
-                "--max-model-len", str(self.cfg.engine_config.max_model_len),
-                "--max-num-seqs", str(self.cfg.engine_config.max_batch_size),
-                "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
-                "--worker-extension-cls", WORKER_EXTENSION,
-                *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []), *self.extra_args]
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self._dtype(),
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.cfg.engine_config.max_model_len),
+            "--max-num-seqs",
+            str(self.cfg.engine_config.max_batch_size),
+            "--logprobs-mode",
+            "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []),
+            *self.extra_args,
+        ]
 
     def _env(self) -> dict[str, str]:
         env = super()._env()
@@ -122,8 +153,9 @@ class VLLMDeployment(ServerProcess):
         except ValueError:
             return text
 
-    def load_weights(self, folder: str, weight_version: int, *, mode: str = "shm",
-                     wait_for_inflight: bool = True) -> dict:
+    def load_weights(
+        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+    ) -> dict:
         """Reload ``<folder>/model.safetensors`` in the running server (steps 2-5 of the module doc).
 
         Returns ``{"pause_s", "reload_s", "refreshed"}``; raises ``WeightSyncError`` naming the failed
@@ -135,8 +167,9 @@ class VLLMDeployment(ServerProcess):
         try:
             out = self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}})
             refreshed = out.get("results") if isinstance(out, dict) else out
-            reset = self._post("/reset_prefix_cache",
-                               params={"reset_running_requests": "false" if wait_for_inflight else "true"})
+            reset = self._post(
+                "/reset_prefix_cache", params={"reset_running_requests": "false" if wait_for_inflight else "true"}
+            )
             if isinstance(reset, dict) and reset.get("success") is False:
                 log.warning("vLLM /reset_prefix_cache answered success=false after the reload")
             self._post("/update_weight_version", {"new_version": str(int(weight_version))})

@@ -64,6 +64,8 @@ class WeightReloadExtension:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return {name: float(m.weight.double().sum()) for name, m in model.named_modules()
-                if isinstance(m, VocabParallelEmbedding) and getattr(m, "weight", None) is not None
-                and not m.weight.is_meta}
+        return {
+            name: float(m.weight.double().sum())
+            for name, m in model.named_modules()
+            if isinstance(m, VocabParallelEmbedding) and getattr(m, "weight", None) is not None and not m.weight.is_meta
+        }

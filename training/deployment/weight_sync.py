@@ -86,7 +86,7 @@ def sweep_stale_shm() -> list[Path]:
     removed = []
     for path in shm_dir().glob(f"{SHM_PREFIX}*"):
         try:
-            pid = int(path.name[len(SHM_PREFIX):].split("-")[0])
+            pid = int(path.name[len(SHM_PREFIX) :].split("-")[0])
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "</tools>\n\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    '</tools>\n\nCall a function with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
     "{% elif message.role == 'assistant' %}"
     "<|im_start|>assistant\n{{ message.content or '' }}"
     "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
-    "<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": '
     "{% if tc.function.arguments is string %}{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}{% endif %}"
     "}\n</tool_call>"
     "{% endfor %}{% endif %}"
@@ -67,9 +67,11 @@ def _corpus(seed: int, n: int = 4000) -> list[str]:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice(["+", "-", "*"])
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
-        lines.append(f"{words} {a} {op} {b} = ? The answer is {a}. "
-                     f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}{op}{b}"}}}}</tool_call>'
-                     " <tool_response> </tool_response> <think> </think>")
+        lines.append(
+            f"{words} {a} {op} {b} = ? The answer is {a}. "
+            f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}{op}{b}"}}}}</tool_call>'
+            " <tool_response> </tool_response> <think> </think>"
+        )
     return lines
 
 
@@ -102,16 +104,32 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return fast
 
 
-def build_model_config(vocab_size: int, arch: str = "qwen3", hidden: int = 64, layers: int = 2,
-                       heads: int = 4, kv_heads: int = 2, max_positions: int = 4096, eos_token_id: int = 2,
-                       pad_token_id: int = 0):
+def build_model_config(
+    vocab_size: int,
+    arch: str = "qwen3",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 4096,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+):
     """A small ``transformers`` config of the given architecture."""
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, rope_theta=10000.0, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
         bos_token_id=None,
     )
     if arch == "qwen3":
@@ -121,17 +139,23 @@ def build_model_config(vocab_size: int, arch: str = "qwen3", hidden: int = 64, l
     raise ValueError(f"arch: {arch!r} is not one of ('qwen3', 'llama')")
 
 
-def build_tiny(out: str | os.PathLike, arch: str = "qwen3", hidden: int = 64, layers: int = 2,
-               vocab_size: int = 512, seed: int = 0) -> Path:
+def build_tiny(
+    out: str | os.PathLike, arch: str = "qwen3", hidden: int = 64, layers: int = 2, vocab_size: int = 512, seed: int = 0
+) -> Path:
     """Write a tiny random-init model + tokenizer to ``out`` (atomically) and return the path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
     tokenizer = build_tokenizer(vocab_size, seed)
-    cfg = build_model_config(len(tokenizer), arch, hidden, layers,
-                             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                             pad_token_id=tokenizer.pad_token_id)
+    cfg = build_model_config(
+        len(tokenizer),
+        arch,
+        hidden,
+        layers,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)

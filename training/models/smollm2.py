@@ -71,9 +71,7 @@ def find_gguf() -> Path:
 def _require_conversion_packages() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise SmolLM2Unavailable(
-            f"converting {GGUF_FILE_NAME} needs the packages {missing}: {PIP_INSTALL_EXTRA}"
-        )
+        raise SmolLM2Unavailable(f"converting {GGUF_FILE_NAME} needs the packages {missing}: {PIP_INSTALL_EXTRA}")
 
 
 def default_smollm2_dir() -> Path:
@@ -208,9 +206,11 @@ def folder_size_bytes(folder: str | os.PathLike) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None,
-                   help=f"output folder (default: the cache folder {default_smollm2_dir()}); "
-                        "an existing folder is replaced")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output folder (default: the cache folder {default_smollm2_dir()}); an existing folder is replaced",
+    )
     a = p.parse_args()
     start = time.perf_counter()
     try:

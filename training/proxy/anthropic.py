@@ -78,8 +78,13 @@ def _message(i: int, m: Any) -> list[dict]:
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str):
                 raise AnthropicRequestError(f"{bpath}.name", "must be a string")
-            calls.append({"id": str(block.get("id") or ""), "type": "function",
-                          "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+            calls.append(
+                {
+                    "id": str(block.get("id") or ""),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                }
+            )
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
             result = _text(result, f"{bpath}.content") if result is not None else ""
@@ -123,12 +128,21 @@ def to_chat_request(body: Any) -> dict:
             out[key] = body[key]
     tools = body.get("tools")
     if tools:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                                  for t in tools):
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
+        ):
             raise AnthropicRequestError("tools", "must be a list of objects with a 'name'")
-        out["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}} for t in tools]
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+                },
+            }
+            for t in tools
+        ]
     return out
 
 
@@ -151,14 +165,28 @@ def from_chat_response(reply: dict, model: Optional[str]) -> dict:
         content.append({"type": "text", "text": msg["content"]})
     for c in msg.get("tool_calls") or []:
         fn = c.get("function") or {}
-        content.append({"type": "tool_use", "id": c.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
-                        "name": fn.get("name", ""), "input": _arguments(fn.get("arguments"))})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": c.get("id") or f"toolu_{uuid.uuid4().hex[:20]}",
+                "name": fn.get("name", ""),
+                "input": _arguments(fn.get("arguments")),
+            }
+        )
     usage = reply.get("usage") or {}
-    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
-            "model": model or reply.get("model", ""), "content": content,
-            "stop_reason": STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), "stop_sequence": None,
-            "usage": {"input_tokens": int(usage.get("prompt_tokens", 0)),
-                      "output_tokens": int(usage.get("completion_tokens", 0))}}
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": model or reply.get("model", ""),
+        "content": content,
+        "stop_reason": STOP_REASONS.get(choice.get("finish_reason"), "end_turn"),
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": int(usage.get("prompt_tokens", 0)),
+            "output_tokens": int(usage.get("completion_tokens", 0)),
+        },
+    }
 
 
 def stream_events(message: dict) -> list[tuple[str, dict]]:
@@ -171,11 +199,20 @@ def stream_events(message: dict) -> list[tuple[str, dict]]:
         else:
             first = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        events += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": first}),
-                   ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
-                   ("content_block_stop", {"type": "content_block_stop", "index": i})]
-    events += [("message_delta", {"type": "message_delta",
-                                  "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                                  "usage": {"output_tokens": message["usage"]["output_tokens"]}}),
-               ("message_stop", {"type": "message_stop"})]
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": i, "content_block": first}),
+            ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
+            ("content_block_stop", {"type": "content_block_stop", "index": i}),
+        ]
+    events += [
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                "usage": {"output_tokens": message["usage"]["output_tokens"]},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
     return events

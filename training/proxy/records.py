@@ -19,6 +19,7 @@ from training.utils.rl.rollout.turn_matching import APPEND, NEW, WIPE, TurnLabel
 
 __all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
 
+
 @dataclass
 class CallRecord:
     """One model call as the upstream served it: exact token ids, never re-tokenized text."""
@@ -64,16 +65,25 @@ class CallRecord:
 
     def summary(self) -> dict[str, Any]:
         """JSON-able facts for logs and ``RolloutRun.metadata`` (no token lists)."""
-        return {"index": self.index, "agent": self.agent, "endpoint": self.endpoint,
-                "label": self.label.kind if self.label else None, "reason": self.label.reason if self.label else None,
-                "chain": self.label.chain if self.label else None,
-                "token_prefix": self.label.token_prefix if self.label else None,
-                "parent": self.label.parent if self.label else None,
-                "token_drift": self.label.token_drift if self.label else False,
-                "prompt_tokens": len(self.prompt_ids), "output_tokens": len(self.output_ids),
-                "finish_reason": self.finish_reason, "weight_version": self.weight_version,
-                "upstream": self.upstream, "cached_tokens": self.cached_tokens,
-                "max_tokens_clamped": self.max_tokens_clamped, "posted_rewards": list(self.posted_rewards)}
+        return {
+            "index": self.index,
+            "agent": self.agent,
+            "endpoint": self.endpoint,
+            "label": self.label.kind if self.label else None,
+            "reason": self.label.reason if self.label else None,
+            "chain": self.label.chain if self.label else None,
+            "token_prefix": self.label.token_prefix if self.label else None,
+            "parent": self.label.parent if self.label else None,
+            "token_drift": self.label.token_drift if self.label else False,
+            "prompt_tokens": len(self.prompt_ids),
+            "output_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "weight_version": self.weight_version,
+            "upstream": self.upstream,
+            "cached_tokens": self.cached_tokens,
+            "max_tokens_clamped": self.max_tokens_clamped,
+            "posted_rewards": list(self.posted_rewards),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,15 +135,23 @@ def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: s
     if len(logprobs) != len(output_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
     usage = reply.get("usage") or {}
-    return CallRecord(index=-1, endpoint=endpoint, agent=agent, prompt_ids=list(prompt_ids),
-                      output_ids=output_ids, output_logprobs=logprobs,
-                      finish_reason=str(choice.get("finish_reason")),
-                      weight_version=int(choice.get("weight_version", reply.get("weight_version", -1))),
-                      upstream=url, messages=copy.deepcopy(body.get("messages")) if endpoint == "chat" else None,
-                      tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
-                      response_message=response_message,
-                      cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                      max_tokens_clamped=clamped, token_weight_versions=_token_versions(choice, len(output_ids)))
+    return CallRecord(
+        index=-1,
+        endpoint=endpoint,
+        agent=agent,
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=str(choice.get("finish_reason")),
+        weight_version=int(choice.get("weight_version", reply.get("weight_version", -1))),
+        upstream=url,
+        messages=copy.deepcopy(body.get("messages")) if endpoint == "chat" else None,
+        tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
+        response_message=response_message,
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        max_tokens_clamped=clamped,
+        token_weight_versions=_token_versions(choice, len(output_ids)),
+    )
 
 
 def _token_versions(choice: dict, n: int) -> Optional[list[int]]:

@@ -72,17 +72,31 @@ class AgentEndpoint:
     @property
     def anthropic_base_url(self) -> str:
         """The session URL for the ``anthropic`` SDK, which appends ``/v1/messages`` itself."""
-        return self.base_url[:-len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        return self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
 
 
 class ProxyRolloutFn:
     """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy."""
 
-    def __init__(self, setup: RolloutSetup, agent_fn: Callable, reward_fn: Callable, *, mode: str,
-                 credit_fn: Optional[CreditFn], agents: Optional[set[str]], strategy: str, on_drift: str,
-                 upstream_urls: Optional[list[str]], max_seq_len: Optional[int], model_name: str,
-                 agent_threads: int, proxy_kwargs: dict[str, Any], template_check: str = "warn",
-                 chat_template_kwargs: Optional[dict] = None):
+    def __init__(
+        self,
+        setup: RolloutSetup,
+        agent_fn: Callable,
+        reward_fn: Callable,
+        *,
+        mode: str,
+        credit_fn: Optional[CreditFn],
+        agents: Optional[set[str]],
+        strategy: str,
+        on_drift: str,
+        upstream_urls: Optional[list[str]],
+        max_seq_len: Optional[int],
+        model_name: str,
+        agent_threads: int,
+        proxy_kwargs: dict[str, Any],
+        template_check: str = "warn",
+        chat_template_kwargs: Optional[dict] = None,
+    ):
         self.agent_fn, self.reward_fn = agent_fn, reward_fn
         self.mode, self.credit_fn, self.agents, self.on_drift = mode, credit_fn, agents, on_drift
         self.max_seq_len = max_seq_len if max_seq_len is not None else setup.max_seq_len
@@ -90,8 +104,12 @@ class ProxyRolloutFn:
         sampler = setup.sampler
         urls = upstream_urls or list(getattr(sampler, "base_urls", [sampler.base_url]))
         forced = {k: setup.sampling_kwargs[k] for k in ("temperature", "top_p") if k in setup.sampling_kwargs}
-        kw = dict(upstream_api_key=getattr(sampler, "api_key", None), strategy=strategy, forced_params=forced,
-                  default_max_tokens=setup.sampling_kwargs.get("max_tokens"))
+        kw = dict(
+            upstream_api_key=getattr(sampler, "api_key", None),
+            strategy=strategy,
+            forced_params=forced,
+            default_max_tokens=setup.sampling_kwargs.get("max_tokens"),
+        )
         kw.update(proxy_kwargs)
         self._make_proxy = lambda: ProxyServer(urls, **kw)
         self.proxy: Optional[ProxyServer] = None
@@ -101,8 +119,9 @@ class ProxyRolloutFn:
         self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
         self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
         setup.weight_sync_hooks.append((self.before_weight_sync, self.after_weight_sync))
-        self.template_checks = run_template_check(setup.tokenizer, template_check, where="make_proxy_rollout_fn",
-                                                  **(chat_template_kwargs or {}))
+        self.template_checks = run_template_check(
+            setup.tokenizer, template_check, where="make_proxy_rollout_fn", **(chat_template_kwargs or {})
+        )
         """The template check's result for the policy's tokenizer (before the first rollout)."""
 
     async def before_weight_sync(self) -> None:
@@ -154,16 +173,20 @@ class ProxyRolloutFn:
         proxy = await self.ensure_started()
         sid = f"ep-{uuid.uuid4().hex}"
         proxy.open_session(sid)
-        endpoint = AgentEndpoint(base_url=proxy.session_url(sid), api_key=proxy.api_key or "none",
-                                 model=self.model_name, session_id=sid, headers={SESSION_HEADER: sid})
+        endpoint = AgentEndpoint(
+            base_url=proxy.session_url(sid),
+            api_key=proxy.api_key or "none",
+            model=self.model_name,
+            session_id=sid,
+            headers={SESSION_HEADER: sid},
+        )
         try:
             result = await self._run_agent(row, endpoint)
         except Exception as e:
             session = proxy.close_session(sid)
             if session.upstream_errors:
                 raise UpstreamFailedError(session.upstream_errors[-1]) from e
-            raise AgentFailedError(f"agent raised {type(e).__name__}: {e}",
-                                   cause=f"agent_{type(e).__name__}") from e
+            raise AgentFailedError(f"agent raised {type(e).__name__}: {e}", cause=f"agent_{type(e).__name__}") from e
         except BaseException:  # cancelled (rollout timeout): later calls of a straggling agent get 410
             proxy.close_session(sid)
             raise
@@ -178,11 +201,13 @@ class ProxyRolloutFn:
         ``return_weights`` g (``transitions.credit_parts``; formula in ``utils/rl/advantages.py``).
         """
         if session.upstream_errors:
-            raise UpstreamFailedError(f"{len(session.upstream_errors)} upstream failure(s): "
-                                      f"{session.upstream_errors[-1]}")
+            raise UpstreamFailedError(
+                f"{len(session.upstream_errors)} upstream failure(s): {session.upstream_errors[-1]}"
+            )
         if not session.calls:
-            raise AgentFailedError("the agent made no model call through the proxy: does it use the given base_url?",
-                                   cause="agent_no_call")
+            raise AgentFailedError(
+                "the agent made no model call through the proxy: does it use the given base_url?", cause="agent_no_call"
+            )
         reward = await self._reward(row, result, session)
         calls = session.calls_of(self.agents)
         meta = self.episode_metadata(session, calls, reward)
@@ -190,40 +215,67 @@ class ProxyRolloutFn:
             _, intermediate = credit_parts(self.credit_fn, calls, reward)
             run_reward = reward + sum(intermediate)
             res = stitch_calls(calls, reward=run_reward, on_drift=self.on_drift, max_seq_len=self.max_seq_len)
-            meta.update(segment_calls=res.segment_calls, drift_events=res.drift_events,
-                        dropped_segments=res.dropped_segments, intermediate_rewards=intermediate,
-                        run_reward=run_reward)
+            meta.update(
+                segment_calls=res.segment_calls,
+                drift_events=res.drift_events,
+                dropped_segments=res.dropped_segments,
+                intermediate_rewards=intermediate,
+                run_reward=run_reward,
+            )
             if not res.samples:
                 return None
             return RolloutRun(segments=res.samples, reward=run_reward, metadata=meta)
         res = build_transitions(calls, reward, self.credit_fn, max_seq_len=self.max_seq_len)
-        meta.update(sample_calls=res.calls, credited_rewards=res.rewards, sample_weights=res.weights,
-                    return_weights=res.return_weights, intermediate_rewards=res.intermediate, run_reward=reward)
+        meta.update(
+            sample_calls=res.calls,
+            credited_rewards=res.rewards,
+            sample_weights=res.weights,
+            return_weights=res.return_weights,
+            intermediate_rewards=res.intermediate,
+            run_reward=reward,
+        )
         if not res.samples:
             return None
-        return RolloutRun(segments=res.samples, reward=reward, metadata=meta, segment_rewards=True,
-                          return_weights=res.return_weights)
+        return RolloutRun(
+            segments=res.samples, reward=reward, metadata=meta, segment_rewards=True, return_weights=res.return_weights
+        )
 
     def episode_metadata(self, session: SessionRecord, calls: list, reward: float) -> dict[str, Any]:
         """The run's facts (shape documented in ``training/utils/rl/run_metrics.py``)."""
         labels = {kind: 0 for kind in (NEW, APPEND, WIPE)}
         for c in calls:
             labels[c.label.kind] += 1
-        return {"mode": self.mode, "session_id": session.session_id, "return": reward,
-                "calls": [c.summary() for c in session.calls], "num_calls": len(calls), "labels": labels,
-                "drift": sum(1 for c in calls if c.label.token_drift),
-                "tool_status_counts": tool_status_counts(calls),
-                "truncated": any(c.finish_reason == "length" or c.max_tokens_clamped for c in calls),
-                "weight_versions": sorted({c.weight_version for c in calls})}
+        return {
+            "mode": self.mode,
+            "session_id": session.session_id,
+            "return": reward,
+            "calls": [c.summary() for c in session.calls],
+            "num_calls": len(calls),
+            "labels": labels,
+            "drift": sum(1 for c in calls if c.label.token_drift),
+            "tool_status_counts": tool_status_counts(calls),
+            "truncated": any(c.finish_reason == "length" or c.max_tokens_clamped for c in calls),
+            "weight_versions": sorted({c.weight_version for c in calls}),
+        }
 
 
-def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, reward_fn: Callable[..., Any],
-                          mode: str = "stitch", credit_fn: Optional[CreditFn] = None,
-                          agents: Optional[list[str]] = None, strategy: str = "messages", on_drift: str = "split",
-                          upstream_urls: Optional[list[str]] = None, max_seq_len: Optional[int] = None,
-                          model_name: str = "policy", agent_threads: int = 64,
-                          proxy_kwargs: Optional[dict[str, Any]] = None, template_check: str = "warn",
-                          chat_template_kwargs: Optional[dict] = None) -> Callable[[RolloutSetup], ProxyRolloutFn]:
+def make_proxy_rollout_fn(
+    agent_fn: Callable[[dict, AgentEndpoint], Any],
+    *,
+    reward_fn: Callable[..., Any],
+    mode: str = "stitch",
+    credit_fn: Optional[CreditFn] = None,
+    agents: Optional[list[str]] = None,
+    strategy: str = "messages",
+    on_drift: str = "split",
+    upstream_urls: Optional[list[str]] = None,
+    max_seq_len: Optional[int] = None,
+    model_name: str = "policy",
+    agent_threads: int = 64,
+    proxy_kwargs: Optional[dict[str, Any]] = None,
+    template_check: str = "warn",
+    chat_template_kwargs: Optional[dict] = None,
+) -> Callable[[RolloutSetup], ProxyRolloutFn]:
     """Build ``make_rollout_fn(setup)`` for ``main(...)`` around an unmodified agent.
 
     ``agents``: train only the calls of these agent names (``x-agent-name`` header or the
@@ -246,13 +298,32 @@ def make_proxy_rollout_fn(agent_fn: Callable[[dict, AgentEndpoint], Any], *, rew
         raise ValueError(f"template_check: {template_check!r} is not one of ('warn', 'error', 'off')")
 
     def make_rollout_fn(setup: RolloutSetup) -> ProxyRolloutFn:
-        return ProxyRolloutFn(setup, agent_fn, reward_fn, mode=mode, credit_fn=credit_fn, agents=wanted,
-                              strategy=strategy, on_drift=on_drift, upstream_urls=upstream_urls,
-                              max_seq_len=max_seq_len, model_name=model_name, agent_threads=agent_threads,
-                              proxy_kwargs=dict(proxy_kwargs or {}), template_check=template_check,
-                              chat_template_kwargs=chat_template_kwargs)
+        return ProxyRolloutFn(
+            setup,
+            agent_fn,
+            reward_fn,
+            mode=mode,
+            credit_fn=credit_fn,
+            agents=wanted,
+            strategy=strategy,
+            on_drift=on_drift,
+            upstream_urls=upstream_urls,
+            max_seq_len=max_seq_len,
+            model_name=model_name,
+            agent_threads=agent_threads,
+            proxy_kwargs=dict(proxy_kwargs or {}),
+            template_check=template_check,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
     return make_rollout_fn
 
 
-__all__ = ["AGENT_HEADER", "AgentEndpoint", "AgentFailedError", "ProxyRolloutFn", "UpstreamFailedError",
-           "make_proxy_rollout_fn"]
+__all__ = [
+    "AGENT_HEADER",
+    "AgentEndpoint",
+    "AgentFailedError",
+    "ProxyRolloutFn",
+    "UpstreamFailedError",
+    "make_proxy_rollout_fn",
+]

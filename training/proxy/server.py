@@ -44,7 +44,14 @@ from aiohttp import web
 from training.proxy import anthropic
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
 from training.proxy.streaming import (
-    DONE, StreamAccumulator, chat_chunks, client_body, client_chunk, completion_chunks, iter_sse, sse_event,
+    DONE,
+    StreamAccumulator,
+    chat_chunks,
+    client_body,
+    client_chunk,
+    completion_chunks,
+    iter_sse,
+    sse_event,
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
@@ -69,11 +76,22 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error", p
 class ProxyServer:
     """Records every call of every session; see the module docstring for the contract."""
 
-    def __init__(self, upstream_urls: list[str], *, upstream_api_key: Optional[str] = None,
-                 host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = "auto",
-                 strategy: str = "messages", forced_params: Optional[dict[str, Any]] = None,
-                 default_max_tokens: Optional[int] = None, max_retries: int = 3, backoff_s: float = 0.5,
-                 timeout_s: float = 600.0, upstream_stream: str = "auto"):
+    def __init__(
+        self,
+        upstream_urls: list[str],
+        *,
+        upstream_api_key: Optional[str] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: Optional[str] = "auto",
+        strategy: str = "messages",
+        forced_params: Optional[dict[str, Any]] = None,
+        default_max_tokens: Optional[int] = None,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        timeout_s: float = 600.0,
+        upstream_stream: str = "auto",
+    ):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
         ``forced_params`` overwrite the agent's sampling fields (the recipe forces its
@@ -86,8 +104,9 @@ class ProxyServer:
             raise ValueError(f"strategy: {strategy!r} is not one of {STRATEGIES}")
         if upstream_stream not in UPSTREAM_STREAM_MODES:
             raise ValueError(f"upstream_stream: {upstream_stream!r} is not one of {UPSTREAM_STREAM_MODES}")
-        self.pool = UpstreamPool(upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s,
-                                 max_retries=max_retries, backoff_s=backoff_s)
+        self.pool = UpstreamPool(
+            upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
+        )
         self.host, self.port = host, port
         self.api_key = secrets.token_hex(16) if api_key == "auto" else api_key
         self.strategy = strategy
@@ -183,15 +202,22 @@ class ProxyServer:
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path != "/health":
             # The OpenAI SDK sends Authorization: Bearer; the Anthropic SDK sends x-api-key.
-            ok = bearer_ok(request.headers.get("Authorization"), self.api_key) or \
-                hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.api_key.encode())
+            ok = bearer_ok(request.headers.get("Authorization"), self.api_key) or hmac.compare_digest(
+                request.headers.get("x-api-key", "").encode(), self.api_key.encode()
+            )
             if not ok:
                 return _error(401, "missing or wrong API key for the proxy", "authentication_error")
         return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "paused": not self._admit.is_set(), "in_flight": self.in_flight,
-                                  "sessions": len(self.sessions)})
+        return web.json_response(
+            {
+                "status": "ok",
+                "paused": not self._admit.is_set(),
+                "in_flight": self.in_flight,
+                "sessions": len(self.sessions),
+            }
+        )
 
     async def _pause_route(self, request: web.Request) -> web.Response:
         await self.pause_and_drain()
@@ -224,8 +250,9 @@ class ProxyServer:
         if index is None:
             return _error(400, "no call to reward yet: post a reward after the call it is for", param="call")
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(session.calls):
-            return _error(400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})",
-                          param="call")
+            return _error(
+                400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})", param="call"
+            )
         session.calls[index].posted_rewards.append(float(reward))
         return web.json_response({"call": index, "posted_rewards": session.calls[index].posted_rewards})
 
@@ -243,15 +270,23 @@ class ProxyServer:
         return await self._generate(request, "completions")
 
     async def _responses(self, request: web.Request) -> web.Response:
-        return _error(404, "the training proxy does not serve the Responses API (/v1/responses); call "
-                           "/v1/chat/completions (client.chat.completions.create) or /v1/messages", "not_found_error")
+        return _error(
+            404,
+            "the training proxy does not serve the Responses API (/v1/responses); call "
+            "/v1/chat/completions (client.chat.completions.create) or /v1/messages",
+            "not_found_error",
+        )
 
-    def _session_of(self, request: web.Request,
-                    body: Any = None) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
+    def _session_of(
+        self, request: web.Request, body: Any = None
+    ) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
         sid = request.match_info.get("sid") or session_id_of(request.headers, body)
         if not sid:
-            return None, _error(400, f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
-                                     "header or the 'user' field, or use the base URL /sessions/{id}/v1")
+            return None, _error(
+                400,
+                f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
+                "header or the 'user' field, or use the base URL /sessions/{id}/v1",
+            )
         if sid in self.closed_ids:
             return None, _error(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
         return self.sessions.setdefault(sid, SessionRecord(sid)), None
@@ -344,8 +379,9 @@ class ProxyServer:
     def _label_headers(record: CallRecord) -> dict[str, str]:
         return {"x-proxy-call-label": record.label.kind, "x-proxy-call-index": str(record.index)}
 
-    async def _exchange(self, request: web.Request, session: SessionRecord, endpoint: str,
-                        body: dict) -> "tuple[dict, CallRecord] | web.Response":
+    async def _exchange(
+        self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
+    ) -> "tuple[dict, CallRecord] | web.Response":
         """Forward one call without streaming, record and label it: (upstream reply, record), or the
         error response for the agent."""
         sid = session.session_id
@@ -371,8 +407,16 @@ class ProxyServer:
             return _error(502, session.upstream_errors[-1], "upstream_error")
         return reply.body, record
 
-    async def _commit(self, session: SessionRecord, reply: dict, endpoint: str, body: dict, request: web.Request,
-                      url: str, clamped: bool) -> Optional[CallRecord]:
+    async def _commit(
+        self,
+        session: SessionRecord,
+        reply: dict,
+        endpoint: str,
+        body: dict,
+        request: web.Request,
+        url: str,
+        clamped: bool,
+    ) -> Optional[CallRecord]:
         """Record and label one upstream reply; None (and the session's upstream error noted) when it
         lacks token-level detail."""
         try:
@@ -391,8 +435,9 @@ class ProxyServer:
         await resp.prepare(request)
         return resp
 
-    async def _stream(self, request: web.Request, session: SessionRecord, endpoint: str,
-                      body: dict) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
+    ) -> web.StreamResponse:
         """``stream: true``: relay the upstream's stream, or synthesise one from its full reply (``streaming.py``)."""
         url = self.pool.pick(session.session_id)
         if self.upstream_stream == "on" or (self.upstream_stream == "auto" and url not in self._stream_refused):
@@ -413,8 +458,9 @@ class ProxyServer:
         await resp.write_eof()
         return resp
 
-    async def _relay(self, request: web.Request, session: SessionRecord, endpoint: str, body: dict,
-                     url: str) -> Optional[web.StreamResponse]:
+    async def _relay(
+        self, request: web.Request, session: SessionRecord, endpoint: str, body: dict, url: str
+    ) -> Optional[web.StreamResponse]:
         """Stream from the upstream to the agent chunk by chunk while accumulating the exact tokens.
 
         None when the upstream refuses ``stream`` (a 400 naming it, ``upstream_stream="auto"``):

@@ -67,9 +67,14 @@ class SegmentBuilder:
         if sum(self.loss_mask) == 0:
             return None
         versions = [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
-        return RolloutSample(tokens=list(self.tokens), logprobs=list(self.logprobs), loss_mask=list(self.loss_mask),
-                             reward=reward, finish_reason=finish,
-                             token_weight_versions=versions if all(v >= 0 for v in versions) else None)
+        return RolloutSample(
+            tokens=list(self.tokens),
+            logprobs=list(self.logprobs),
+            loss_mask=list(self.loss_mask),
+            reward=reward,
+            finish_reason=finish,
+            token_weight_versions=versions if all(v >= 0 for v in versions) else None,
+        )
 
 
 @dataclass
@@ -83,8 +88,9 @@ class StitchResult:
     """Segments with no trainable token left (empty outputs, or cut by ``max_seq_len``)."""
 
 
-def stitch_calls(calls: list[CallRecord], *, reward: float = 0.0, on_drift: str = "split",
-                 max_seq_len: Optional[int] = None) -> StitchResult:
+def stitch_calls(
+    calls: list[CallRecord], *, reward: float = 0.0, on_drift: str = "split", max_seq_len: Optional[int] = None
+) -> StitchResult:
     """Segments of ``calls`` (already labelled; any agent filter applied by the caller)."""
     if on_drift not in DRIFT_POLICIES:
         raise ValueError(f"on_drift: {on_drift!r} is not one of {DRIFT_POLICIES}")

@@ -44,10 +44,12 @@ class WantedFields:
 
 def wanted_fields(body: dict, endpoint: str) -> WantedFields:
     """The ``WantedFields`` of request ``body``."""
-    return WantedFields(ids=bool(body.get("return_token_ids")),
-                        logprobs=bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None,
-                        usage=bool((body.get("stream_options") or {}).get("include_usage")),
-                        model=body.get("model") if isinstance(body.get("model"), str) else None)
+    return WantedFields(
+        ids=bool(body.get("return_token_ids")),
+        logprobs=bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None,
+        usage=bool((body.get("stream_options") or {}).get("include_usage")),
+        model=body.get("model") if isinstance(body.get("model"), str) else None,
+    )
 
 
 def client_body(out: dict, body: dict, endpoint: str) -> dict:
@@ -96,9 +98,14 @@ async def iter_sse(lines: AsyncIterator[bytes]) -> AsyncIterator[dict]:
 
 # ---------------------------------------------------------------- full reply -> chunks
 
+
 def _chunk_base(reply: dict, obj: str) -> dict:
-    return {"id": reply.get("id", ""), "object": obj, "created": reply.get("created", 0),
-            "model": reply.get("model", "")}
+    return {
+        "id": reply.get("id", ""),
+        "object": obj,
+        "created": reply.get("created", 0),
+        "model": reply.get("model", ""),
+    }
 
 
 def chat_chunks(reply: dict, include_usage: bool) -> list[dict]:
@@ -133,14 +140,26 @@ def completion_chunks(reply: dict, include_usage: bool) -> list[dict]:
     for choice in reply.get("choices", []):
         body = {k: v for k, v in choice.items() if k != "finish_reason"}
         chunks.append({**base, "choices": [{**body, "finish_reason": None}]})
-        chunks.append({**base, "choices": [{"index": choice.get("index", 0), "text": "", "logprobs": None,
-                                            "finish_reason": choice.get("finish_reason")}]})
+        chunks.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": choice.get("index", 0),
+                        "text": "",
+                        "logprobs": None,
+                        "finish_reason": choice.get("finish_reason"),
+                    }
+                ],
+            }
+        )
     if include_usage and reply.get("usage") is not None:
         chunks.append({**base, "choices": [], "usage": reply["usage"]})
     return chunks
 
 
 # ---------------------------------------------------------------- upstream chunks -> one reply
+
 
 class StreamAccumulator:
     """Folds streamed chunks (one choice) into the body a non-streamed reply would have."""
@@ -189,9 +208,10 @@ class StreamAccumulator:
             self.text.append(delta.get("content") or "")
             self.reasoning.append(delta.get("reasoning_content") or "")
             for tc in delta.get("tool_calls") or []:
-                slot = self.tool_calls.setdefault(tc.get("index", len(self.tool_calls)),
-                                                  {"id": None, "type": "function",
-                                                   "function": {"name": "", "arguments": ""}})
+                slot = self.tool_calls.setdefault(
+                    tc.get("index", len(self.tool_calls)),
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
                 slot["id"] = tc.get("id") or slot["id"]
                 fn = tc.get("function") or {}
                 slot["function"]["name"] += fn.get("name") or ""
@@ -211,8 +231,11 @@ class StreamAccumulator:
         text = "".join(self.text)
         if self.endpoint == "chat":
             calls = [self.tool_calls[k] for k in sorted(self.tool_calls)]
-            message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None,
-                                       "tool_calls": calls}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if (text or not calls) else None,
+                "tool_calls": calls,
+            }
             if "".join(self.reasoning):
                 message["reasoning_content"] = "".join(self.reasoning)
             choice.update(message=message, logprobs={"content": self.chat_logprobs})

@@ -60,6 +60,7 @@ def discounted(gamma: float) -> CreditFn:
     def credit(calls: list[CallRecord], episode_return: float) -> list[float]:
         k = len(calls)
         return [float(episode_return) * gamma ** (k - 1 - i) for i in range(k)]
+
     return credit
 
 
@@ -121,8 +122,9 @@ def tool_status_counts(calls: list[CallRecord]) -> dict[str, int]:
     return counts
 
 
-def tool_status_rewards(calls: list[CallRecord], all_calls: list[CallRecord], *, failed_call: float = -0.1,
-                        unparsable_call: float = -0.1) -> list[float]:
+def tool_status_rewards(
+    calls: list[CallRecord], all_calls: list[CallRecord], *, failed_call: float = -0.1, unparsable_call: float = -0.1
+) -> list[float]:
     """Intermediate reward per call of ``calls`` from tool status seen anywhere in ``all_calls``."""
     results = _tool_results(all_calls)
     out = []
@@ -138,18 +140,21 @@ def tool_status_rewards(calls: list[CallRecord], all_calls: list[CallRecord], *,
     return out
 
 
-def with_tool_status(base: CreditFn = same_return, *, failed_call: float = -0.1,
-                     unparsable_call: float = -0.1) -> CreditFn:
+def with_tool_status(
+    base: CreditFn = same_return, *, failed_call: float = -0.1, unparsable_call: float = -0.1
+) -> CreditFn:
     """``base`` credit plus intermediate rewards from tool status (see ``tool_status_rewards``)."""
 
     def credit(calls: list[CallRecord], episode_return: float) -> list[float]:
         extra = tool_status_rewards(calls, calls, failed_call=failed_call, unparsable_call=unparsable_call)
         return [b + e for b, e in zip(base(calls, episode_return), extra)]
+
     return credit
 
 
-def credit_parts(credit_fn: Optional[CreditFn], calls: list[CallRecord],
-                 episode_return: float) -> tuple[list[float], list[float]]:
+def credit_parts(
+    credit_fn: Optional[CreditFn], calls: list[CallRecord], episode_return: float
+) -> tuple[list[float], list[float]]:
     """(g, i): each call's share of the return and its per-call reward (posted rewards included).
 
     Raises ``ValueError`` when ``credit_fn`` returns the wrong number of rewards or is not affine in R.
@@ -162,8 +167,10 @@ def credit_parts(credit_fn: Optional[CreditFn], calls: list[CallRecord],
     shares = [b - a for a, b in zip(at0, at1)]
     for k, (g, i, r) in enumerate(zip(shares, at0, at_r)):
         if not math.isclose(g * episode_return + i, r, rel_tol=1e-6, abs_tol=1e-6):
-            raise ValueError(f"credit_fn is not affine in the return: call {k} gets {r} at R={episode_return}, "
-                             f"but {i} at R=0 and {i + g} at R=1")
+            raise ValueError(
+                f"credit_fn is not affine in the return: call {k} gets {r} at R={episode_return}, "
+                f"but {i} at R=0 and {i + g} at R=1"
+            )
     intermediate = [i + math.fsum(c.posted_rewards) for i, c in zip(at0, calls)]
     return shares, intermediate
 
@@ -188,8 +195,13 @@ class TransitionResult:
     """i of each sample: its per-call reward (tool status, posted rewards)."""
 
 
-def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn: Optional[CreditFn] = None, *,
-                      max_seq_len: Optional[int] = None) -> TransitionResult:
+def build_transitions(
+    calls: list[CallRecord],
+    episode_return: float,
+    credit_fn: Optional[CreditFn] = None,
+    *,
+    max_seq_len: Optional[int] = None,
+) -> TransitionResult:
     """One sample per call with an output token; rewards g·R + i from ``credit_parts``."""
     shares, intermediate = credit_parts(credit_fn, calls, episode_return)
     result = TransitionResult([], [], [], [], [], [])
@@ -201,13 +213,20 @@ def build_transitions(calls: list[CallRecord], episode_return: float, credit_fn:
         finish = c.finish_reason
         if max_seq_len is not None and len(tokens) > max_seq_len:
             tokens, mask, logprobs, finish = tokens[:max_seq_len], mask[:max_seq_len], logprobs[:max_seq_len], "length"
-            versions = versions[:sum(mask)]
+            versions = versions[: sum(mask)]
         if sum(mask) == 0:
             continue
         reward = g * float(episode_return) + i
-        result.samples.append(RolloutSample(
-            tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward, finish_reason=finish,
-            token_weight_versions=versions if all(v >= 0 for v in versions) else None))
+        result.samples.append(
+            RolloutSample(
+                tokens=tokens,
+                logprobs=logprobs,
+                loss_mask=mask,
+                reward=reward,
+                finish_reason=finish,
+                token_weight_versions=versions if all(v >= 0 for v in versions) else None,
+            )
+        )
         result.rewards.append(reward)
         result.calls.append(c.index)
         result.return_weights.append(g)

@@ -43,8 +43,15 @@ def affinity_index(session_id: str, n: int) -> int:
 class UpstreamPool:
     """One or more deployment base URLs (``http://host:port``, with or without ``/v1``)."""
 
-    def __init__(self, base_urls: list[str], *, api_key: Optional[str] = None, timeout_s: float = 600.0,
-                 max_retries: int = 3, backoff_s: float = 0.5):
+    def __init__(
+        self,
+        base_urls: list[str],
+        *,
+        api_key: Optional[str] = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
         if not base_urls:
             raise ValueError("upstream_urls: at least one deployment base URL is needed")
         self.base_urls = [self._normalise(u) for u in base_urls]
@@ -72,8 +79,9 @@ class UpstreamPool:
             await self._http.close()
             self._http = None
 
-    async def request(self, method: str, url: str, path: str, body: Optional[dict] = None,
-                      headers: Optional[dict[str, str]] = None) -> UpstreamReply:
+    async def request(
+        self, method: str, url: str, path: str, body: Optional[dict] = None, headers: Optional[dict[str, str]] = None
+    ) -> UpstreamReply:
         """Send with retries on connection errors and 5xx; raise ``UpstreamError`` when they run out."""
         await self.open()
         h = auth_headers(self.api_key, headers)
@@ -93,13 +101,15 @@ class UpstreamPool:
                     last = f"HTTP {resp.status}: {text[:500]}"
             except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
-            logger.warning("upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1,
-                           self.max_retries + 1, last)
+            logger.warning(
+                "upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1, self.max_retries + 1, last
+            )
         raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
 
     @contextlib.asynccontextmanager
-    async def stream(self, url: str, path: str, body: dict,
-                     headers: Optional[dict[str, str]] = None) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def stream(
+        self, url: str, path: str, body: dict, headers: Optional[dict[str, str]] = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST ``body`` and yield the open response (status < 500) to read as it arrives.
 
         Connection errors and 5xx are retried like ``request``; ``UpstreamError`` when they run out.
@@ -125,6 +135,7 @@ class UpstreamPool:
                     return
                 last = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 resp.release()
-            logger.warning("upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1,
-                           self.max_retries + 1, last)
+            logger.warning(
+                "upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1, self.max_retries + 1, last
+            )
         raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")

@@ -182,8 +182,13 @@ class AsyncRLLoop:
                 return []
             waiting_for_older = len(self.ready) >= need and drained
             if waiting_for_older and self.trainer_wait_s == 0.0:
-                logger.info("step %d waits for %d older running group(s) so that every group trains within "
-                            "max_head_offpolicy_versions=%d", step, self.in_flight, cfg.max_head_offpolicy_versions)
+                logger.info(
+                    "step %d waits for %d older running group(s) so that every group trains within "
+                    "max_head_offpolicy_versions=%d",
+                    step,
+                    self.in_flight,
+                    cfg.max_head_offpolicy_versions,
+                )
             t0 = time.perf_counter()
             last_progress = await self.ctx.wait_for(self.changed, self.in_flight, last_progress)
             if waiting_for_older:
@@ -196,12 +201,17 @@ class AsyncRLLoop:
         capacity = self.gate.submit_capacity(self.deployed_version, step)
         ready_positions = {g.position for g in self.ready}
         oldest_running = min((t for p, t in self.tickets.items() if p not in ready_positions), default=None)
-        bypassed = 0 if oldest_running is None else sum(
-            1 for i in plan if self.tickets[self.ready[i].position] > oldest_running)
-        return {"offpolicy/bypass_window": float(self.gate.bypass_window(step, outstanding)),
-                "offpolicy/bypassed_groups": float(bypassed),
-                "offpolicy/window_occupancy": len(outstanding) / max(capacity, 1),
-                "offpolicy/trainer_wait_s": self.trainer_wait_s}
+        bypassed = (
+            0
+            if oldest_running is None
+            else sum(1 for i in plan if self.tickets[self.ready[i].position] > oldest_running)
+        )
+        return {
+            "offpolicy/bypass_window": float(self.gate.bypass_window(step, outstanding)),
+            "offpolicy/bypassed_groups": float(bypassed),
+            "offpolicy/window_occupancy": len(outstanding) / max(capacity, 1),
+            "offpolicy/trainer_wait_s": self.trainer_wait_s,
+        }
 
     async def run(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -221,8 +231,7 @@ class AsyncRLLoop:
                 self.assembling_step = step + 1
                 self.training = True
                 self.changed.set()
-                m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics,
-                     **ctx.take_counters()}
+                m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
                 busy_train0 = self.busy.read()
                 with timer.phase("train"):
                     m.update(await ctx.train(batch, step))
@@ -250,13 +259,19 @@ class AsyncRLLoop:
         return {"steps": step, "last_metrics": last}
 
 
-EXPERIMENTAL_NOTICE = ("async_rl_loop is experimental: its Config fields and the rollout contract may still change; "
-                       "pin a commit if you depend on them")
+EXPERIMENTAL_NOTICE = (
+    "async_rl_loop is experimental: its Config fields and the rollout contract may still change; "
+    "pin a commit if you depend on them"
+)
 _notice_shown = False
 
 
-def main(cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None, rows: Optional[Rows] = None,
-         rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def main(
+    cfg: Config,
+    rollout_fn_factory: Optional[RolloutFnFactory] = None,
+    rows: Optional[Rows] = None,
+    rollout_extras: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Train with overlapped rollouts; returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
 
     ``rows`` default to ``cfg.dataset``; without ``rollout_fn_factory`` the built-in single-turn rollout runs.

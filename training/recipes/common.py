@@ -43,7 +43,11 @@ from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
 from training.recipes.resources import (
-    log_start_notes, promote_final_model, resolve_rollout_factory, resolve_rows, rollout_tokenizer,
+    log_start_notes,
+    promote_final_model,
+    resolve_rollout_factory,
+    resolve_rows,
+    rollout_tokenizer,
 )
 from training.utils import dist, loop_watch
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -137,9 +141,12 @@ class StepCounters:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "rollout/attempts": float(self.attempts), "rollout/errors": float(self.errors),
-            "rollout/timeouts": float(self.timeouts), "rollout/invalid": float(self.invalid),
-            "rollout/returned_none": float(self.dropped), "rollout/filtered_groups": float(self.filtered_groups),
+            "rollout/attempts": float(self.attempts),
+            "rollout/errors": float(self.errors),
+            "rollout/timeouts": float(self.timeouts),
+            "rollout/invalid": float(self.invalid),
+            "rollout/returned_none": float(self.dropped),
+            "rollout/filtered_groups": float(self.filtered_groups),
             "rollout/too_small_groups": float(self.small_groups),
             "rollout/generated_tokens": float(self.generated_tokens),
             **run_metrics(self.run_metadata, self.failure_causes),
@@ -197,8 +204,17 @@ def is_retryable(error: BaseException) -> bool:
 class RunContext:
     """The parts of one RL run on rank 0, and the operations the loops compose."""
 
-    def __init__(self, cfg: Config, rows: list[dict], eval_rows: list[dict], log_path: Path, state: TrainState,
-                 deployment: DeploymentGroup, setup: RolloutSetup, rollout_fn: RolloutFn):
+    def __init__(
+        self,
+        cfg: Config,
+        rows: list[dict],
+        eval_rows: list[dict],
+        log_path: Path,
+        state: TrainState,
+        deployment: DeploymentGroup,
+        setup: RolloutSetup,
+        rollout_fn: RolloutFn,
+    ):
         self.cfg = cfg
         self.rows = rows
         self.eval_rows = eval_rows
@@ -223,19 +239,31 @@ class RunContext:
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
         row = self.rows[self.cursor.row_index(position)]
-        return await run_group(self.rollout_fn, row, position, submit_version, self.cfg.completions_per_prompt,
-                               self.cfg.rollout_timeout_s, self.semaphore, self.vocab_size, is_retryable)
+        return await run_group(
+            self.rollout_fn,
+            row,
+            position,
+            submit_version,
+            self.cfg.completions_per_prompt,
+            self.cfg.rollout_timeout_s,
+            self.semaphore,
+            self.vocab_size,
+            is_retryable,
+        )
 
     def accept_group(self, group: PromptGroup) -> bool:
         """Count the group's outcomes; True if it is kept for training (advantages set)."""
         c = self.counters
         c.add(group)
-        if c.attempts >= self.cfg.error_check_min_attempts and \
-                c.failures / c.attempts > self.cfg.max_rollout_error_fraction:
+        if (
+            c.attempts >= self.cfg.error_check_min_attempts
+            and c.failures / c.attempts > self.cfg.max_rollout_error_fraction
+        ):
             raise RolloutFailureError(
                 f"{c.failures} of {c.attempts} rollouts failed since the last step ({c.errors} raised, "
                 f"{c.timeouts} timed out, {c.invalid} invalid), more than max_rollout_error_fraction="
-                f"{self.cfg.max_rollout_error_fraction}; see the warnings above for the rows and errors")
+                f"{self.cfg.max_rollout_error_fraction}; see the warnings above for the rows and errors"
+            )
         keep = True
         if len(group.completion_rewards) < 2:
             c.small_groups += 1
@@ -259,9 +287,19 @@ class RunContext:
         """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._train_pool, lambda: train_on_groups(
-            self.trainer, groups, cfg.loss, reference=self.reference, ppo_epochs=cfg.ppo_epochs,
-            ppo_mini_batches=cfg.ppo_mini_batches, temperature=cfg.temperature, seed=cfg.seed + step))
+        return await loop.run_in_executor(
+            self._train_pool,
+            lambda: train_on_groups(
+                self.trainer,
+                groups,
+                cfg.loss,
+                reference=self.reference,
+                ppo_epochs=cfg.ppo_epochs,
+                ppo_mini_batches=cfg.ppo_mini_batches,
+                temperature=cfg.temperature,
+                seed=cfg.seed + step,
+            ),
+        )
 
     def sync_due(self, step_done: int) -> bool:
         """Weights are pushed after every ``weight_sync_interval``-th step."""
@@ -270,15 +308,22 @@ class RunContext:
     async def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to every replica as ``version``; seconds taken."""
         t0 = time.perf_counter()
-        await self.deployment.push(self.trainer.named_weights(), version, specs=self.trainer.weight_specs(),
-                                   wait_for_inflight=not self.cfg.inflight_weight_updates)
+        await self.deployment.push(
+            self.trainer.named_weights(),
+            version,
+            specs=self.trainer.weight_specs(),
+            wait_for_inflight=not self.cfg.inflight_weight_updates,
+        )
         return time.perf_counter() - t0
 
     # ---- eval, checkpoints ----------------------------------------------------------
     def eval_due(self, step: int) -> bool:
         """Eval before the first step, every eval_interval steps, and after the last."""
-        return bool(self.eval_rows) and self.cfg.eval_interval > 0 and (
-            step == 0 or step % self.cfg.eval_interval == 0 or step == self.total_steps)
+        return (
+            bool(self.eval_rows)
+            and self.cfg.eval_interval > 0
+            and (step == 0 or step % self.cfg.eval_interval == 0 or step == self.total_steps)
+        )
 
     async def evaluate(self) -> dict[str, float]:
         """Roll out every eval row once with the deployed weights: eval/reward_mean and eval/pass_rate."""
@@ -293,8 +338,10 @@ class RunContext:
                 return float(getattr(result, "reward", 0.0)) if result is not None else 0.0
 
         rewards = await asyncio.gather(*(one(r) for r in self.eval_rows))
-        return {"eval/reward_mean": sum(rewards) / len(rewards),
-                "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards)}
+        return {
+            "eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards),
+        }
 
     async def start_run(self) -> None:
         """Before the first step: sync a resumed run's (or an attached server's) weights; eval at step 0."""
@@ -332,8 +379,14 @@ class RunContext:
         """Write a DCP checkpoint (under torchrun: rank 0 calls this, the other ranks follow)."""
         state = {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
         with lead(Command.CHECKPOINT, step_done):
-            save_checkpoint(self.log_path / "checkpoints", step_done, self.trainer.model, self.trainer.optimizer,
-                            state, keep_last=self.cfg.keep_checkpoints)
+            save_checkpoint(
+                self.log_path / "checkpoints",
+                step_done,
+                self.trainer.model,
+                self.trainer.optimizer,
+                state,
+                keep_last=self.cfg.keep_checkpoints,
+            )
 
     async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:
         """Wait for ``changed`` (a rollout finished); raise when nothing finished for ``stall_timeout_s``.
@@ -345,8 +398,10 @@ class RunContext:
             return time.perf_counter()
         except asyncio.TimeoutError:
             if time.perf_counter() - last_progress > self.cfg.stall_timeout_s:
-                raise RuntimeError(f"no rollout finished for {self.cfg.stall_timeout_s:.0f} s (in flight: "
-                                   f"{in_flight}); is the deployment alive? see deployment.log") from None
+                raise RuntimeError(
+                    f"no rollout finished for {self.cfg.stall_timeout_s:.0f} s (in flight: "
+                    f"{in_flight}); is the deployment alive? see deployment.log"
+                ) from None
             return last_progress
 
     def close(self) -> None:
@@ -362,26 +417,39 @@ def follow_rank0(cfg: Config, state: TrainState, log_path: Path) -> int:
     rolls out, or writes metrics.
     """
     trainer = state.trainer
-    return dist.follow({
-        Command.TRAIN: lambda _: receive_and_train(trainer, cfg.loss, reference=state.reference),
-        Command.WEIGHTS: lambda _: collections.deque(trainer.named_weights(), maxlen=0),
-        Command.CHECKPOINT: lambda step: save_checkpoint(log_path / "checkpoints", step, trainer.model,
-                                                         trainer.optimizer, None, keep_last=cfg.keep_checkpoints),
-        Command.EXPORT: lambda _: trainer.save_pretrained(log_path / "final"),
-    })
+    return dist.follow(
+        {
+            Command.TRAIN: lambda _: receive_and_train(trainer, cfg.loss, reference=state.reference),
+            Command.WEIGHTS: lambda _: collections.deque(trainer.named_weights(), maxlen=0),
+            Command.CHECKPOINT: lambda step: save_checkpoint(
+                log_path / "checkpoints", step, trainer.model, trainer.optimizer, None, keep_last=cfg.keep_checkpoints
+            ),
+            Command.EXPORT: lambda _: trainer.save_pretrained(log_path / "final"),
+        }
+    )
 
 
-def start_rollouts(cfg: Config, model_path: str, log_path: Path, state: TrainState,
-                   rollout_fn_factory: RolloutFnFactory, rollout_extras: dict[str, Any]
-                   ) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
+def start_rollouts(
+    cfg: Config,
+    model_path: str,
+    log_path: Path,
+    state: TrainState,
+    rollout_fn_factory: RolloutFnFactory,
+    rollout_extras: dict[str, Any],
+) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
     """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once."""
     dcfg = cfg.deployment
     tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
     deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(tokenizer)
     try:
         sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **cfg.sampling_kwargs}
-        setup = RolloutSetup(sampler=deployment.sampler, tokenizer=tokenizer, sampling_kwargs=sampling,
-                             extras=rollout_extras, max_seq_len=dcfg.engine_config.max_model_len)
+        setup = RolloutSetup(
+            sampler=deployment.sampler,
+            tokenizer=tokenizer,
+            sampling_kwargs=sampling,
+            extras=rollout_extras,
+            max_seq_len=dcfg.engine_config.max_model_len,
+        )
         deployment.hooks = setup.weight_sync_hooks  # the same list: hooks added by make_rollout_fn count
         rollout_fn = rollout_fn_factory(setup)
         if not callable(rollout_fn):
@@ -392,8 +460,13 @@ def start_rollouts(cfg: Config, model_path: str, log_path: Path, state: TrainSta
     return deployment, setup, rollout_fn
 
 
-def run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None,
-               rows: Optional[Rows] = None, rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_recipe(
+    loop_cls,
+    cfg: Config,
+    rollout_fn_factory: Optional[RolloutFnFactory] = None,
+    rows: Optional[Rows] = None,
+    rollout_extras: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Set up, run ``loop_cls(ctx).run()`` to the end, export, always stop the deployment.
 
     ``rows`` default to ``cfg.dataset``, ``rollout_fn_factory`` to the built-in single-turn rollout
@@ -424,12 +497,18 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory], rows: Optional[Rows],
-                rollout_extras: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _run_recipe(
+    loop_cls,
+    cfg: Config,
+    rollout_fn_factory: Optional[RolloutFnFactory],
+    rows: Optional[Rows],
+    rollout_extras: Optional[dict[str, Any]],
+) -> dict[str, Any]:
     started = dist.init_distributed(cfg.trainer.device)
     main_rank = dist.is_main_rank()
-    logging.basicConfig(level=logging.INFO if main_rank else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if main_rank else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     steps = 0
     try:
         rows = resolve_rows(cfg, rows)
@@ -438,8 +517,13 @@ def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFac
         model_path = resolve_model(cfg.base_model)
         log_path = Path(cfg.log_path)
         log_path.mkdir(parents=True, exist_ok=True)
-        check_log_path(log_path, cfg.to_dict(), has_checkpoint=latest_checkpoint(log_path / "checkpoints") is not None,
-                       ignore=RESUME_MAY_CHANGE, resume_anyway=cfg.resume_with_changed_config)
+        check_log_path(
+            log_path,
+            cfg.to_dict(),
+            has_checkpoint=latest_checkpoint(log_path / "checkpoints") is not None,
+            ignore=RESUME_MAY_CHANGE,
+            resume_anyway=cfg.resume_with_changed_config,
+        )
         if main_rank:
             write_config_record(log_path, cfg.to_dict())
         state = build_train_state(cfg, model_path, len(rows), log_path)
@@ -447,18 +531,21 @@ def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFac
             if not main_rank:
                 return {"steps": follow_rank0(cfg, state, log_path), "last_metrics": {}, "final_model": None}
             log_start_notes(cfg, model_path)
-            deployment, setup, rollout_fn = start_rollouts(cfg, model_path, log_path, state, rollout_fn_factory,
-                                                           rollout_extras or {})
+            deployment, setup, rollout_fn = start_rollouts(
+                cfg, model_path, log_path, state, rollout_fn_factory, rollout_extras or {}
+            )
             try:
-                result = asyncio.run(_run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup,
-                                               rollout_fn))
+                result = asyncio.run(
+                    _run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+                )
                 steps = result["steps"]
                 final = None
                 if cfg.export_final_model:
                     final = state.trainer.save_pretrained(log_path / "final")
                 result["final_model"] = str(final) if final else None
-                result["output_model"] = str(promote_final_model(final, cfg, log_path)) \
-                    if final and cfg.output_model_id else None
+                result["output_model"] = (
+                    str(promote_final_model(final, cfg, log_path)) if final and cfg.output_model_id else None
+                )
                 return result
             finally:
                 deployment.stop()
@@ -469,9 +556,17 @@ def _run_recipe(loop_cls, cfg: Config, rollout_fn_factory: Optional[RolloutFnFac
             dist.shutdown_distributed()
 
 
-async def _run_loop(loop_cls, cfg: Config, rows: list[dict], eval_rows: list[dict], log_path: Path,
-                    state: TrainState, deployment: DeploymentGroup, setup: RolloutSetup,
-                    rollout_fn: RolloutFn) -> dict[str, Any]:
+async def _run_loop(
+    loop_cls,
+    cfg: Config,
+    rows: list[dict],
+    eval_rows: list[dict],
+    log_path: Path,
+    state: TrainState,
+    deployment: DeploymentGroup,
+    setup: RolloutSetup,
+    rollout_fn: RolloutFn,
+) -> dict[str, Any]:
     ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
     watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
     try:

@@ -16,8 +16,19 @@ STALL_GRACE_S = 120.0
 (a rollout cannot legitimately take longer; a dead deployment would otherwise hang the run)."""
 WAIT_POLL_S = 5.0
 """How often a trainer that waits for rollouts re-checks for that stall."""
-RESUME_MAY_CHANGE = ("log_path", "max_steps", "epochs", "eval_interval", "dcp_save_interval", "keep_checkpoints",
-                     "export_final_model", "output_model_id", "resume_with_changed_config", "deployment", "wandb")
+RESUME_MAY_CHANGE = (
+    "log_path",
+    "max_steps",
+    "epochs",
+    "eval_interval",
+    "dcp_save_interval",
+    "keep_checkpoints",
+    "export_final_model",
+    "output_model_id",
+    "resume_with_changed_config",
+    "deployment",
+    "wandb",
+)
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
 is trained: how long, how it is logged and served)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
@@ -39,7 +50,10 @@ class Config:
     """
 
     CLI_ALIASES: ClassVar[dict[str, str]] = {
-        "learning_rate": "trainer.learning_rate", "policy_loss": "loss.policy_loss", "kl_beta": "loss.kl_beta"}
+        "learning_rate": "trainer.learning_rate",
+        "policy_loss": "loss.policy_loss",
+        "kl_beta": "loss.kl_beta",
+    }
 
     base_model: str
     """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
@@ -129,16 +143,23 @@ class Config:
                 raise ValueError(f"{name}: {msg}")
 
         check(isinstance(self.base_model, str) and self.base_model != "", "base_model", "must be a hub id or a folder")
-        check(self.completions_per_prompt >= 2, "completions_per_prompt",
-              f"must be >= 2 (group-relative advantages need a group), got {self.completions_per_prompt}")
+        check(
+            self.completions_per_prompt >= 2,
+            "completions_per_prompt",
+            f"must be >= 2 (group-relative advantages need a group), got {self.completions_per_prompt}",
+        )
         check(self.prompt_groups_per_step >= 1, "prompt_groups_per_step", "must be >= 1")
         check(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0")
         check(self.weight_sync_interval >= 1, "weight_sync_interval", "must be >= 1")
-        check(self.max_head_offpolicy_versions >= self.weight_sync_interval - 1, "max_head_offpolicy_versions",
-              f"must be >= weight_sync_interval - 1 = {self.weight_sync_interval - 1}: samples from a deployment "
-              "that lags the trainer by interval - 1 versions would otherwise never be fresh enough")
-        check(self.stale_policy in STALE_POLICIES, "stale_policy",
-              f"{self.stale_policy!r} is not one of {STALE_POLICIES}")
+        check(
+            self.max_head_offpolicy_versions >= self.weight_sync_interval - 1,
+            "max_head_offpolicy_versions",
+            f"must be >= weight_sync_interval - 1 = {self.weight_sync_interval - 1}: samples from a deployment "
+            "that lags the trainer by interval - 1 versions would otherwise never be fresh enough",
+        )
+        check(
+            self.stale_policy in STALE_POLICIES, "stale_policy", f"{self.stale_policy!r} is not one of {STALE_POLICIES}"
+        )
         check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         check(self.ppo_mini_batches >= 1, "ppo_mini_batches", "must be >= 1")
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -152,14 +173,27 @@ class Config:
         check(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.max_rows is None or self.max_rows >= 1, "max_rows", f"must be >= 1 or None, got {self.max_rows}")
-        check(self.dataset is None or (isinstance(self.dataset, str) and self.dataset != ""), "dataset",
-              "must be the path of a .jsonl file, or None")
-        check(self.output_model_id is None or (isinstance(self.output_model_id, str) and self.output_model_id.strip()),
-              "output_model_id", "must be a non-empty name or path, or None")
-        check(self.output_model_id is None or self.export_final_model, "output_model_id",
-              "promotes the exported final model: needs export_final_model=True")
-        for name, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("deployment", DeployConfig),
-                          ("wandb", WandBConfig)):
+        check(
+            self.dataset is None or (isinstance(self.dataset, str) and self.dataset != ""),
+            "dataset",
+            "must be the path of a .jsonl file, or None",
+        )
+        check(
+            self.output_model_id is None or (isinstance(self.output_model_id, str) and self.output_model_id.strip()),
+            "output_model_id",
+            "must be a non-empty name or path, or None",
+        )
+        check(
+            self.output_model_id is None or self.export_final_model,
+            "output_model_id",
+            "promotes the exported final model: needs export_final_model=True",
+        )
+        for name, cls in (
+            ("trainer", TrainerConfig),
+            ("loss", LossConfig),
+            ("deployment", DeployConfig),
+            ("wandb", WandBConfig),
+        ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
         self._resolve_aliases()
 
@@ -174,8 +208,9 @@ class Config:
                 setattr(self, alias, nested)
                 continue
             if nested != default and nested != value:
-                raise ValueError(f"{alias}: {alias}={_show(value)} and {path}={_show(nested)} are one setting; "
-                                 f"set one of them")
+                raise ValueError(
+                    f"{alias}: {alias}={_show(value)} and {path}={_show(nested)} are one setting; set one of them"
+                )
             if nested != value:
                 setattr(self, sub_name, dataclasses.replace(sub, **{leaf: value}))  # a copy, validated again
 

@@ -40,8 +40,10 @@ def resolve_rollout_factory(cfg: Config, rollout_fn_factory: Optional[Any]) -> A
     """The user's ``make_rollout_fn``, or the built-in single-turn rollout with ``cfg.reward_fn``."""
     if rollout_fn_factory is not None:
         return rollout_fn_factory
-    logger.info("no rollout_fn_factory given: the built-in single-turn rollout, reward %s",
-                getattr(cfg.reward_fn, "__name__", "exact_match_reward"))
+    logger.info(
+        "no rollout_fn_factory given: the built-in single-turn rollout, reward %s",
+        getattr(cfg.reward_fn, "__name__", "exact_match_reward"),
+    )
     return make_single_turn_rollout_fn(cfg.reward_fn)
 
 
@@ -64,8 +66,10 @@ def rollout_tokenizer(cfg: Config, model_path: str, policy_tokenizer: Any, vocab
     except (OSError, ValueError) as e:
         raise ValueError(f"deployment.tokenizer_model: cannot load a tokenizer from {name!r}: {e}") from None
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"deployment.tokenizer_model: {name!r} has {len(tokenizer)} tokens, more than the vocabulary "
-                         f"of the deployed model {cfg.base_model!r} ({vocab_size}); use the base model's tokenizer")
+        raise ValueError(
+            f"deployment.tokenizer_model: {name!r} has {len(tokenizer)} tokens, more than the vocabulary "
+            f"of the deployed model {cfg.base_model!r} ({vocab_size}); use the base model's tokenizer"
+        )
     logger.info("rollout tokenizer: %s (%d tokens; model vocabulary %d)", name, len(tokenizer), vocab_size)
     return tokenizer
 
@@ -89,5 +93,8 @@ def log_start_notes(cfg: Config, model_path: str) -> None:
     if cfg.deployment.deployment_id:
         logger.info("deployment %r serves %s", cfg.deployment.deployment_id, model_path)
     if cfg.trainer.training_shape_id:
-        logger.info("trainer.training_shape_id=%r is a hosted training shape: no local effect here (device=%s)",
-                    cfg.trainer.training_shape_id, cfg.trainer.device)
+        logger.info(
+            "trainer.training_shape_id=%r is a hosted training shape: no local effect here (device=%s)",
+            cfg.trainer.training_shape_id,
+            cfg.trainer.device,
+        )

@@ -59,16 +59,26 @@ class SyncRLLoop:
             step += 1
             m.update(await ctx.finish_step(batch, step, timer))
             m.update(timer.metrics(m))
-            m.update({"perf/overlap_fraction": 0.0, "offpolicy/staleness_mean": staleness,
-                      "offpolicy/staleness_max": staleness, "offpolicy/weight_version": float(deployed_version)})
+            m.update(
+                {
+                    "perf/overlap_fraction": 0.0,
+                    "offpolicy/staleness_mean": staleness,
+                    "offpolicy/staleness_max": staleness,
+                    "offpolicy/weight_version": float(deployed_version),
+                }
+            )
             ctx.log_step(step - 1, m, batch)
             last = m
         ctx.finish_run(step)
         return {"steps": step, "last_metrics": last}
 
 
-def main(cfg: Config, rollout_fn_factory: Optional[RolloutFnFactory] = None, rows: Optional[Rows] = None,
-         rollout_extras: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def main(
+    cfg: Config,
+    rollout_fn_factory: Optional[RolloutFnFactory] = None,
+    rows: Optional[Rows] = None,
+    rollout_extras: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Train synchronously (sample, step, sync); returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
 
     ``main(cfg)`` alone reads ``cfg.dataset`` (at most ``cfg.max_rows`` rows) and runs the built-in single-turn

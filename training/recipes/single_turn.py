@@ -51,10 +51,14 @@ def make_single_turn_rollout_fn(reward_fn: Optional[RewardFn] = None) -> Callabl
             reward = score(c.text, row)
             if inspect.isawaitable(reward):
                 reward = await reward
-            return RolloutSample(tokens=list(c.full_tokens),
-                                 logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
-                                 loss_mask=[0] * c.prompt_len + [1] * num_out,
-                                 reward=float(reward), finish_reason=c.finish_reason, text=c.text)
+            return RolloutSample(
+                tokens=list(c.full_tokens),
+                logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
+                loss_mask=[0] * c.prompt_len + [1] * num_out,
+                reward=float(reward),
+                finish_reason=c.finish_reason,
+                text=c.text,
+            )
 
         return rollout_fn
 
@@ -68,5 +72,6 @@ def prompt_token_ids(row: dict, tokenizer: Any) -> list[int]:
         return list(ids)
     if isinstance(row.get("prompt"), str) and row["prompt"]:
         return list(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
-    raise ValueError(f"row: the built-in rollout needs 'messages', 'prompt_token_ids' or 'prompt'; "
-                     f"this row has {sorted(row)}")
+    raise ValueError(
+        f"row: the built-in rollout needs 'messages', 'prompt_token_ids' or 'prompt'; this row has {sorted(row)}"
+    )

@@ -10,6 +10,14 @@ from training.trainer.trainer import PolicyTrainer, ReferenceModel, combine_metr
 from training.utils.device import resolve_device, resolve_dtype
 
 __all__ = [
-    "PackedBatch", "PolicyTrainer", "ReferenceModel", "combine_metrics", "load_causal_lm",
-    "pack_sequences", "packed_logprobs", "resolve_device", "resolve_dtype", "score_sequences",
+    "PackedBatch",
+    "PolicyTrainer",
+    "ReferenceModel",
+    "combine_metrics",
+    "load_causal_lm",
+    "pack_sequences",
+    "packed_logprobs",
+    "resolve_device",
+    "resolve_dtype",
+    "score_sequences",
 ]

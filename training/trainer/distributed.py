@@ -97,8 +97,9 @@ def split_for_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-def plan_micro_batches(sequences: Sequence[Sequence[int]], max_tokens: int,
-                       share_prefixes: bool = False) -> list[tuple[PackedBatch, bool]]:
+def plan_micro_batches(
+    sequences: Sequence[Sequence[int]], max_tokens: int, share_prefixes: bool = False
+) -> list[tuple[PackedBatch, bool]]:
     """``(packed, is_real)`` micro-batches this rank runs for ``sequences``.
 
     Single process: ``pack_sequences(sequences, share_prefixes=...)``, all real. Under torchrun:

@@ -49,8 +49,13 @@ def _packing_arguments(model: torch.nn.Module, packed: PackedBatch) -> dict:
         cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         cu_seq_lens = cu_seq_lens.to(packed.input_ids_N.device)
         longest = max(packed.lengths)
-        return {"attention_mask": None, "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
-                "max_length_q": longest, "max_length_k": longest}
+        return {
+            "attention_mask": None,
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
     return {"attention_mask": None}
 
 
@@ -61,12 +66,19 @@ def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.T
     layout = packed.shared
     if layout is not None:
         layout.attention_calls = 0
-        out = decoder(input_ids=layout.input_ids_C[None], position_ids=layout.position_ids_C[None], use_cache=False,
-                      attention_mask=None, shared_prefix_layout=layout)
+        out = decoder(
+            input_ids=layout.input_ids_C[None],
+            position_ids=layout.position_ids_C[None],
+            use_cache=False,
+            attention_mask=None,
+            shared_prefix_layout=layout,
+        )
         layers = getattr(model.config, "num_hidden_layers", 1)
         if layout.attention_calls < layers:
-            raise RuntimeError(f"shared_prefix_layout: {layout.attention_calls} of {layers} attention layers read it; "
-                               "this model cannot run shared-prompt packing (set shared_prompt_packing=False)")
+            raise RuntimeError(
+                f"shared_prefix_layout: {layout.attention_calls} of {layers} attention layers read it; "
+                "this model cannot run shared-prompt packing (set shared_prompt_packing=False)"
+            )
         return out.last_hidden_state[0]
     out = decoder(
         input_ids=packed.input_ids_N[None],
@@ -77,8 +89,13 @@ def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.T
     return out.last_hidden_state[0]
 
 
-def _target_logprobs(hidden_C: torch.Tensor, targets_C: torch.Tensor, lm_head: torch.nn.Module,
-                     temperature: float, softcap: Optional[float]) -> torch.Tensor:
+def _target_logprobs(
+    hidden_C: torch.Tensor,
+    targets_C: torch.Tensor,
+    lm_head: torch.nn.Module,
+    temperature: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
     """``log softmax(lm_head(h) / τ)[target]`` per row, computed in fp32."""
     logits_CV = lm_head(hidden_C).float()
     if softcap:
@@ -88,8 +105,9 @@ def _target_logprobs(hidden_C: torch.Tensor, targets_C: torch.Tensor, lm_head: t
     return logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - torch.logsumexp(logits_CV, dim=-1)
 
 
-def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packed: PackedBatch,
-                           chunk_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+def chunked_token_logprobs(
+    model: torch.nn.Module, hidden_N: torch.Tensor, packed: PackedBatch, chunk_tokens: int, temperature: float = 1.0
+) -> torch.Tensor:
     """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring
     (``hidden_N`` is ``[C, H]`` over the compute row when ``packed.shared`` is set).
 
@@ -108,12 +126,13 @@ def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packe
     else:  # one row per (predictor, target) pair of the compute row
         predictors_M, targets_M = hidden_N.index_select(0, layout.predictor_M), layout.target_M
     m = predictors_M.shape[0]
-    use_checkpoint = torch.is_grad_enabled() and (hidden_N.requires_grad
-                                                  or any(p.requires_grad for p in lm_head.parameters()))
+    use_checkpoint = torch.is_grad_enabled() and (
+        hidden_N.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
     pieces: list[torch.Tensor] = []
     for start in range(0, m, chunk_tokens):
-        h_C = predictors_M[start:start + chunk_tokens]
-        t_C = targets_M[start:start + chunk_tokens]
+        h_C = predictors_M[start : start + chunk_tokens]
+        t_C = targets_M[start : start + chunk_tokens]
         if use_checkpoint:
             pieces.append(checkpoint(_target_logprobs, h_C, t_C, lm_head, temperature, softcap, use_reentrant=False))
         else:
@@ -125,16 +144,23 @@ def chunked_token_logprobs(model: torch.nn.Module, hidden_N: torch.Tensor, packe
     return torch.where(packed.is_sequence_start_N(), torch.zeros_like(logprobs_N), logprobs_N)
 
 
-def packed_logprobs(model: torch.nn.Module, packed: PackedBatch, chunk_tokens: int,
-                    temperature: float = 1.0) -> torch.Tensor:
+def packed_logprobs(
+    model: torch.nn.Module, packed: PackedBatch, chunk_tokens: int, temperature: float = 1.0
+) -> torch.Tensor:
     """Logprobs ``[N]`` of one packed micro-batch: decoder forward, then chunked LM head."""
     return chunked_token_logprobs(model, packed_hidden_states(model, packed), packed, chunk_tokens, temperature)
 
 
 @torch.no_grad()
-def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]], device: Union[str, torch.device],
-                    micro_batch_tokens: int, chunk_tokens: int, temperature: float = 1.0,
-                    share_prefixes: bool = False) -> list[list[float]]:
+def score_sequences(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    device: Union[str, torch.device],
+    micro_batch_tokens: int,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    share_prefixes: bool = False,
+) -> list[list[float]]:
     """Logprobs of every token of every sequence (no gradient), packed into micro-batches
     (``share_prefixes``: shared-prompt packing, see ``prefix_sharing.py``).
 

@@ -49,8 +49,13 @@ def lora_config(cfg) -> "peft.LoraConfig":  # noqa: F821
     from peft import LoraConfig
 
     targets = list(cfg.lora_target_modules)
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                      target_modules=targets[0] if targets == ["all-linear"] else targets)
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        bias="none",
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+    )
 
 
 def apply_lora(model: torch.nn.Module, cfg) -> int:
@@ -75,8 +80,10 @@ def apply_lora(model: torch.nn.Module, cfg) -> int:
         raise ValueError(f"lora_target_modules: {list(cfg.lora_target_modules)} matched no layer of this model")
     for name, layer in layers.items():
         if not isinstance(layer, LoraLinear):
-            raise ValueError(f"lora_target_modules: {name} is a {type(layer.get_base_layer()).__name__}; "
-                             "only linear layers are supported")
+            raise ValueError(
+                f"lora_target_modules: {name} is a {type(layer.get_base_layer()).__name__}; "
+                "only linear layers are supported"
+            )
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -121,8 +128,9 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, merge: LoraMe
     return (weight.float() + delta).to(weight.dtype)
 
 
-def export_plan(model: torch.nn.Module,
-                state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, Optional[LoraMerge]]]:
+def export_plan(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, tuple[str, Optional[LoraMerge]]]:
     """Base-model name → (``state_dict`` key of the tensor, how to merge it or None), adapters left out.
 
     ``…q_proj.base_layer.weight`` becomes ``…q_proj.weight`` (merged with that layer's ``A``, ``B``),
@@ -132,8 +140,11 @@ def export_plan(model: torch.nn.Module,
     merges = {}
     for name, layer in _lora_layers(model).items():
         merges[f"{name}.base_layer.weight"] = LoraMerge(
-            f"{name}.lora_A.{ADAPTER_NAME}.weight", f"{name}.lora_B.{ADAPTER_NAME}.weight",
-            float(layer.scaling[ADAPTER_NAME]), bool(getattr(layer, "fan_in_fan_out", False)))
+            f"{name}.lora_A.{ADAPTER_NAME}.weight",
+            f"{name}.lora_B.{ADAPTER_NAME}.weight",
+            float(layer.scaling[ADAPTER_NAME]),
+            bool(getattr(layer, "fan_in_fan_out", False)),
+        )
     plan = {}
     for key in state_dict:
         if ".lora_" in key:
@@ -145,12 +156,14 @@ def export_plan(model: torch.nn.Module,
 def adapter_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
     """``peft`` file name of each adapter tensor (``base_model.model.<module>.lora_A.weight``) → ``state_dict`` key."""
     suffix = f".{ADAPTER_NAME}.weight"
-    return {"base_model.model." + key[:-len(suffix)] + ".weight": key
-            for key in state_dict if ".lora_" in key and key.endswith(suffix)}
+    return {
+        "base_model.model." + key[: -len(suffix)] + ".weight": key
+        for key in state_dict
+        if ".lora_" in key and key.endswith(suffix)
+    }
 
 
-def save_adapters(cfg, tensors: dict[str, torch.Tensor], out_dir: Union[str, Path],
-                  base_model: str = "") -> Path:
+def save_adapters(cfg, tensors: dict[str, torch.Tensor], out_dir: Union[str, Path], base_model: str = "") -> Path:
     """Write ``tensors`` (from ``adapter_state_dict``, whole, on CPU) as a ``peft`` adapter folder."""
     from safetensors.torch import save_file
 
@@ -159,6 +172,9 @@ def save_adapters(cfg, tensors: dict[str, torch.Tensor], out_dir: Union[str, Pat
     config = lora_config(cfg)
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return out

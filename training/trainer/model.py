@@ -28,10 +28,17 @@ PACKED_SDPA = "packed_sdpa"
 """Name of the per-sequence attention implementation registered with ``transformers``."""
 
 
-def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                          scaling: Optional[float] = None, cu_seq_lens_q: Optional[torch.Tensor] = None,
-                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    cu_seq_lens_q: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention over ``[B, H, N, D]`` inputs; returns ``[B, N, H, D]`` like ``transformers``' kernels.
 
     With ``cu_seq_lens_q`` (``[S + 1]`` boundaries of the packed sequences), full-attention
@@ -43,27 +50,38 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     layout = kwargs.pop("shared_prefix_layout", None)
     if layout is not None:
         if sliding or query.shape[2] != key.shape[2] or query.shape[2] != layout.num_compute_tokens:
-            raise ValueError("shared_prefix_layout: needs full attention over the whole compute row without a cache "
-                             f"(sliding_window={sliding}, query {query.shape[2]}, key {key.shape[2]} rows, "
-                             f"layout {layout.num_compute_tokens})")
+            raise ValueError(
+                "shared_prefix_layout: needs full attention over the whole compute row without a cache "
+                f"(sliding_window={sliding}, query {query.shape[2]}, key {key.shape[2]} rows, "
+                f"layout {layout.num_compute_tokens})"
+            )
         return _shared_prefix_attention(query, key, value, layout, dropout, scaling), None
     if cu_seq_lens_q is None or sliding or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q: must run from 0 to {query.shape[2]}, got {bounds[0]}..{bounds[-1]}")
     gqa = query.shape[1] != key.shape[1]
     outputs = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
-                                       scale=scaling, is_causal=True, enable_gqa=gqa)
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=True,
+            enable_gqa=gqa,
+        )
         for a, b in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Any,
-                             dropout: float, scaling: Optional[float]) -> torch.Tensor:
+def _shared_prefix_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Any, dropout: float, scaling: Optional[float]
+) -> torch.Tensor:
     """``[B, H, C, D]`` inputs over the spans of ``layout`` → ``[B, C, H, D]`` (see the module docstring)."""
     layout.attention_calls += 1
     gqa = query.shape[1] != key.shape[1]
@@ -71,15 +89,26 @@ def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     for span, mask in zip(layout.spans, layout.span_masks):
         a, b = span.start, span.end
         if mask is None:
-            outputs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                          dropout_p=dropout, scale=scaling, is_causal=True,
-                                                          enable_gqa=gqa))
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, a:b],
+                    key[:, :, a:b],
+                    value[:, :, a:b],
+                    dropout_p=dropout,
+                    scale=scaling,
+                    is_causal=True,
+                    enable_gqa=gqa,
+                )
+            )
             continue
         c, d = span.context_start, span.context_end
         keys = torch.cat([key[:, :, c:d], key[:, :, a:b]], dim=2)
         values = torch.cat([value[:, :, c:d], value[:, :, a:b]], dim=2)
-        outputs.append(F.scaled_dot_product_attention(query[:, :, a:b], keys, values, attn_mask=mask,
-                                                      dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, a:b], keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+            )
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
@@ -136,8 +165,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(config, key, 0.0)
 
 
-def load_causal_lm(path_or_hub_id: str, device: Union[str, torch.device], dtype: torch.dtype,
-                   gradient_checkpointing: bool = False, **kwargs: Any) -> torch.nn.Module:
+def load_causal_lm(
+    path_or_hub_id: str,
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    gradient_checkpointing: bool = False,
+    **kwargs: Any,
+) -> torch.nn.Module:
     """Load ``AutoModelForCausalLM`` from a local folder or a hub id onto ``device`` in ``dtype``.
 
     Extra keyword arguments (``gguf_file=``, ``revision=``, ``attn_implementation=``...) go to

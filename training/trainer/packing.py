@@ -56,8 +56,9 @@ class PackedBatch:
     def num_sequences(self) -> int:
         return len(self.lengths)
 
-    def gather(self, per_sample: Union[Sequence[Sequence[float]], Sequence[float]],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def gather(
+        self, per_sample: Union[Sequence[Sequence[float]], Sequence[float]], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Build an ``[N]`` tensor from values indexed like the original sequence list.
 
         ``per_sample[i]`` is either a list with one value per token of sequence ``i``
@@ -74,8 +75,10 @@ class PackedBatch:
                 continue
             values_T = torch.as_tensor(value, dtype=dtype, device=device)
             if values_T.ndim != 1 or values_T.numel() != length:
-                raise ValueError(f"per_sample[{sample_index}]: expected a scalar or {length} per-token values, "
-                                 f"got shape {tuple(values_T.shape)}")
+                raise ValueError(
+                    f"per_sample[{sample_index}]: expected a scalar or {length} per-token values, "
+                    f"got shape {tuple(values_T.shape)}"
+                )
             parts.append(values_T)
         return torch.cat(parts)
 
@@ -89,9 +92,14 @@ class PackedBatch:
 
     def to(self, device: Union[str, torch.device]) -> "PackedBatch":
         """A copy with the tensors on ``device``."""
-        return PackedBatch(self.input_ids_N.to(device), self.position_ids_N.to(device),
-                           self.sequence_index_N.to(device), list(self.sample_indices), list(self.lengths),
-                           None if self.shared is None else self.shared.to(device))
+        return PackedBatch(
+            self.input_ids_N.to(device),
+            self.position_ids_N.to(device),
+            self.sequence_index_N.to(device),
+            list(self.sample_indices),
+            list(self.lengths),
+            None if self.shared is None else self.shared.to(device),
+        )
 
     def attention_mask(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """Block-diagonal causal mask ``[1, 1, N, N]``: query i may see key j iff both are in the
@@ -174,14 +182,16 @@ def _make_batch(sequences: Sequence[Sequence[int]], units: list[Unit]) -> Packed
     lengths = [len(sequences[i]) for i in members]
     input_ids_N = torch.tensor([tok for i in members for tok in sequences[i]], dtype=torch.long)
     position_ids_N = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
-    sequence_index_N = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.long),
-                                               torch.tensor(lengths, dtype=torch.long))
+    sequence_index_N = torch.repeat_interleave(
+        torch.arange(len(lengths), dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+    )
     shared = build_shared_layout(sequences, units) if any(p > 0 for _, p in units) else None
     return PackedBatch(input_ids_N, position_ids_N, sequence_index_N, members, lengths, shared)
 
 
-def pack_sequences(sequences: Sequence[Sequence[int]], max_tokens: int,
-                   share_prefixes: bool = False) -> list[PackedBatch]:
+def pack_sequences(
+    sequences: Sequence[Sequence[int]], max_tokens: int, share_prefixes: bool = False
+) -> list[PackedBatch]:
     """First-fit packing of ``sequences`` into micro-batches of at most ``max_tokens`` computed tokens.
 
     Sequences are visited in order; each goes into the first open micro-batch with room for it

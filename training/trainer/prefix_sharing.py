@@ -44,8 +44,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def prefix_groups(sequences: Sequence[Sequence[int]],
-                  min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
+def prefix_groups(
+    sequences: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX
+) -> list[tuple[list[int], int]]:
     """Partition ``sequences`` into groups that share a prefix: ``[(members, prefix_len)]``.
 
     ``members`` are indices into ``sequences`` (increasing); ``prefix_len`` is the tokens the
@@ -66,7 +67,7 @@ def prefix_groups(sequences: Sequence[Sequence[int]],
         few hundred)."""
         if hi - lo == 1:
             return 0, [(lo, hi, 0)]
-        low = min(lcp[lo:hi - 1])
+        low = min(lcp[lo : hi - 1])
         prefix = min(low, min(len(sequences[order[k]]) for k in range(lo, hi)) - 1)
         whole = (hi - lo - 1) * prefix if prefix >= min_prefix else 0
         # split where the neighbours' common prefix is smallest: each part may share more
@@ -138,13 +139,20 @@ class SharedPrefixLayout:
         return int(self.input_ids_C.numel())
 
     def to(self, device: Union[str, torch.device]) -> "SharedPrefixLayout":
-        return SharedPrefixLayout(self.input_ids_C.to(device), self.position_ids_C.to(device), list(self.spans),
-                                  [None if m is None else m.to(device) for m in self.span_masks],
-                                  self.predictor_M.to(device), self.target_M.to(device), self.source_N.to(device))
+        return SharedPrefixLayout(
+            self.input_ids_C.to(device),
+            self.position_ids_C.to(device),
+            list(self.spans),
+            [None if m is None else m.to(device) for m in self.span_masks],
+            self.predictor_M.to(device),
+            self.target_M.to(device),
+            self.source_N.to(device),
+        )
 
 
-def build_shared_layout(sequences: Sequence[Sequence[int]],
-                        units: Sequence[tuple[list[int], int]]) -> SharedPrefixLayout:
+def build_shared_layout(
+    sequences: Sequence[Sequence[int]], units: Sequence[tuple[list[int], int]]
+) -> SharedPrefixLayout:
     """The shared layout of ``units`` (``(members, prefix_len)``, prefix 0 = one plain sequence)
     in order; the ordinary layout is the members' full sequences in the same order."""
     ids: list[int] = []
@@ -196,5 +204,6 @@ def build_shared_layout(sequences: Sequence[Sequence[int]],
                 predictor.append(p_end - 1 if t == prefix_len else s_start + t - prefix_len - 1)
                 target.append(seq[t])
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return SharedPrefixLayout(as_long(ids), as_long(positions), spans, masks, as_long(predictor), as_long(target),
-                              as_long(source))
+    return SharedPrefixLayout(
+        as_long(ids), as_long(positions), spans, masks, as_long(predictor), as_long(target), as_long(source)
+    )

@@ -136,8 +136,15 @@ class _ScoringModel:
         self.model.eval()
         if not dist_utils.is_distributed():
             with self.autocast():
-                return score_sequences(self.model, sequences, self.device, self.cfg.micro_batch_tokens,
-                                       self.cfg.logprob_chunk_tokens, temperature, self.share_prefixes)
+                return score_sequences(
+                    self.model,
+                    sequences,
+                    self.device,
+                    self.cfg.micro_batch_tokens,
+                    self.cfg.logprob_chunk_tokens,
+                    temperature,
+                    self.share_prefixes,
+                )
         return self._sharded_logprobs(sequences, temperature)
 
     @torch.no_grad()
@@ -150,13 +157,16 @@ class _ScoringModel:
         flat = torch.zeros(starts[-1], dtype=torch.float32)
         for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens, self.share_prefixes):
             with self.autocast():
-                logprobs_N = fsdp_logprobs(self.model, packed.to(self.device), self.cfg.logprob_chunk_tokens,
-                                           temperature).float().cpu()
+                logprobs_N = (
+                    fsdp_logprobs(self.model, packed.to(self.device), self.cfg.logprob_chunk_tokens, temperature)
+                    .float()
+                    .cpu()
+                )
             if is_real:
                 for i, logprobs_T in zip(packed.sample_indices, packed.split(logprobs_N)):
-                    flat[starts[i]:starts[i + 1]] = logprobs_T
+                    flat[starts[i] : starts[i + 1]] = logprobs_T
         dist_utils.all_reduce_sum_(flat)
-        return [flat[starts[i]:starts[i + 1]].tolist() for i in range(len(sequences))]
+        return [flat[starts[i] : starts[i + 1]].tolist() for i in range(len(sequences))]
 
 
 class ReferenceModel(_ScoringModel):
@@ -214,11 +224,13 @@ class PolicyTrainer(_ScoringModel):
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
         fused = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                                           betas=tuple(cfg.adam_betas), fused=fused or None)
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), fused=fused or None
+        )
 
-    def forward_backward(self, sequences: Sequence[Sequence[int]], loss_fn: LossFn,
-                         temperature: float = 1.0) -> dict[str, float]:
+    def forward_backward(
+        self, sequences: Sequence[Sequence[int]], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
         """Pack ``sequences``, and per micro-batch: logprobs with gradient, ``loss_fn``, backward.
 
         Gradients accumulate in ``.grad`` until ``optim_step``. Returns the micro-batch metrics
@@ -322,12 +334,17 @@ class PolicyTrainer(_ScoringModel):
         """``state_dict[key]`` whole (gathered under FSDP2), merged with its adapter when ``merge`` says so."""
         whole = full_tensor(state_dict[key]).detach()
         if merge is not None:
-            whole = lora.merged(whole, full_tensor(state_dict[merge.a_key]).detach(),
-                                full_tensor(state_dict[merge.b_key]).detach(), merge)
+            whole = lora.merged(
+                whole,
+                full_tensor(state_dict[merge.a_key]).detach(),
+                full_tensor(state_dict[merge.b_key]).detach(),
+                merge,
+            )
         return whole
 
-    def _export_plan(self, state_dict: dict) -> list[tuple[str, str, Optional[lora.LoraMerge], torch.dtype,
-                                                            tuple[int, ...]]]:
+    def _export_plan(
+        self, state_dict: dict
+    ) -> list[tuple[str, str, Optional[lora.LoraMerge], torch.dtype, tuple[int, ...]]]:
         """(export name, state_dict key, LoRA merge or None, dtype, full shape) per tensor ``named_weights``
         yields, picked on shape-only stand-ins: the same answer on every rank, no collective."""
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
@@ -337,8 +354,10 @@ class PolicyTrainer(_ScoringModel):
         out = []
         for name, tensor in _export_state_dict(self.model, renamed).items():
             if origin.get(id(tensor)) is None:
-                raise NotImplementedError(f"named_weights: {name!r} is converted on save (e.g. fused experts); "
-                                          "not supported for FSDP-sharded or LoRA models yet")
+                raise NotImplementedError(
+                    f"named_weights: {name!r} is converted on save (e.g. fused experts); "
+                    "not supported for FSDP-sharded or LoRA models yet"
+                )
             key, merge = sources[origin[id(tensor)]]
             out.append((name, key, merge, tensor.dtype, tuple(tensor.shape)))
         return out
@@ -373,8 +392,10 @@ class PolicyTrainer(_ScoringModel):
                 self.tokenizer.save_pretrained(out)
             if self.lora and (self.cfg.lora_save_adapters if adapters is None else adapters):
                 model_state = self.model.state_dict()
-                tensors = {name: full_tensor(model_state[key]).detach().cpu()
-                           for name, key in lora.adapter_state_dict(self.model, model_state).items()}
+                tensors = {
+                    name: full_tensor(model_state[key]).detach().cpu()
+                    for name, key in lora.adapter_state_dict(self.model, model_state).items()
+                }
                 if main:
                     lora.save_adapters(self.cfg, tensors, out / "adapter", base_model=self.model_path)
         return out

@@ -98,9 +98,10 @@ def normalise_tool_call(call: Any, path: str) -> dict:
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise ChatMessageError(f"{path}.function.name", "must be a non-empty string")
-    out: dict[str, Any] = {"type": "function",
-                           "function": {"name": name, "arguments": _arguments(fn.get("arguments"),
-                                                                              f"{path}.function.arguments")}}
+    out: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": name, "arguments": _arguments(fn.get("arguments"), f"{path}.function.arguments")},
+    }
     if call.get("id") is not None:
         out = {"id": str(call["id"]), **out}
     return out
@@ -185,9 +186,16 @@ def template_renders_tool_calls(tokenizer: Any) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     key = template if isinstance(template, str) else repr(template)
     if key not in _RENDERS_TOOL_CALLS:
-        probe = [{"role": "user", "content": "hi"},
-                 {"role": "assistant", "content": "", "tool_calls": [
-                     {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL_NAME, "arguments": {}}}]}]
+        probe = [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL_NAME, "arguments": {}}}
+                ],
+            },
+        ]
         try:
             text = tokenizer.apply_chat_template(probe, tokenize=False)
         except Exception:  # noqa: BLE001 - a template that cannot take tool calls does not render them
@@ -204,6 +212,16 @@ def prepare_for_template(messages: Any, tokenizer: Optional[Any] = None) -> list
     return out
 
 
-__all__ = ["ROLES", "ChatMessageError", "assistant_text", "content_text", "inline_tool_calls", "normalise_message",
-           "normalise_messages", "normalise_tool_call", "prepare_for_template", "template_renders_tool_calls",
-           "tool_call_text"]
+__all__ = [
+    "ROLES",
+    "ChatMessageError",
+    "assistant_text",
+    "content_text",
+    "inline_tool_calls",
+    "normalise_message",
+    "normalise_messages",
+    "normalise_tool_call",
+    "prepare_for_template",
+    "template_renders_tool_calls",
+    "tool_call_text",
+]

@@ -55,8 +55,14 @@ def _trainable_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, recipe_state: Optional[dict], keep_last: int = 2) -> Path:
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe_state: Optional[dict],
+    keep_last: int = 2,
+) -> Path:
     """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep_last``.
 
     ``recipe_state`` is required on rank 0 and ignored on the other ranks.
@@ -113,19 +119,22 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         dcp.load(state, checkpoint_id=str(path))
     finally:
         ctx.__exit__(None, None, None)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_LOAD_TRAINABLE)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_TRAINABLE
+    )
     return json.loads((path / RECIPE_STATE).read_text())
 
 
 def rng_state() -> dict:
     """Python and torch RNG state as JSON-able data."""
     import random
+
     return {"python": repr(random.getstate()), "torch": torch.get_rng_state().tolist()}
 
 
 def set_rng_state(state: dict) -> None:
     import ast
     import random
+
     random.setstate(ast.literal_eval(state["python"]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

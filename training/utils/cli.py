@@ -66,7 +66,9 @@ def help_text(cfg: Any, prefix: str = "") -> str:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in aliases:
-            lines.append(f"  {prefix}{f.name}=...\n      the same setting as {prefix}{aliases[f.name]} (either spelling)")
+            lines.append(
+                f"  {prefix}{f.name}=...\n      the same setting as {prefix}{aliases[f.name]} (either spelling)"
+            )
         elif dataclasses.is_dataclass(value):
             lines.append(help_text(value, prefix + f.name + "."))
         else:

@@ -85,8 +85,11 @@ class TrainerConfig:
         _check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
         _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {self.grad_clip_norm}")
-        _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
-               "adam_betas", f"must be two values in [0, 1), got {self.adam_betas}")
+        _check(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "adam_betas",
+            f"must be two values in [0, 1), got {self.adam_betas}",
+        )
         _check(self.micro_batch_tokens > 0, "micro_batch_tokens", f"must be > 0, got {self.micro_batch_tokens}")
         _check(self.logprob_chunk_tokens > 0, "logprob_chunk_tokens", f"must be > 0, got {self.logprob_chunk_tokens}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
@@ -96,9 +99,13 @@ class TrainerConfig:
         _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         _check(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
         _check(0 <= self.lora_dropout < 1, "lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
-        _check(isinstance(self.lora_target_modules, (list, tuple)) and len(self.lora_target_modules) > 0
-               and all(isinstance(m, str) and m for m in self.lora_target_modules), "lora_target_modules",
-               f"must be a non-empty list of module names, got {self.lora_target_modules!r}")
+        _check(
+            isinstance(self.lora_target_modules, (list, tuple))
+            and len(self.lora_target_modules) > 0
+            and all(isinstance(m, str) and m for m in self.lora_target_modules),
+            "lora_target_modules",
+            f"must be a non-empty list of module names, got {self.lora_target_modules!r}",
+        )
 
 
 @dataclass
@@ -138,18 +145,27 @@ class EngineConfig:
     ``recompute`` it under the new weights before the next decode step."""
 
     def __post_init__(self):
-        _check(self.model is None or (isinstance(self.model, str) and self.model != ""), "model",
-               "must be a folder or hub id (or None inside a DeployConfig)")
+        _check(
+            self.model is None or (isinstance(self.model, str) and self.model != ""),
+            "model",
+            "must be a folder or hub id (or None inside a DeployConfig)",
+        )
         _check_device("device", self.device)
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
-        _check(all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
-               f"must be positive integers, got {self.cuda_graph_batch_sizes!r}")
+        _check(
+            all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes),
+            "cuda_graph_batch_sizes",
+            f"must be positive integers, got {self.cuda_graph_batch_sizes!r}",
+        )
         _check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
         _check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
-        _check(self.inflight_update_kv in INFLIGHT_UPDATE_KV, "inflight_update_kv",
-               f"{self.inflight_update_kv!r} is not one of {INFLIGHT_UPDATE_KV}")
+        _check(
+            self.inflight_update_kv in INFLIGHT_UPDATE_KV,
+            "inflight_update_kv",
+            f"{self.inflight_update_kv!r} is not one of {INFLIGHT_UPDATE_KV}",
+        )
         self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
 
     def resolve_device(self):
@@ -228,28 +244,55 @@ class DeployConfig:
         _check(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
         for name in ("deployment_id", "tokenizer_model"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and value.strip() != ""), name,
-                   f"must be a non-empty string or None, got {value!r}")
-        _check(isinstance(self.engine_args, (list, tuple)) and all(isinstance(a, str) for a in self.engine_args),
-               "engine_args", f"must be a list of strings, got {self.engine_args!r}")
-        _check(isinstance(self.engine_env, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                         for k, v in self.engine_env.items()),
-               "engine_env", f"must map strings to strings, got {self.engine_env!r}")
+            _check(
+                value is None or (isinstance(value, str) and value.strip() != ""),
+                name,
+                f"must be a non-empty string or None, got {value!r}",
+            )
+        _check(
+            isinstance(self.engine_args, (list, tuple)) and all(isinstance(a, str) for a in self.engine_args),
+            "engine_args",
+            f"must be a list of strings, got {self.engine_args!r}",
+        )
+        _check(
+            isinstance(self.engine_env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.engine_env.items()),
+            "engine_env",
+            f"must map strings to strings, got {self.engine_env!r}",
+        )
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        _check(isinstance(self.engine_config, EngineConfig), "engine_config",
-               f"must be an EngineConfig, got {type(self.engine_config).__name__}")
-        _check(self.weight_sync in WEIGHT_SYNC_MODES, "weight_sync",
-               f"{self.weight_sync!r} is not one of {WEIGHT_SYNC_MODES}")
-        _check(self.weight_sync_backend in ("gloo", "nccl"), "weight_sync_backend",
-               f"{self.weight_sync_backend!r} is not one of ('gloo', 'nccl')")
-        _check(0 <= self.weight_sync_master_port < 65536, "weight_sync_master_port",
-               f"must be in [0, 65535], got {self.weight_sync_master_port}")
+        _check(
+            isinstance(self.engine_config, EngineConfig),
+            "engine_config",
+            f"must be an EngineConfig, got {type(self.engine_config).__name__}",
+        )
+        _check(
+            self.weight_sync in WEIGHT_SYNC_MODES,
+            "weight_sync",
+            f"{self.weight_sync!r} is not one of {WEIGHT_SYNC_MODES}",
+        )
+        _check(
+            self.weight_sync_backend in ("gloo", "nccl"),
+            "weight_sync_backend",
+            f"{self.weight_sync_backend!r} is not one of ('gloo', 'nccl')",
+        )
+        _check(
+            0 <= self.weight_sync_master_port < 65536,
+            "weight_sync_master_port",
+            f"must be in [0, 65535], got {self.weight_sync_master_port}",
+        )
         if self.weight_sync == "distributed":
-            _check(self.base_url is not None and self.engine == "embedded", "weight_sync",
-                   "'distributed' needs servers of this package attached by base_url (same-host embedded "
-                   "servers use shm; vLLM / SGLang sync through their own endpoints)")
-            _check(bool(self.weight_sync_master_addr), "weight_sync_master_addr",
-                   "required with weight_sync='distributed': the trainer's address as the servers reach it")
+            _check(
+                self.base_url is not None and self.engine == "embedded",
+                "weight_sync",
+                "'distributed' needs servers of this package attached by base_url (same-host embedded "
+                "servers use shm; vLLM / SGLang sync through their own endpoints)",
+            )
+            _check(
+                bool(self.weight_sync_master_addr),
+                "weight_sync_master_addr",
+                "required with weight_sync='distributed': the trainer's address as the servers reach it",
+            )
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
@@ -260,8 +303,11 @@ class DeployConfig:
             urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
             _check(len(urls) > 0, "base_url", "an empty list; give at least one URL or None")
             for url in urls:
-                _check(isinstance(url, str) and url.startswith(("http://", "https://")), "base_url",
-                       f"must start with http:// or https://, got {url!r}")
+                _check(
+                    isinstance(url, str) and url.startswith(("http://", "https://")),
+                    "base_url",
+                    f"must start with http:// or https://, got {url!r}",
+                )
 
 
 @dataclass
@@ -280,12 +326,13 @@ class WandBConfig:
     """Tags attached to the run."""
 
     def __post_init__(self):
-        _check(self.mode in ("online", "offline", "disabled"), "mode",
-               f"{self.mode!r} is not one of ('online', 'offline', 'disabled')")
+        _check(
+            self.mode in ("online", "offline", "disabled"),
+            "mode",
+            f"{self.mode!r} is not one of ('online', 'offline', 'disabled')",
+        )
 
     @property
     def enabled(self) -> bool:
         """A project is set and neither the config nor ``WANDB_MODE`` disables wandb."""
-        import os
-
         return self.project is not None and (os.environ.get("WANDB_MODE") or self.mode) != "disabled"

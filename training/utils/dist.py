@@ -174,7 +174,7 @@ def _all_gather_strings(strings: list[str]) -> list[list[str]]:
     blob = torch.tensor(list("\n".join(strings).encode("utf-8")), dtype=torch.uint8)
     size = max_over_ranks(blob.numel())
     padded = torch.zeros(size + 1, dtype=torch.uint8)
-    padded[:blob.numel()] = blob
+    padded[: blob.numel()] = blob
     padded[-1] = blob.numel() > 0  # an empty list and [""] differ
     gathered = [torch.empty_like(padded) for _ in range(world_size())]
     dist.all_gather(gathered, padded)

@@ -72,8 +72,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def control_request(method: str, url: str, body: Optional[dict] = None, *, api_key: Optional[str] = None,
-                    timeout: float = 10.0, params: Optional[dict] = None) -> tuple[int, str]:
+def control_request(
+    method: str,
+    url: str,
+    body: Optional[dict] = None,
+    *,
+    api_key: Optional[str] = None,
+    timeout: float = 10.0,
+    params: Optional[dict] = None,
+) -> tuple[int, str]:
     """A blocking JSON request: ``(status, text)``; status 0 (and the error text) when unreachable."""
     if params:
         url = f"{url}?{urllib.parse.urlencode(params)}"
@@ -89,9 +96,16 @@ def control_request(method: str, url: str, body: Optional[dict] = None, *, api_k
         return 0, str(e)
 
 
-async def request_json(session: Any, method: str, url: str, body: Optional[dict] = None, *,
-                       api_key: Optional[str] = None, params: Optional[dict] = None,
-                       error: type[Exception] = RuntimeError) -> Any:
+async def request_json(
+    session: Any,
+    method: str,
+    url: str,
+    body: Optional[dict] = None,
+    *,
+    api_key: Optional[str] = None,
+    params: Optional[dict] = None,
+    error: type[Exception] = RuntimeError,
+) -> Any:
     """Send one JSON request on an ``aiohttp`` session; return the decoded answer (text if not JSON).
 
     An answer >= 400 raises ``error("<url>: HTTP <status>: <text>")``.
@@ -108,7 +122,7 @@ async def request_json(session: Any, method: str, url: str, body: Optional[dict]
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting a request body may have (OpenAI bodies need fewer than 10 levels)."""
-MAX_JSON_INT = 2 ** 64
+MAX_JSON_INT = 2**64
 """Integers in a request body must lie in (-MAX_JSON_INT, MAX_JSON_INT)."""
 
 
@@ -158,6 +172,7 @@ def parse_json_body(raw: bytes) -> Any:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise JsonBodyError(f"{where}: contains a lone surrogate escape (not valid Unicode text)", field) \
-                    from None
+                raise JsonBodyError(
+                    f"{where}: contains a lone surrogate escape (not valid Unicode text)", field
+                ) from None
     return body

@@ -81,9 +81,12 @@ class LoopWatchdog:
                 reported = beat
                 frame = sys._current_frames().get(self._loop_thread)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
-                log.warning("the event loop has been blocked for %.1f s by code that does not await; every "
-                            "rollout waits meanwhile (run blocking calls with asyncio.to_thread). Where it is:\n%s",
-                            time.monotonic() - beat, stack)
+                log.warning(
+                    "the event loop has been blocked for %.1f s by code that does not await; every "
+                    "rollout waits meanwhile (run blocking calls with asyncio.to_thread). Where it is:\n%s",
+                    time.monotonic() - beat,
+                    stack,
+                )
 
     def blocked_s_since(self, since: float) -> float:
         """Seconds after ``since`` (monotonic) during which the loop stood still, ongoing stall included."""

@@ -48,9 +48,13 @@ def wandb_settings(cfg: WandBConfig, default_name: str, env: Optional[Mapping[st
     """``wandb.init`` arguments. The ``WANDB_*`` environment wins (``WANDB_MODE``, ``WANDB_PROJECT``,
     ``WANDB_ENTITY``, ``WANDB_NAME``); the config supplies the defaults, as wandb's own settings do."""
     env = os.environ if env is None else env
-    return {"project": env.get("WANDB_PROJECT") or cfg.project, "entity": env.get("WANDB_ENTITY") or cfg.entity,
-            "name": env.get("WANDB_NAME") or cfg.run_name or default_name,
-            "mode": env.get("WANDB_MODE") or cfg.mode, "tags": cfg.tags}
+    return {
+        "project": env.get("WANDB_PROJECT") or cfg.project,
+        "entity": env.get("WANDB_ENTITY") or cfg.entity,
+        "name": env.get("WANDB_NAME") or cfg.run_name or default_name,
+        "mode": env.get("WANDB_MODE") or cfg.mode,
+        "tags": cfg.tags,
+    }
 
 
 class MetricsLogger:
@@ -61,16 +65,28 @@ class MetricsLogger:
     ``*.replaced.jsonl``, since those steps are trained again.
     """
 
-    def __init__(self, log_path: str | Path, total_steps: Optional[int], wandb_cfg: Optional[WandBConfig] = None,
-                 run_config: Optional[dict] = None, console: bool = True, resume_step: int = 0):
+    def __init__(
+        self,
+        log_path: str | Path,
+        total_steps: Optional[int],
+        wandb_cfg: Optional[WandBConfig] = None,
+        run_config: Optional[dict] = None,
+        console: bool = True,
+        resume_step: int = 0,
+    ):
         self.path = Path(log_path) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0:
             for path in (self.path, self.path.parent / "rollouts.jsonl"):
                 moved = set_aside_steps_from(path, resume_step)
                 if moved:
-                    logger.info("resumed at step %d: %d rows of %s set aside in %s", resume_step, moved,
-                                path.name, f"{path.stem}.replaced.jsonl")
+                    logger.info(
+                        "resumed at step %d: %d rows of %s set aside in %s",
+                        resume_step,
+                        moved,
+                        path.name,
+                        f"{path.stem}.replaced.jsonl",
+                    )
         self.total_steps = total_steps
         self.console = console
         self.t0 = time.perf_counter()
@@ -80,13 +96,15 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise ImportError("wandb is configured but not installed: pip install -e '.[wandb]'") from None
-            self._wandb = wandb.init(**wandb_settings(wandb_cfg, Path(log_path).name), config=run_config,
-                                     dir=str(log_path))
+            self._wandb = wandb.init(
+                **wandb_settings(wandb_cfg, Path(log_path).name), config=run_config, dir=str(log_path)
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time_s": round(time.perf_counter() - self.t0, 3)}
-        row.update({k: (v if isinstance(v, (int, str)) or v is None or math.isfinite(v) else None)
-                    for k, v in metrics.items()})
+        row.update(
+            {k: (v if isinstance(v, (int, str)) or v is None or math.isfinite(v) else None) for k, v in metrics.items()}
+        )
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
@@ -99,13 +117,25 @@ class MetricsLogger:
         with (self.path.parent / "rollouts.jsonl").open("a") as f:
             for g in groups:
                 for sample, completion, advantage in zip(g.samples, g.completion_index, g.advantages):
-                    f.write(json.dumps({
-                        "step": step, "row_position": g.position, "completion": completion,
-                        "submit_version": g.submit_version, "reward": sample.reward, "advantage": advantage,
-                        "finish_reason": sample.finish_reason, "tokens": len(sample.tokens),
-                        "trainable_tokens": sample.num_trainable_tokens, "text": sample.text[:2000],
-                        "metadata": g.metadata.get(completion),
-                    }, default=str) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "row_position": g.position,
+                                "completion": completion,
+                                "submit_version": g.submit_version,
+                                "reward": sample.reward,
+                                "advantage": advantage,
+                                "finish_reason": sample.finish_reason,
+                                "tokens": len(sample.tokens),
+                                "trainable_tokens": sample.num_trainable_tokens,
+                                "text": sample.text[:2000],
+                                "metadata": g.metadata.get(completion),
+                            },
+                            default=str,
+                        )
+                        + "\n"
+                    )
 
     def progress_line(self, step: int, m: dict[str, float]) -> str:
         total = self.total_steps
@@ -115,9 +145,13 @@ class MetricsLogger:
             filled = int(20 * done / total)
             bar = f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total} "
         parts = [f"step {step}", bar.strip()]
-        for key, fmt in (("rollout/reward_mean", "reward {:.3f}"), ("eval/reward_mean", "eval {:.3f}"),
-                         ("train/loss", "loss {:.4f}"), ("perf/step_time_s", "{:.1f} s/step"),
-                         ("offpolicy/staleness_mean", "stale {:.2f}")):
+        for key, fmt in (
+            ("rollout/reward_mean", "reward {:.3f}"),
+            ("eval/reward_mean", "eval {:.3f}"),
+            ("train/loss", "loss {:.4f}"),
+            ("perf/step_time_s", "{:.1f} s/step"),
+            ("offpolicy/staleness_mean", "stale {:.2f}"),
+        ):
             if key in m and m[key] is not None:
                 parts.append(fmt.format(m[key]))
         return " | ".join(p for p in parts if p)

@@ -37,8 +37,15 @@ def config_differences(old: Any, new: Any, prefix: str = "", ignore: Iterable[st
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
-def check_log_path(log_path: str | Path, config: dict, *, has_checkpoint: bool, ignore: Iterable[str] = (),
-                   resume_anyway: bool = False, resume_flag: str = "resume_with_changed_config") -> None:
+def check_log_path(
+    log_path: str | Path,
+    config: dict,
+    *,
+    has_checkpoint: bool,
+    ignore: Iterable[str] = (),
+    resume_anyway: bool = False,
+    resume_flag: str = "resume_with_changed_config",
+) -> None:
     """Refuse a run that would mix with another in ``log_path`` (see the module docstring).
 
     ``config`` is the JSON view of this run's config; ``ignore`` lists keys that may change on a
@@ -54,8 +61,10 @@ def check_log_path(log_path: str | Path, config: dict, *, has_checkpoint: bool, 
         if diffs and not resume_anyway:
             raise LogPathInUse(
                 f"log_path {log_path} holds a run with other settings, and rerunning resumes it. Differences "
-                f"(recorded -> now):\n  " + "\n  ".join(diffs) +
-                f"\nUse another log_path for a new run, or set {resume_flag}=True to resume with these changes.")
+                f"(recorded -> now):\n  "
+                + "\n  ".join(diffs)
+                + f"\nUse another log_path for a new run, or set {resume_flag}=True to resume with these changes."
+            )
         if diffs:
             log.warning("resuming %s with changed settings:\n  %s", log_path, "\n  ".join(diffs))
         return
@@ -64,7 +73,8 @@ def check_log_path(log_path: str | Path, config: dict, *, has_checkpoint: bool, 
         raise LogPathInUse(
             f"log_path {log_path} already holds a run ({metrics} has rows) and no checkpoint to resume from; a "
             "second run would mix its metrics with the first one's. Use another log_path, or delete that folder. "
-            "(Runs with dcp_save_interval > 0 resume from their newest checkpoint instead.)")
+            "(Runs with dcp_save_interval > 0 resume from their newest checkpoint instead.)"
+        )
 
 
 def write_config_record(log_path: str | Path, config: dict) -> Path:

@@ -30,23 +30,45 @@ logger = logging.getLogger(__name__)
 
 CHECK_MODES = ("warn", "error", "off")
 
-SCRIPT_TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+SCRIPT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 SCRIPT = [
     {"role": "system", "content": "You solve problems with tools."},
     {"role": "user", "content": "What is 17 + 25, and 3 * 4?"},
-    {"role": "assistant", "content": "<think>\nTwo sums.\n</think>\n\n"
-     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 + 25"}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>'},
+    {
+        "role": "assistant",
+        "content": "<think>\nTwo sums.\n</think>\n\n"
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 + 25"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>',
+    },
     {"role": "tool", "content": "42"},
     {"role": "tool", "content": "12"},
     {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n42 and 12."},
     {"role": "user", "content": "Thanks. And 2 + 2?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_7", "type": "function",
-         "function": {"name": "calculator", "arguments": '{"expression": "2 + 2"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_7",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "2 + 2"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_7", "content": "4"},
     {"role": "assistant", "content": "4"},
 ]
@@ -69,15 +91,25 @@ class TurnCheck:
     """Empty when ``appends``; else what changed (thinking stripped, first differing token)."""
 
 
-def _ids(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], generation_prompt: bool,
-         template_kwargs: dict) -> list[int]:
+def _ids(
+    tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], generation_prompt: bool, template_kwargs: dict
+) -> list[int]:
     msgs, tools_arg = messages_with_tools(tokenizer, messages, tools)
-    return list(tokenizer.apply_chat_template(msgs, tools=tools_arg, add_generation_prompt=generation_prompt,
-                                              tokenize=True, return_dict=False, **template_kwargs))
+    return list(
+        tokenizer.apply_chat_template(
+            msgs,
+            tools=tools_arg,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **template_kwargs,
+        )
+    )
 
 
-def check_template_appends(tokenizer: Any, messages: Optional[list[dict]] = None,
-                           tools: Optional[list[dict]] = None, **template_kwargs: Any) -> list[TurnCheck]:
+def check_template_appends(
+    tokenizer: Any, messages: Optional[list[dict]] = None, tools: Optional[list[dict]] = None, **template_kwargs: Any
+) -> list[TurnCheck]:
     """Per assistant turn: does the full conversation's rendering extend what the model saw then?
 
     ``messages`` may be OpenAI-SDK shaped (normalised first); ``template_kwargs`` go to
@@ -95,13 +127,13 @@ def check_template_appends(tokenizer: Any, messages: Optional[list[dict]] = None
         seen = _ids(tokenizer, normal[:i], tools, True, template_kwargs)
         reply_text = assistant_text(prepare_for_template([original[i]])[0])
         expected = seen + list(tokenizer.encode(reply_text, add_special_tokens=False))
-        if full[:len(expected)] == expected:
+        if full[: len(expected)] == expected:
             checks.append(TurnCheck(i, True, ""))
             continue
         k = next((j for j, (a, b) in enumerate(zip(full, expected)) if a != b), min(len(full), len(expected)))
         if "<think>" in reply_text and reply_text.split("</think>")[0] not in full_text:
             reason = "thinking stripped from an earlier turn"
-        elif full[:len(seen)] == seen:
+        elif full[: len(seen)] == seen:
             reason = f"the reply re-renders or re-tokenizes differently (first difference at token {k})"
         else:
             reason = f"the prompt changed on re-rendering (first difference at token {k})"
@@ -109,8 +141,9 @@ def check_template_appends(tokenizer: Any, messages: Optional[list[dict]] = None
     return checks
 
 
-def run_template_check(tokenizer: Any, mode: str = "warn", *, where: str = "rollout",
-                       **template_kwargs: Any) -> list[TurnCheck]:
+def run_template_check(
+    tokenizer: Any, mode: str = "warn", *, where: str = "rollout", **template_kwargs: Any
+) -> list[TurnCheck]:
     """The check a rollout factory runs before training: log (``warn``) or raise (``error``) on drift.
 
     A template that cannot render the script at all raises ``TemplateCheckError`` in ``error``
@@ -123,8 +156,10 @@ def run_template_check(tokenizer: Any, mode: str = "warn", *, where: str = "roll
     try:
         checks = check_template_appends(tokenizer, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors name the template's problem
-        message = (f"{where}: the chat template cannot render a tool conversation ({type(e).__name__}: {e}); "
-                   "tool-using episodes will fail (python -m training.agents.template_check MODEL)")
+        message = (
+            f"{where}: the chat template cannot render a tool conversation ({type(e).__name__}: {e}); "
+            "tool-using episodes will fail (python -m training.agents.template_check MODEL)"
+        )
         if mode == "error":
             raise TemplateCheckError(message) from e
         logger.warning(message)
@@ -132,8 +167,10 @@ def run_template_check(tokenizer: Any, mode: str = "warn", *, where: str = "roll
     drifting = [c for c in checks if not c.appends]
     if drifting:
         turns = "; ".join(f"assistant message {c.turn}: {c.reason}" for c in drifting)
-        message = (f"{where}: re-rendering the conversation does not only append ({turns}); an agent that "
-                   "re-renders its history gets a new segment at each such turn (template_check='off' to skip)")
+        message = (
+            f"{where}: re-rendering the conversation does not only append ({turns}); an agent that "
+            "re-renders its history gets a new segment at each such turn (template_check='off' to skip)"
+        )
         if mode == "error":
             raise TemplateCheckError(message)
         logger.warning(message)

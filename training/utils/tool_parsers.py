@@ -39,7 +39,6 @@ class ToolCall:
     """Decoded JSON arguments."""
 
 
-
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
@@ -99,7 +98,7 @@ class HermesToolParser(ToolParser):
         out = ParsedCalls()
         kept, pos = [], 0
         for m in _BLOCK_RE.finditer(text):
-            kept.append(text[pos:m.start()])
+            kept.append(text[pos : m.start()])
             pos = m.end()
             body = m.group(1).strip()
             call_id = f"{id_prefix}{len(out.calls) + len(out.errors)}"
@@ -156,17 +155,22 @@ def get_tool_parser(name: str) -> ToolParser:
 
 def format_parse_error(error: str) -> str:
     """The observation a malformed call turns into."""
-    return (f"Error: could not parse your tool call: {error}. Write each call as "
-            '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>.')
+    return (
+        f"Error: could not parse your tool call: {error}. Write each call as "
+        '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>.'
+    )
 
 
 def to_openai_tool_calls(calls: list[ToolCall]) -> list[dict]:
     """OpenAI ``message.tool_calls`` entries (arguments as a JSON string)."""
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-            for c in calls]
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for c in calls
+    ]
 
 
 # ---------------------------------------------------------------- rendering tools into the prompt
+
 
 def template_renders_tools(tokenizer: Any, tools: list[dict]) -> bool:
     """True if the chat template writes the tool schemas when given ``tools=``."""
@@ -178,12 +182,16 @@ def template_renders_tools(tokenizer: Any, tools: list[dict]) -> bool:
 def tools_system_text(tools: list[dict]) -> str:
     """Hermes-style tool instructions for templates that do not render ``tools`` themselves."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>\n" + lines +
-            "\n</tools>\n\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>")
+    return (
+        "# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>\n"
+        + lines
+        + '\n</tools>\n\nCall a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    )
 
 
-def messages_with_tools(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]]
-                        ) -> tuple[list[dict], Optional[list[dict]]]:
+def messages_with_tools(
+    tokenizer: Any, messages: list[dict], tools: Optional[list[dict]]
+) -> tuple[list[dict], Optional[list[dict]]]:
     """(messages, tools) to hand ``apply_chat_template``: ``tools=`` when the template renders them,
     else the schemas moved into the system message (and ``tools`` None)."""
     if not tools or template_renders_tools(tokenizer, tools):
@@ -195,10 +203,12 @@ def messages_with_tools(tokenizer: Any, messages: list[dict], tools: Optional[li
     return [{"role": "system", "content": text}] + list(messages), None
 
 
-def render_prompt_ids(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None,
-                      **template_kwargs: Any) -> list[int]:
+def render_prompt_ids(
+    tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None, **template_kwargs: Any
+) -> list[int]:
     """Token ids of ``messages`` (+ tool schemas) through the chat template, ending with the assistant header."""
     messages, tools = messages_with_tools(tokenizer, messages, tools)
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False, **template_kwargs)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+    )
     return list(ids)

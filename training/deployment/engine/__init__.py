@@ -9,8 +9,12 @@ See README.md in this folder for the file map and invariants.
 """
 
 from training.deployment.engine.async_engine import AsyncEngine
-from training.deployment.engine.config import (EngineConfig, EngineError, GenerationResult, SamplingParams,
-                                              WeightUpdateError)
+from training.deployment.engine.config import (
+    EngineConfig,
+    EngineError,
+    GenerationResult,
+    SamplingParams,
+    WeightUpdateError,
+)
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "GenerationResult", "SamplingParams",
-           "WeightUpdateError"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "GenerationResult", "SamplingParams", "WeightUpdateError"]

@@ -16,8 +16,13 @@ from typing import AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (EngineConfig, GenerationDelta, GenerationResult, SamplingParams,
-                                              WeightUpdateError)
+from training.deployment.engine.config import (
+    EngineConfig,
+    GenerationDelta,
+    GenerationResult,
+    SamplingParams,
+    WeightUpdateError,
+)
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
 from training.deployment.engine.sequence import Sequence
 from training.deployment.engine.weights import load_safetensors, validate_update
@@ -162,11 +167,14 @@ class AsyncEngine:
                     fut.set_exception(value)
                 else:
                     fut.set_result(value)
+
             loop.call_soon_threadsafe(set_value)
+
         return done
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: Optional[str] = None) -> GenerationResult:
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None
+    ) -> GenerationResult:
         """Generate for one prompt; raises EngineError (naming the field) for a bad request."""
         fut = asyncio.get_running_loop().create_future()
         with self._cond:
@@ -179,8 +187,9 @@ class AsyncEngine:
             self.abort(seq)
             raise
 
-    async def generate_stream(self, prompt_token_ids: list[int], params: SamplingParams,
-                              session_id: Optional[str] = None) -> AsyncIterator[GenerationDelta]:
+    async def generate_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None
+    ) -> AsyncIterator[GenerationDelta]:
         """Generate for one prompt, yielding the new tokens as the steps produce them.
 
         Every delta carries the tokens that arrived since the previous one; the last carries the
@@ -239,8 +248,9 @@ class AsyncEngine:
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- weights
-    async def update_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int, *,
-                             wait_for_inflight: bool = True) -> None:
+    async def update_weights(
+        self, tensors: Mapping[str, torch.Tensor], weight_version: int, *, wait_for_inflight: bool = True
+    ) -> None:
         """Validate a full weight set (WeightUpdateError names the problem), then swap it in.
 
         ``wait_for_inflight``: stop admitting, let running sequences finish on the old weights,
@@ -252,8 +262,9 @@ class AsyncEngine:
         checked = await asyncio.to_thread(validate_update, tensors, runner.weight_shapes, runner.tied)
         await self._queue_update(checked, weight_version, wait_for_inflight, None)
 
-    async def update_weights_streamed(self, load: Callable[[], None], weight_version: int, *,
-                                      wait_for_inflight: bool = True) -> None:
+    async def update_weights_streamed(
+        self, load: Callable[[], None], weight_version: int, *, wait_for_inflight: bool = True
+    ) -> None:
         """Run ``load()`` on the engine thread when a full update would be swapped in (same pause rules).
 
         ``load`` copies an already validated full set into ``runner.targets`` piece by piece (the
@@ -262,14 +273,20 @@ class AsyncEngine:
         """
         await self._queue_update({}, weight_version, wait_for_inflight, load)
 
-    async def _queue_update(self, tensors: Mapping[str, torch.Tensor], weight_version: int,
-                            wait_for_inflight: bool, load: Optional[Callable[[], None]]) -> None:
+    async def _queue_update(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        weight_version: int,
+        wait_for_inflight: bool,
+        load: Optional[Callable[[], None]],
+    ) -> None:
         fut = asyncio.get_running_loop().create_future()
         with self._cond:
             if self._stopping or self._thread is None:
                 raise RuntimeError("engine is not running: call start() first")
-            self._updates.append(PendingUpdate(tensors, int(weight_version), wait_for_inflight,
-                                               self._deliver_update(fut), load))
+            self._updates.append(
+                PendingUpdate(tensors, int(weight_version), wait_for_inflight, self._deliver_update(fut), load)
+            )
             self._cond.notify_all()
         await fut
 

@@ -135,8 +135,7 @@ class SequenceFailedError(RuntimeError):
     """One sequence could not be sampled or post-processed; it alone ends (the server maps it to HTTP 500)."""
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """Raise :class:`EngineError` naming the field when a request cannot be served."""
     if not isinstance(params, SamplingParams):
         raise EngineError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -148,11 +147,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) or params.max_tokens < 1:
         raise EngineError(f"max_tokens: must be an integer >= 1, got {params.max_tokens!r}")
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
-        raise EngineError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                          f"({params.max_tokens}) exceeds max_model_len ({max_model_len})")
+        raise EngineError(
+            f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+            f"({params.max_tokens}) exceeds max_model_len ({max_model_len})"
+        )
     _check_number(params.temperature, "temperature", 0.0, math.inf, "a finite number >= 0")
     _check_number(params.top_p, "top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
-    if params.seed is not None and (not _is_int(params.seed) or not -2**63 <= params.seed < 2**64):
+    if params.seed is not None and (not _is_int(params.seed) or not -(2**63) <= params.seed < 2**64):
         raise EngineError(f"seed: must be None or an integer in [-2**63, 2**64), got {params.seed!r}")
     if not isinstance(params.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in params.stop):
         raise EngineError(f"stop: must be a list of non-empty strings, got {params.stop!r}")
@@ -172,8 +173,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
             raise EngineError(f"logit_bias: key {t!r} is not a token id in [0, {vocab_size})")
         _check_number(b, "logit_bias", -100.0, 100.0, f"values in [-100, 100] (token {t})")
     if not _is_int(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
-        raise EngineError(f"min_tokens: must be an integer in [0, max_tokens={params.max_tokens}], "
-                          f"got {params.min_tokens!r}")
+        raise EngineError(
+            f"min_tokens: must be an integer in [0, max_tokens={params.max_tokens}], got {params.min_tokens!r}"
+        )
     if not _is_int(params.top_logprobs) or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise EngineError(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r}")
     if not isinstance(params.include_stop_str_in_output, bool):

@@ -89,7 +89,7 @@ class CudaGraphDecoder:
             self.graphs[key] = self._capture(*key)
         graph, out = self.graphs[key]
         graph.replay()
-        return out[:len(slots)]
+        return out[: len(slots)]
 
     @torch.inference_mode()
     def run_without_graph(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor | None:
@@ -97,4 +97,4 @@ class CudaGraphDecoder:
         key = self._prepare(slots, tokens, positions)
         if key is None:
             return None
-        return self.runner.decode_forward(*self._args(*key))[:len(slots)]
+        return self.runner.decode_forward(*self._args(*key))[: len(slots)]

@@ -26,8 +26,14 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (EngineConfig, GenerationResult, PartialWeightUpdateError,
-                                              SamplingParams, SequenceFailedError, validate_request)
+from training.deployment.engine.config import (
+    EngineConfig,
+    GenerationResult,
+    PartialWeightUpdateError,
+    SamplingParams,
+    SequenceFailedError,
+    validate_request,
+)
 from training.deployment.engine.kv_cache import SlotState
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, lean_supported
 from training.deployment.engine.sampling import SampleOutput, sample
@@ -57,11 +63,12 @@ def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
     sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
     try:
         from transformers import GenerationConfig
+
         sources.insert(0, GenerationConfig.from_pretrained(path).eos_token_id)
     except Exception:  # no generation_config.json
         pass
     for s in sources:
-        for i in (s if isinstance(s, (list, tuple)) else [s]):
+        for i in s if isinstance(s, (list, tuple)) else [s]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
@@ -84,31 +91,55 @@ class LLMEngine:
         reason = lean_supported(self.hf_config) if local else "not a local safetensors folder"
         num_slots = config.max_batch_size + config.prefix_cache_slots
         if config.use_lean_forward and reason is None:
-            self.runner = LeanModelRunner(config.model, self.hf_config, num_slots,
-                                          config.max_model_len, self.dtype, self.device)
+            self.runner = LeanModelRunner(
+                config.model, self.hf_config, num_slots, config.max_model_len, self.dtype, self.device
+            )
             if self.device.type == "cuda" and config.cuda_graph_batch_sizes:
                 from training.deployment.engine.cuda_graphs import CudaGraphDecoder
-                self.runner.graphs = CudaGraphDecoder(self.runner, config.cuda_graph_batch_sizes,
-                                                      config.max_batch_size, config.max_model_len)
+
+                self.runner.graphs = CudaGraphDecoder(
+                    self.runner, config.cuda_graph_batch_sizes, config.max_batch_size, config.max_model_len
+                )
         else:
             if config.use_lean_forward:
                 log.info("transformers forward fallback: %s", reason)
             from training.deployment.engine.hf_runner import HFModelRunner
+
             self.runner = HFModelRunner(config.model, self.dtype, self.device, num_slots, config.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
-        self.scheduler = Scheduler(num_slots, config.max_batch_size, config.max_model_len, config.max_prefill_tokens,
-                                   self.runner.copy_kv, self.runner.cache.scratch_slot, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            num_slots,
+            config.max_batch_size,
+            config.max_model_len,
+            config.max_prefill_tokens,
+            self.runner.copy_kv,
+            self.runner.cache.scratch_slot,
+            config.enable_prefix_caching,
+        )
         self.weight_version = 0
         self._rng = random.Random(config.seed)
         self.pending_updates: list[PendingUpdate] = []
-        self.counters = {"tokens_generated": 0, "steps": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0,
-                         "max_running": 0, "requests_finished": 0, "requests_failed": 0,
-                         "requests_aborted": 0, "recomputed_tokens": 0}
+        self.counters = {
+            "tokens_generated": 0,
+            "steps": 0,
+            "prefill_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "max_running": 0,
+            "requests_finished": 0,
+            "requests_failed": 0,
+            "requests_aborted": 0,
+            "recomputed_tokens": 0,
+        }
 
     # ----------------------------------------------------------------- requests
-    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None,
-                      on_finish: Optional[Callable[[GenerationResult], None]] = None) -> Sequence:
+    def make_sequence(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        session_id: Optional[str] = None,
+        on_finish: Optional[Callable[[GenerationResult], None]] = None,
+    ) -> Sequence:
         """Validate a request (EngineError names the field) and build its Sequence (not yet queued)."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -144,8 +175,9 @@ class LLMEngine:
         running = sorted(self.scheduler.running, key=lambda s: s.slot)
         if running:
             self.counters["max_running"] = max(self.counters["max_running"], len(running))
-            logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running],
-                                        [len(s.token_ids) - 1 for s in running])
+            logits = self.runner.decode(
+                [s.slot for s in running], [s.last_token for s in running], [len(s.token_ids) - 1 for s in running]
+            )
             self._sample_and_postprocess(running, logits)
         self.counters["steps"] += 1
 
@@ -170,11 +202,13 @@ class LLMEngine:
             out = SampleOutput([], [], [], [])
             for i, seq in enumerate(seqs):
                 try:
-                    one = sample(logits[i:i + 1], [seq])
+                    one = sample(logits[i : i + 1], [seq])
                 except Exception as exc:
                     one = SampleOutput([0], [0.0], [None], [f"sampling raised {type(exc).__name__}: {exc}"])
-                for mine, theirs in zip((out.token_ids, out.logprobs, out.top_logprobs, out.failed),
-                                        (one.token_ids, one.logprobs, one.top_logprobs, one.failed)):
+                for mine, theirs in zip(
+                    (out.token_ids, out.logprobs, out.top_logprobs, out.failed),
+                    (one.token_ids, one.logprobs, one.top_logprobs, one.failed),
+                ):
                     mine += theirs
         self.counters["tokens_generated"] += len(seqs)
         for seq, tok, lp, top, failed in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs, out.failed):
@@ -213,7 +247,7 @@ class LLMEngine:
                 found = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
                 if found:
                     cut, matched = min(found, key=lambda f: f[0])
-                    seq.text = text[:cut + len(matched)] if params.include_stop_str_in_output else text[:cut]
+                    seq.text = text[: cut + len(matched)] if params.include_stop_str_in_output else text[:cut]
                     seq.matched_stop_string = True
                     seq.stop_reason = matched
                     return "stop"
@@ -281,7 +315,7 @@ class LLMEngine:
             batch = [seqs.pop(0)]
             while seqs and sum(s.num_cached for s in batch) + seqs[0].num_cached <= budget:
                 batch.append(seqs.pop(0))
-            self.runner.prefill([PrefillItem(s.slot, s.token_ids[:s.num_cached], 0) for s in batch])
+            self.runner.prefill([PrefillItem(s.slot, s.token_ids[: s.num_cached], 0) for s in batch])
             self.counters["recomputed_tokens"] += sum(s.num_cached for s in batch)
             for s in batch:
                 self.scheduler.mark_recomputed(s)
@@ -289,8 +323,13 @@ class LLMEngine:
     def stats(self) -> dict:
         s = self.scheduler
         t = s.slots
-        return {"running": len(s.running), "waiting": len(s.waiting), "parked_sessions": len(t.parked),
-                "cached_slots": t.count(SlotState.CACHED), "free_slots": t.num_slots - len(s.running),
-                "weight_version": self.weight_version,
-                "pending_weight_updates": len(self.pending_updates), **self.counters}
-
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "parked_sessions": len(t.parked),
+            "cached_slots": t.count(SlotState.CACHED),
+            "free_slots": t.num_slots - len(s.running),
+            "weight_version": self.weight_version,
+            "pending_weight_updates": len(self.pending_updates),
+            **self.counters,
+        }

@@ -76,8 +76,9 @@ class HFModelRunner:
             self.weight_shapes = checkpoint_shapes(path)
         else:  # hub id: the parameters' own names
             self.weight_shapes = {n: tuple(p.shape) for n, p in params.items()}
-        self.tied = bool(getattr(self.config, "tie_word_embeddings", False)) and \
-            "lm_head.weight" not in self.weight_shapes
+        self.tied = (
+            bool(getattr(self.config, "tie_word_embeddings", False)) and "lm_head.weight" not in self.weight_shapes
+        )
         state = self.model.state_dict()
         unknown = sorted(set(self.weight_shapes) - set(state))
         if unknown:
@@ -86,8 +87,11 @@ class HFModelRunner:
         self._slot_cache = _slot_cache_class()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.max_len = max_model_len
-        self.sliding_window = getattr(self.config, "sliding_window", None) \
-            if getattr(self.config, "use_sliding_window", True) is not False else None
+        self.sliding_window = (
+            getattr(self.config, "sliding_window", None)
+            if getattr(self.config, "use_sliding_window", True) is not False
+            else None
+        )
         self.layer_types = getattr(self.config, "layer_types", None)
         self.cache = self._allocate_cache(num_slots, max_model_len)
 
@@ -103,11 +107,21 @@ class HFModelRunner:
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._forward(one, one, probe, self._mask(one, 1))
         if not probe.shapes or len({s for s in probe.shapes}) != 1:
-            raise ValueError(f"the transformers fallback needs the same K/V shape on every attention layer; "
-                             f"{type(self.model).__name__} reported {sorted(set(probe.shapes))[:3]}")
+            raise ValueError(
+                f"the transformers fallback needs the same K/V shape on every attention layer; "
+                f"{type(self.model).__name__} reported {sorted(set(probe.shapes))[:3]}"
+            )
         (_, kv_heads, _, head_dim), (_, _, _, v_head_dim) = probe.shapes[0]
-        return KVCache(len(probe.shapes), num_slots, kv_heads, max_model_len, head_dim, self.dtype, self.device,
-                       v_head_dim=v_head_dim)
+        return KVCache(
+            len(probe.shapes),
+            num_slots,
+            kv_heads,
+            max_model_len,
+            head_dim,
+            self.dtype,
+            self.device,
+            v_head_dim=v_head_dim,
+        )
 
     @torch.inference_mode()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -129,15 +143,23 @@ class HFModelRunner:
         if self.sliding_window:
             masks["sliding_attention"] = full & (p - keys < self.sliding_window)
         neg = torch.finfo(self.dtype).min
-        additive = {k: torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, neg)[:, None]
-                    for k, m in masks.items()}
+        additive = {
+            k: torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, neg)[:, None]
+            for k, m in masks.items()
+        }
         if self.layer_types is not None:
             return additive
         return additive["sliding_attention" if self.sliding_window else "full_attention"]
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, mask) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
         return out.logits[:, -1].float()
 
     def _rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

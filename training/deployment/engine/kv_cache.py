@@ -55,18 +55,29 @@ class KVCache:
     raises ``MemoryError`` naming the two settings that size it, instead of being killed later.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_model_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, v_head_dim: Optional[int] = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_model_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        v_head_dim: Optional[int] = None,
+    ):
         v_head_dim = v_head_dim or head_dim
         rows = num_layers * (num_slots + 1) * num_kv_heads * max_model_len
         nbytes = rows * (head_dim + v_head_dim) * dtype.itemsize
         available = available_memory_bytes(torch.device(device))
-        gib = 1024 ** 3
+        gib = 1024**3
         if available is not None and nbytes > 0.9 * available:
-            raise MemoryError(f"KV cache needs {nbytes / gib:.1f} GiB ({num_slots} slots × {max_model_len} tokens × "
-                              f"{num_layers} layers) but {available / gib:.1f} GiB is available on {device}: lower "
-                              f"max_batch_size (slots) or max_model_len (deployment.engine_config.max_batch_size / "
-                              f".max_model_len)")
+            raise MemoryError(
+                f"KV cache needs {nbytes / gib:.1f} GiB ({num_slots} slots × {max_model_len} tokens × "
+                f"{num_layers} layers) but {available / gib:.1f} GiB is available on {device}: lower "
+                f"max_batch_size (slots) or max_model_len (deployment.engine_config.max_batch_size / "
+                f".max_model_len)"
+            )
         logger.info("KV cache: %.2f GiB for %d slots × %d tokens", nbytes / gib, num_slots, max_model_len)
         shape = (num_layers, num_slots + 1, num_kv_heads, max_model_len)
         self.k_all = torch.zeros(shape + (head_dim,), dtype=dtype, device=device)
@@ -142,8 +153,15 @@ class SlotTable:
         self._clock += 1
         self._stamp[slot] = self._clock
 
-    def write(self, slot: int, state: SlotState, tokens: list[int], valid_len: int, version: int,
-              session: Optional[str] = None) -> None:
+    def write(
+        self,
+        slot: int,
+        state: SlotState,
+        tokens: list[int],
+        valid_len: int,
+        version: int,
+        session: Optional[str] = None,
+    ) -> None:
         """Set a slot's state and content (``tokens[:valid_len]`` have K/V under ``version``)."""
         self._unpark(slot)
         n = min(len(tokens), self.max_model_len)

@@ -60,14 +60,14 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
 
 
 class LeanModelRunner:
     """Fused-weight decoder forward over a :class:`KVCache`; ``weight_shapes`` uses checkpoint names."""
 
-    def __init__(self, path: str, config, num_slots: int, max_model_len: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str, config, num_slots: int, max_model_len: int, dtype: torch.dtype, device: torch.device):
         reason = lean_supported(config)
         if reason:
             raise ValueError(f"lean forward cannot run this model: {reason}")
@@ -90,11 +90,11 @@ class LeanModelRunner:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         sin = emb.sin() * scale
-        self.sin_signed = torch.cat([-sin[:, :self.head_dim // 2], sin[:, self.head_dim // 2:]], -1).to(
-            dtype=dtype, device=device)
+        self.sin_signed = torch.cat([-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]], -1).to(
+            dtype=dtype, device=device
+        )
         self.max_len = max_model_len
-        self.cache = KVCache(self.num_layers, num_slots, self.num_kv_heads, max_model_len,
-                             self.head_dim, dtype, device)
+        self.cache = KVCache(self.num_layers, num_slots, self.num_kv_heads, max_model_len, self.head_dim, dtype, device)
         self._logits_buf: torch.Tensor | None = None
         self._logits_rows = num_slots
         self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
@@ -102,6 +102,7 @@ class LeanModelRunner:
     # ----------------------------------------------------------------- weights
     def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Create the fused tensors and map each checkpoint name to the view it is copied into."""
+
         def new(*shape):
             return torch.empty(shape, dtype=self.dtype, device=self.device)
 
@@ -120,13 +121,18 @@ class LeanModelRunner:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             inter = shapes[p + "mlp.gate_proj.weight"][0]
-            L = {"qkv_w": new(qd + 2 * kd, self.hidden), "o_w": new(self.hidden, qd),
-                 "gate_up_w": new(2 * inter, self.hidden), "down_w": new(self.hidden, inter),
-                 "in_norm": new(self.hidden), "post_norm": new(self.hidden)}
+            L = {
+                "qkv_w": new(qd + 2 * kd, self.hidden),
+                "o_w": new(self.hidden, qd),
+                "gate_up_w": new(2 * inter, self.hidden),
+                "down_w": new(self.hidden, inter),
+                "in_norm": new(self.hidden),
+                "post_norm": new(self.hidden),
+            }
             t = self.targets
             t[p + "self_attn.q_proj.weight"] = L["qkv_w"][:qd]
-            t[p + "self_attn.k_proj.weight"] = L["qkv_w"][qd:qd + kd]
-            t[p + "self_attn.v_proj.weight"] = L["qkv_w"][qd + kd:]
+            t[p + "self_attn.k_proj.weight"] = L["qkv_w"][qd : qd + kd]
+            t[p + "self_attn.v_proj.weight"] = L["qkv_w"][qd + kd :]
             t[p + "self_attn.o_proj.weight"] = L["o_w"]
             t[p + "mlp.gate_proj.weight"] = L["gate_up_w"][:inter]
             t[p + "mlp.up_proj.weight"] = L["gate_up_w"][inter:]
@@ -136,8 +142,8 @@ class LeanModelRunner:
             if p + "self_attn.q_proj.bias" in shapes:
                 L["qkv_b"] = new(qd + 2 * kd)
                 t[p + "self_attn.q_proj.bias"] = L["qkv_b"][:qd]
-                t[p + "self_attn.k_proj.bias"] = L["qkv_b"][qd:qd + kd]
-                t[p + "self_attn.v_proj.bias"] = L["qkv_b"][qd + kd:]
+                t[p + "self_attn.k_proj.bias"] = L["qkv_b"][qd : qd + kd]
+                t[p + "self_attn.v_proj.bias"] = L["qkv_b"][qd + kd :]
             if p + "self_attn.o_proj.bias" in shapes:
                 L["o_b"] = new(self.hidden)
                 t[p + "self_attn.o_proj.bias"] = L["o_b"]
@@ -180,15 +186,15 @@ class LeanModelRunner:
         qd, kd = self.num_heads * d, self.num_kv_heads * d
         if "q_norm" in L:
             q = self._norm(qkv[:, :qd].view(n, self.num_heads, d), L["q_norm"])
-            k = self._norm(qkv[:, qd:qd + kd].view(n, self.num_kv_heads, d), L["k_norm"])
+            k = self._norm(qkv[:, qd : qd + kd].view(n, self.num_kv_heads, d), L["k_norm"])
             qk = torch.cat([q, k], dim=1)
         else:
-            qk = qkv[:, :qd + kd].view(n, self.num_heads + self.num_kv_heads, d)
+            qk = qkv[:, : qd + kd].view(n, self.num_heads + self.num_kv_heads, d)
         return torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
 
     def _value(self, qkv: torch.Tensor) -> torch.Tensor:
         n, d = qkv.shape[0], self.head_dim
-        return qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(n, self.num_kv_heads, d)
+        return qkv[:, (self.num_heads + self.num_kv_heads) * d :].view(n, self.num_kv_heads, d)
 
     @staticmethod
     def _linear_add(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
@@ -216,7 +222,7 @@ class LeanModelRunner:
             self._logits_buf = torch.empty(max(n, self._logits_rows), vocab, dtype=self.dtype)
         out = self._logits_buf[:n]
         for j in range(0, vocab, LOGITS_CHUNK):
-            torch.mm(h, self.lm_head[j:j + LOGITS_CHUNK].t(), out=out[:, j:j + LOGITS_CHUNK])
+            torch.mm(h, self.lm_head[j : j + LOGITS_CHUNK].t(), out=out[:, j : j + LOGITS_CHUNK])
         return out.float()
 
     def copy_kv(self, src: int, dst: int, n: int) -> None:
@@ -244,23 +250,32 @@ class LeanModelRunner:
             outs = []
             for it, a, b in zip(items, bounds[:-1], bounds[1:]):
                 s, p, n = it.slot, it.start_pos, b - a
-                kc[s, :, p:p + n] = qk[a:b, h_q:].transpose(0, 1)
-                vc[s, :, p:p + n] = v[a:b].transpose(0, 1)
+                kc[s, :, p : p + n] = qk[a:b, h_q:].transpose(0, 1)
+                vc[s, :, p : p + n] = v[a:b].transpose(0, 1)
                 qi = qk[a:b, :h_q].transpose(0, 1).unsqueeze(0)
-                ki, vi = kc[s:s + 1, :, :p + n], vc[s:s + 1, :, :p + n]
+                ki, vi = kc[s : s + 1, :, : p + n], vc[s : s + 1, :, : p + n]
                 if p == 0:
                     o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
                 else:
-                    mask = (torch.arange(p + n, device=self.device)[None, :]
-                            <= torch.arange(p, p + n, device=self.device)[:, None])
+                    mask = (
+                        torch.arange(p + n, device=self.device)[None, :]
+                        <= torch.arange(p, p + n, device=self.device)[:, None]
+                    )
                     o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             x = self._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
         last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
         return self._logits(x[last])
 
-    def decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       num_rows: int, key_len: int, compact: bool) -> torch.Tensor:
+    def decode_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        num_rows: int,
+        key_len: int,
+        compact: bool,
+    ) -> torch.Tensor:
         """One decode step, tensor ops only (CUDA-graph safe); logits [B, V].
 
         ``num_rows``: cache rows attended (> every slot used); ``key_len``: keys attended
@@ -284,16 +299,17 @@ class LeanModelRunner:
             qkv = F.linear(self._norm(x, L["in_norm"]), L["qkv_w"], L.get("qkv_b"))
             qk = self._qk_rope(L, qkv, cos, sin)
             kc, vc = self.cache.k[li], self.cache.v[li]
-            kc.view(-1, d)[rows] = qk[:, self.num_heads:].reshape(-1, d)
+            kc.view(-1, d)[rows] = qk[:, self.num_heads :].reshape(-1, d)
             vc.view(-1, d)[rows] = self._value(qkv).reshape(-1, d)
             # GQA folded into the query axis: the `group` query heads of a kv head attend together
             if compact:
-                qs = qk[:, :self.num_heads].view(b, kh, group, d)
+                qs = qk[:, : self.num_heads].view(b, kh, group, d)
             else:
                 qs = qk.new_zeros(num_rows, kh, group, d)
-                qs[slots] = qk[:, :self.num_heads].reshape(b, kh, group, d)
-            o = F.scaled_dot_product_attention(qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len],
-                                               attn_mask=mask)
+                qs[slots] = qk[:, : self.num_heads].reshape(b, kh, group, d)
+            o = F.scaled_dot_product_attention(
+                qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], attn_mask=mask
+            )
             o = o if compact else o[slots]
             x = self._mlp_and_residual(L, x, o.reshape(b, -1))
         return self._logits(x)

@@ -108,11 +108,12 @@ def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
     for row, p in zip(host, params):
         out.token_ids.append(int(row[0]))
         out.logprobs.append(row[1])
-        out.failed.append(None if row[2] else "no finite logit to sample from (non-finite model output, "
-                                                 "or every token masked)")
+        out.failed.append(
+            None if row[2] else "no finite logit to sample from (non-finite model output, or every token masked)"
+        )
         if p.top_logprobs > 0:
-            ids, vals = row[3:3 + k], row[3 + k:3 + 2 * k]
-            out.top_logprobs.append([(int(i), v) for i, v in zip(ids[:p.top_logprobs], vals[:p.top_logprobs])])
+            ids, vals = row[3 : 3 + k], row[3 + k : 3 + 2 * k]
+            out.top_logprobs.append([(int(i), v) for i, v in zip(ids[: p.top_logprobs], vals[: p.top_logprobs])])
         else:
             out.top_logprobs.append(None)
     return out
@@ -148,8 +149,11 @@ def _process(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
             cols.append(t)
             vals.append(float(b))
     if rows:
-        z.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                     torch.tensor(vals, device=device), accumulate=True)
+        z.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(vals, device=device),
+            accumulate=True,
+        )
     rows, cols = [], []
     for i, s in enumerate(seqs):
         if s.num_output_tokens < s.params.min_tokens:
@@ -212,8 +216,9 @@ def _sample_truncated(probs: torch.Tensor, u_B: torch.Tensor, params) -> torch.T
     tokens = _draw(sorted_p, keep, order, u_B)
     if not all_k:
         # a prefix that reaches the last candidate may go on past it; a top_k beyond C needs the top_k's mass
-        spill = [i for i, (r, last, p) in enumerate(zip(rows, keep[:, -1].tolist(), params))
-                 if r and (last or p.top_k > C)]
+        spill = [
+            i for i, (r, last, p) in enumerate(zip(rows, keep[:, -1].tolist(), params)) if r and (last or p.top_k > C)
+        ]
         if spill:
             again = _draw(*_kept_prefix(probs[spill], [params[i] for i in spill], V), u_B[spill])
             tokens[spill] = again

@@ -51,8 +51,16 @@ class Admission:
 class Scheduler:
     """Owns the waiting queue, the running set and the slot table; moves K/V through ``copy_kv``."""
 
-    def __init__(self, num_slots: int, max_running: int, max_model_len: int, max_prefill_tokens: int,
-                 copy_kv: Callable[[int, int, int], None], scratch_slot: int, prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_slots: int,
+        max_running: int,
+        max_model_len: int,
+        max_prefill_tokens: int,
+        copy_kv: Callable[[int, int, int], None],
+        scratch_slot: int,
+        prefix_caching: bool = True,
+    ):
         self.slots = SlotTable(num_slots, max_model_len)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -145,8 +153,10 @@ class Scheduler:
         slots = self.slots
         if target == donor or slots.state[target] == SlotState.EMPTY:
             return donor
-        if donor >= 0 and (slots.state[donor] == SlotState.CACHED
-                           or (slots.state[donor] == SlotState.PARKED and slots.session[donor] == session_id)):
+        if donor >= 0 and (
+            slots.state[donor] == SlotState.CACHED
+            or (slots.state[donor] == SlotState.PARKED and slots.session[donor] == session_id)
+        ):
             self._swap(target, donor)
             return target
         victim = slots.victim(range(len(self.running) + 1, slots.num_slots))
@@ -204,8 +214,9 @@ class Scheduler:
             slot, slots = seq.slot, self.slots
             fresh = seq.num_cached > 0 and slots.version[slot] == self.weight_epoch
             if fresh and seq.session_id is not None and reason != "abort":
-                slots.write(slot, SlotState.PARKED, seq.token_ids, seq.num_cached, self.weight_epoch,
-                            session=seq.session_id)
+                slots.write(
+                    slot, SlotState.PARKED, seq.token_ids, seq.num_cached, self.weight_epoch, session=seq.session_id
+                )
             elif fresh and self.prefix_caching:
                 slots.write(slot, SlotState.CACHED, seq.token_ids, seq.num_cached, self.weight_epoch)
             else:

@@ -31,9 +31,15 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A prompt, its sampled tokens so far, and where its K/V lives."""
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator,
-                 stop_ids: frozenset[int], session_id: Optional[str] = None,
-                 on_finish: Optional[Callable[[GenerationResult], None]] = None):
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        stop_ids: frozenset[int],
+        session_id: Optional[str] = None,
+        on_finish: Optional[Callable[[GenerationResult], None]] = None,
+    ):
         self.seq_id = next(_ids)
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -71,14 +77,15 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
 
-    def append(self, token_id: int, logprob: float, weight_version: int,
-               top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
+    def append(
+        self, token_id: int, logprob: float, weight_version: int, top_logprobs: Optional[list[tuple[int, float]]] = None
+    ) -> None:
         """Record one token sampled under ``weight_version``; the K/V of the token before it is now cached."""
         self.num_cached = len(self.token_ids)
         self.token_ids.append(token_id)

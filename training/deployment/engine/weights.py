@@ -49,8 +49,9 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def validate_update(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
-                    tied: bool) -> dict[str, torch.Tensor]:
+def validate_update(
+    tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], tied: bool
+) -> dict[str, torch.Tensor]:
     """Check that ``tensors`` is a full, shape-matching set; return it without a redundant tied head.
 
     Raises :class:`WeightUpdateError` naming the first missing, extra or mismatched tensor.
@@ -60,8 +61,9 @@ def validate_update(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, 
         head = out.pop(TIED_HEAD)
         emb = out.get(EMBED)
         if emb is None or head.shape != emb.shape or not torch.equal(head.cpu(), emb.cpu()):
-            raise WeightUpdateError(f"{TIED_HEAD}: the model ties it to {EMBED}, but the update gives a "
-                                    "different tensor")
+            raise WeightUpdateError(
+                f"{TIED_HEAD}: the model ties it to {EMBED}, but the update gives a different tensor"
+            )
     missing = sorted(set(expected) - set(out))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -43,8 +43,9 @@ def _check_group(rewards_G: list[float]) -> None:
             raise ValueError(f"rewards_G: rewards_G[{i}]={reward!r} is not a finite number")
 
 
-def group_advantages(rewards_G: list[float], scale_by_std: bool = True,
-                     targets: list[float] | None = None) -> list[float]:
+def group_advantages(
+    rewards_G: list[float], scale_by_std: bool = True, targets: list[float] | None = None
+) -> list[float]:
     """Advantages of one prompt group's samples, in the order of ``rewards_G``.
 
     With ``targets``, returns ``(target - mean_G R) / (std_G R + 1e-8)`` for each target instead,
@@ -62,16 +63,23 @@ def group_advantages(rewards_G: list[float], scale_by_std: bool = True,
     return [(float(v) - mean) * scale for v in values]
 
 
-def credited_advantages(rewards_G: list[float], completion_S: list[int], rewards_S: list[float],
-                        return_weights_S: list[float], scale_by_std: bool = True) -> list[float]:
+def credited_advantages(
+    rewards_G: list[float],
+    completion_S: list[int],
+    rewards_S: list[float],
+    return_weights_S: list[float],
+    scale_by_std: bool = True,
+) -> list[float]:
     """Per-sample advantages with per-call credit (the formula in the module docstring).
 
     ``rewards_G``: each completion's return R_c; ``completion_S[s]``: the position in ``rewards_G``
     of sample s's completion; ``rewards_S[s]``: its own reward r_s; ``return_weights_S[s]``: g_s.
     """
     if not len(completion_S) == len(rewards_S) == len(return_weights_S):
-        raise ValueError(f"completion_S, rewards_S, return_weights_S: lengths {len(completion_S)}, "
-                         f"{len(rewards_S)}, {len(return_weights_S)} differ")
+        raise ValueError(
+            f"completion_S, rewards_S, return_weights_S: lengths {len(completion_S)}, "
+            f"{len(rewards_S)}, {len(return_weights_S)} differ"
+        )
     episode_G = group_advantages(rewards_G, scale_by_std)
     calls_S = [float(r) - g * float(rewards_G[c]) for c, r, g in zip(completion_S, rewards_S, return_weights_S)]
     for s, value in enumerate(calls_S):

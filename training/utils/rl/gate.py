@@ -97,16 +97,21 @@ class OffPolicyGate:
     def required(self, step: int, outstanding_versions: Sequence[int]) -> dict[int, int]:
         """``r_k`` for each deadline ``k``: groups due by ``k`` that step ``step`` must take (see the module doc)."""
         deadlines = [self.deadline(s) for s in outstanding_versions]
-        return {k: sum(1 for d in deadlines if d <= k) - (k - step) * self.groups_per_step
-                for k in sorted(set(deadlines))}
+        return {
+            k: sum(1 for d in deadlines if d <= k) - (k - step) * self.groups_per_step for k in sorted(set(deadlines))
+        }
 
     def bypass_window(self, step: int, outstanding_versions: Sequence[int]) -> int:
         """``W_v``: batch slots of step ``step`` that younger groups may take while older ones run."""
         r = self.required(step, outstanding_versions).values()
         return self.groups_per_step - max([0, *r])
 
-    def plan_batch(self, step: int, ready_versions: Sequence[int], running_versions: Sequence[int],
-                   ) -> Optional[list[int]]:
+    def plan_batch(
+        self,
+        step: int,
+        ready_versions: Sequence[int],
+        running_versions: Sequence[int],
+    ) -> Optional[list[int]]:
         """Which finished groups step ``step`` trains now, or None when it must wait.
 
         ``ready_versions``: submit versions of the finished groups, oldest-submitted first;

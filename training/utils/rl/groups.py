@@ -86,8 +86,13 @@ class PromptGroup:
         position = {k: j for j, k in enumerate(keys)}
         rewards_G = [self.completion_rewards[k] for k in keys]
         weights = self.return_weights or [1.0] * len(self.samples)
-        self.advantages = credited_advantages(rewards_G, [position[k] for k in self.completion_index],
-                                              [s.reward for s in self.samples], weights, scale_by_std)
+        self.advantages = credited_advantages(
+            rewards_G,
+            [position[k] for k in self.completion_index],
+            [s.reward for s in self.samples],
+            weights,
+            scale_by_std,
+        )
 
     def count_failure(self, cause: str) -> None:
         self.failure_causes[cause] = self.failure_causes.get(cause, 0) + 1
@@ -119,9 +124,17 @@ def failure_cause(error: BaseException) -> str:
     return "exception_" + _metric_name(type(error).__name__)
 
 
-async def run_group(rollout_fn: RolloutFn, row: dict, position: int, submit_version: int, n: int,
-                    timeout_s: float, semaphore: asyncio.Semaphore, vocab_size: Optional[int] = None,
-                    is_retryable: Callable[[BaseException], bool] = lambda e: False) -> PromptGroup:
+async def run_group(
+    rollout_fn: RolloutFn,
+    row: dict,
+    position: int,
+    submit_version: int,
+    n: int,
+    timeout_s: float,
+    semaphore: asyncio.Semaphore,
+    vocab_size: Optional[int] = None,
+    is_retryable: Callable[[BaseException], bool] = lambda e: False,
+) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
     An exception for which ``is_retryable`` is true (a deployment that went away or answered

@@ -86,9 +86,13 @@ class StepBatch:
     @classmethod
     def from_groups(cls, groups: list[PromptGroup]) -> "StepBatch":
         samples = [s for g in groups for s in g.samples]
-        return cls(tokens=[s.tokens for s in samples], sampler_logprobs=[s.logprobs for s in samples],
-                   loss_masks=[s.loss_mask for s in samples], advantages=[a for g in groups for a in g.advantages],
-                   weights=[s.weight for s in samples])
+        return cls(
+            tokens=[s.tokens for s in samples],
+            sampler_logprobs=[s.logprobs for s in samples],
+            loss_masks=[s.loss_mask for s in samples],
+            advantages=[a for g in groups for a in g.advantages],
+            weights=[s.weight for s in samples],
+        )
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -104,13 +108,20 @@ class StepBatch:
         main = dist_utils.is_main_rank()
         if main:
             lengths_S = torch.tensor([len(t) for t in batch.tokens], dtype=torch.int64)
-            flat = [torch.tensor([x for seq in lists for x in seq], dtype=dtype) for lists, dtype in
-                    ((batch.tokens, torch.int64), (batch.sampler_logprobs, torch.float64),
-                     (batch.loss_masks, torch.int64))]
+            flat = [
+                torch.tensor([x for seq in lists for x in seq], dtype=dtype)
+                for lists, dtype in (
+                    (batch.tokens, torch.int64),
+                    (batch.sampler_logprobs, torch.float64),
+                    (batch.loss_masks, torch.int64),
+                )
+            ]
             per_sample = [torch.tensor(v, dtype=torch.float64) for v in (batch.advantages, batch.weights)]
         lengths = broadcast_tensor(lengths_S if main else None, torch.int64).tolist()
-        tokens_N, logprobs_N, masks_N = (broadcast_tensor(flat[k] if main else None, dtype) for k, dtype in
-                                         enumerate((torch.int64, torch.float64, torch.int64)))
+        tokens_N, logprobs_N, masks_N = (
+            broadcast_tensor(flat[k] if main else None, dtype)
+            for k, dtype in enumerate((torch.int64, torch.float64, torch.int64))
+        )
         advantages_S, weights_S = (broadcast_tensor(per_sample[k] if main else None, torch.float64) for k in range(2))
         if main:
             return batch
@@ -118,13 +129,26 @@ class StepBatch:
         def split(values_N: torch.Tensor) -> list[list]:
             return [piece.tolist() for piece in torch.split(values_N, lengths)]
 
-        return StepBatch(tokens=split(tokens_N), sampler_logprobs=split(logprobs_N), loss_masks=split(masks_N),
-                         advantages=advantages_S.tolist(), weights=weights_S.tolist())
+        return StepBatch(
+            tokens=split(tokens_N),
+            sampler_logprobs=split(logprobs_N),
+            loss_masks=split(masks_N),
+            advantages=advantages_S.tolist(),
+            weights=weights_S.tolist(),
+        )
 
 
-def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *, reference=None,
-                    ppo_epochs: int = 1, ppo_mini_batches: int = 1, temperature: float = 1.0,
-                    seed: int = 0) -> dict[str, float]:
+def train_on_groups(
+    trainer,
+    groups: list[PromptGroup],
+    loss_cfg: LossConfig,
+    *,
+    reference=None,
+    ppo_epochs: int = 1,
+    ppo_mini_batches: int = 1,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """Run the PPO inner loop on ``groups`` (advantages already set); return ``train/*`` metrics.
 
     Under torchrun (rank 0 only) it first hands the batch and the PPO settings to the other
@@ -134,23 +158,48 @@ def train_on_groups(trainer, groups: list[PromptGroup], loss_cfg: LossConfig, *,
     with lead(Command.TRAIN):
         if dist_utils.is_distributed():
             StepBatch.broadcast(batch)
-            broadcast_tensor(torch.tensor([ppo_epochs, ppo_mini_batches, seed, temperature], dtype=torch.float64),
-                             torch.float64)
-        return train_on_batch(trainer, batch, loss_cfg, reference=reference, ppo_epochs=ppo_epochs,
-                              ppo_mini_batches=ppo_mini_batches, temperature=temperature, seed=seed)
+            broadcast_tensor(
+                torch.tensor([ppo_epochs, ppo_mini_batches, seed, temperature], dtype=torch.float64), torch.float64
+            )
+        return train_on_batch(
+            trainer,
+            batch,
+            loss_cfg,
+            reference=reference,
+            ppo_epochs=ppo_epochs,
+            ppo_mini_batches=ppo_mini_batches,
+            temperature=temperature,
+            seed=seed,
+        )
 
 
 def receive_and_train(trainer, loss_cfg: LossConfig, *, reference=None) -> dict[str, float]:
     """A non-zero rank's side of ``train_on_groups``: receive the batch and settings, train on it."""
     batch = StepBatch.broadcast(None)
     epochs, mini_batches, seed, temperature = broadcast_tensor(None, torch.float64).tolist()
-    return train_on_batch(trainer, batch, loss_cfg, reference=reference, ppo_epochs=int(epochs),
-                          ppo_mini_batches=int(mini_batches), temperature=temperature, seed=int(seed))
+    return train_on_batch(
+        trainer,
+        batch,
+        loss_cfg,
+        reference=reference,
+        ppo_epochs=int(epochs),
+        ppo_mini_batches=int(mini_batches),
+        temperature=temperature,
+        seed=int(seed),
+    )
 
 
-def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference=None,
-                   ppo_epochs: int = 1, ppo_mini_batches: int = 1, temperature: float = 1.0,
-                   seed: int = 0) -> dict[str, float]:
+def train_on_batch(
+    trainer,
+    batch: StepBatch,
+    loss_cfg: LossConfig,
+    *,
+    reference=None,
+    ppo_epochs: int = 1,
+    ppo_mini_batches: int = 1,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """The PPO inner loop on one ``StepBatch`` (see the module docstring); ``train/*`` metrics."""
     n = len(batch)
     sequences = batch.tokens
@@ -174,12 +223,20 @@ def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference
                 continue
             total_tokens = sum(batch.num_trainable_tokens(i) for i in idx)
             # per-sample lists in the order of this mini-batch's sequences (what packed.gather indexes)
-            lists = {"old": [old_logprobs[i] for i in idx], "sampler": [batch.sampler_logprobs[i] for i in idx],
-                     "adv": [batch.advantages[i] for i in idx], "mask": [batch.loss_masks[i] for i in idx],
-                     "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
-                     "weight": normalised_weights([batch.weights[i] for i in idx],
-                                                  [batch.num_trainable_tokens(i) for i in idx],
-                                                  _aggregation(loss_cfg)) if weighted else None}
+            lists = {
+                "old": [old_logprobs[i] for i in idx],
+                "sampler": [batch.sampler_logprobs[i] for i in idx],
+                "adv": [batch.advantages[i] for i in idx],
+                "mask": [batch.loss_masks[i] for i in idx],
+                "ref": None if ref_logprobs is None else [ref_logprobs[i] for i in idx],
+                "weight": normalised_weights(
+                    [batch.weights[i] for i in idx],
+                    [batch.num_trainable_tokens(i) for i in idx],
+                    _aggregation(loss_cfg),
+                )
+                if weighted
+                else None,
+            }
 
             num_sequences = len(idx)
 
@@ -200,8 +257,12 @@ def train_on_batch(trainer, batch: StepBatch, loss_cfg: LossConfig, *, reference
             metrics = trainer.forward_backward([sequences[i] for i in idx], loss_fn, temperature=temperature)
             _merge(sums, metrics, float(total_tokens), weights)
             optim_metrics = trainer.optim_step()
-            _merge(sums, {"grad_norm": optim_metrics["grad_norm"], "grad_norm_max": optim_metrics["grad_norm"]},
-                   1.0, weights)
+            _merge(
+                sums,
+                {"grad_norm": optim_metrics["grad_norm"], "grad_norm_max": optim_metrics["grad_norm"]},
+                1.0,
+                weights,
+            )
 
     out = {f"train/{k}": (v if k.endswith("_max") else v / max(weights.get(k, 1.0), 1e-12)) for k, v in sums.items()}
     out["train/learning_rate"] = optim_metrics.get("learning_rate", 0.0)

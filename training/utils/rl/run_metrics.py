@@ -37,8 +37,9 @@ AGENT_KEYS = ("labels", "drift", "tool_status_counts", "num_calls", "truncated",
 """``RolloutRun.metadata`` keys read here."""
 
 
-def run_metrics(metadata_list: Iterable[Mapping], failure_causes: Optional[Mapping[str, int]] = None
-                ) -> dict[str, float]:
+def run_metrics(
+    metadata_list: Iterable[Mapping], failure_causes: Optional[Mapping[str, int]] = None
+) -> dict[str, float]:
     """Step metrics from the runs' metadata and the failure causes (see the module docstring)."""
     out: dict[str, float] = {}
     episodes, calls, intermediate = 0, [], []

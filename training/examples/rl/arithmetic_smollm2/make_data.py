@@ -16,11 +16,15 @@ def problem(rng: random.Random) -> dict:
     a, b = rng.randint(1, 9), rng.randint(1, 9)
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     if rng.random() < 0.5:
-        return {"question": f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?",
-                "answer": str(a + b)}
+        return {
+            "question": f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?",
+            "answer": str(a + b),
+        }
     a, b = max(a, b), min(a, b)
-    return {"question": f"{name} has {a} {thing} and gives away {b}. How many {thing} does {name} have left?",
-            "answer": str(a - b)}
+    return {
+        "question": f"{name} has {a} {thing} and gives away {b}. How many {thing} does {name} have left?",
+        "answer": str(a - b),
+    }
 
 
 def main(num_train: int = 500, num_eval: int = 100, seed: int = 0) -> None:

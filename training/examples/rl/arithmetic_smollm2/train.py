@@ -28,7 +28,9 @@ cfg = Config(
     dynamic_filter_fn=lambda pg: len(set(pg.rewards)) > 1,  # drop zero-advantage groups
     trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
-    deployment=DeployConfig(engine_config=EngineConfig(max_model_len=512)),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
+    deployment=DeployConfig(
+        engine_config=EngineConfig(max_model_len=512)
+    ),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
 )
 
 if __name__ == "__main__":

@@ -30,14 +30,18 @@ def make_rollout_fn(setup: RolloutSetup):
         Taken from the model's own chat template: everything it renders after a stub
         assistant reply (end of turn, the user turn with ``content``, the next assistant header).
         """
-        stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": STUB},
-                {"role": "user", "content": content}]
+        stub = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": STUB},
+            {"role": "user", "content": content},
+        ]
         text = tokenizer.apply_chat_template(stub, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text[text.rindex(STUB) + len(STUB):], add_special_tokens=False)
+        return tokenizer.encode(text[text.rindex(STUB) + len(STUB) :], add_special_tokens=False)
 
     async def rollout_fn(row: dict) -> RolloutSample:
-        tokens = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
+        tokens = tokenizer.apply_chat_template(
+            row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         logprobs = [0.0] * len(tokens)
         loss_mask = [0] * len(tokens)
         versions = []  # weight version of each generated token, in order
@@ -45,13 +49,13 @@ def make_rollout_fn(setup: RolloutSetup):
         reward = 0.0
         for turn in range(MAX_TURNS):
             (c,) = await sampler.sample_with_prompt_tokens(tokens, n=1, session_id=session)
-            output = c.full_tokens[c.prompt_len:]
+            output = c.full_tokens[c.prompt_len :]
             tokens = tokens + output
             logprobs += c.inference_logprobs
             loss_mask += [1] * len(output)
             versions += c.token_weight_versions or [c.weight_version] * len(output)
             if score(c.text, row["answer"]) > 0:
-                reward = RETRY_DISCOUNT ** turn
+                reward = RETRY_DISCOUNT**turn
                 break
             if c.finish_reason != "stop" or turn == MAX_TURNS - 1:
                 break
@@ -63,7 +67,14 @@ def make_rollout_fn(setup: RolloutSetup):
             tokens += glue
             logprobs += [0.0] * len(glue)
             loss_mask += [0] * len(glue)
-        return RolloutSample(tokens=tokens, logprobs=logprobs, loss_mask=loss_mask, reward=reward,
-                             finish_reason=c.finish_reason, text=c.text, token_weight_versions=versions)
+        return RolloutSample(
+            tokens=tokens,
+            logprobs=logprobs,
+            loss_mask=loss_mask,
+            reward=reward,
+            finish_reason=c.finish_reason,
+            text=c.text,
+            token_weight_versions=versions,
+        )
 
     return rollout_fn

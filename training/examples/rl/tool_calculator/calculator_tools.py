@@ -12,12 +12,19 @@ from training.agents import Tool
 PRICES = {"apple": 3, "banana": 2, "pencil": 2, "pen": 4, "notebook": 5, "book": 12, "bag": 20, "lamp": 15}
 """Item -> price in coins: the rows of the lookup table (data.jsonl answers are computed from it)."""
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
-MAX_MAGNITUDE = 10 ** 18
+MAX_MAGNITUDE = 10**18
 
 
 def evaluate(expression: str) -> int | float:
@@ -83,8 +90,10 @@ class PriceLookupTool(Tool):
     def apply(self, item: str) -> str:
         name = item.strip().lower()
         with self._lock:  # "pencils" finds "pencil"
-            row = self._db.execute("SELECT price FROM prices WHERE item IN (?, ?) ORDER BY length(item) DESC",
-                                   (name, name[:-1] if name.endswith("s") else name)).fetchone()
+            row = self._db.execute(
+                "SELECT price FROM prices WHERE item IN (?, ?) ORDER BY length(item) DESC",
+                (name, name[:-1] if name.endswith("s") else name),
+            ).fetchone()
             known = [r[0] for r in self._db.execute("SELECT item FROM prices ORDER BY item")]
         if row is None:
             raise KeyError(f"no item named {item!r}; known items: {', '.join(known)}")

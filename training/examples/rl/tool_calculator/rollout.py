@@ -16,10 +16,12 @@ from calculator_tools import CalculatorTool, PriceLookupTool
 from training.agents import IntermediateRewards, ToolAgent, ToolEnvironment, ToolManager, make_agent_rollout_fn
 from training.utils.rl.rollout import RolloutSetup
 
-SYSTEM = ("Solve the problem. Use calculator for arithmetic and lookup_price for prices, "
-          "then call finish with the final number as the answer. Example: "
-          '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>, then '
-          '<tool_call>{"name": "finish", "arguments": {"answer": "5"}}</tool_call>')
+SYSTEM = (
+    "Solve the problem. Use calculator for arithmetic and lookup_price for prices, "
+    "then call finish with the final number as the answer. Example: "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>, then '
+    '<tool_call>{"name": "finish", "arguments": {"answer": "5"}}</tool_call>'
+)
 MAX_STEPS = 4
 """Turns per episode; the episode ends (answer "") when the model has not finished by then."""
 TOOL_TIMEOUT_S = 2.0
@@ -46,7 +48,8 @@ def make_rollout_fn(setup: RolloutSetup):
     tools = ToolManager([CalculatorTool(), PriceLookupTool()], timeout_s=TOOL_TIMEOUT_S)
     return make_agent_rollout_fn(
         agent_factory=lambda row: ToolAgent([{"role": "system", "content": SYSTEM}] + row["messages"], parser="hermes"),
-        env_factory=lambda row: ToolEnvironment(row, tools, reward_fn, max_steps=MAX_STEPS,
-                                                intermediate_rewards=INTERMEDIATE_REWARDS),
+        env_factory=lambda row: ToolEnvironment(
+            row, tools, reward_fn, max_steps=MAX_STEPS, intermediate_rewards=INTERMEDIATE_REWARDS
+        ),
         max_total_tokens=MAX_TOTAL_TOKENS,
     )(setup)

@@ -22,14 +22,19 @@ from training.agents import FunctionTool, IntermediateRewards, ToolAgent, ToolEn
 from training.agents import make_agent_rollout_fn
 from training.utils.rl.rollout import RolloutSetup
 
-SYSTEM = ("You are a calculator assistant. For arithmetic, call the calculator tool, "
-          "then reply with the number it returned.")
+SYSTEM = (
+    "You are a calculator assistant. For arithmetic, call the calculator tool, then reply with the number it returned."
+)
 
 
 def _solved(expression: str, value: int) -> list[dict]:
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expression
-    return [{"role": "user", "content": f"What is {expression}?"}, {"role": "assistant", "content": call},
-            {"role": "tool", "content": str(value)}, {"role": "assistant", "content": str(value)}]
+    return [
+        {"role": "user", "content": f"What is {expression}?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(value)},
+        {"role": "assistant", "content": str(value)},
+    ]
 
 
 WARM_UP = _solved("23 + 19", 42) + _solved("57 * 31", 1767) + _solved("604 - 38", 566)
@@ -50,14 +55,16 @@ def calculator(expression: str) -> int:
     Args:
         expression: Integers with +, -, * and parentheses, e.g. "12 * (3 + 4)".
     """
+
     def ev(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int and abs(node.value) < 10 ** 9:
+        if isinstance(node, ast.Constant) and type(node.value) is int and abs(node.value) < 10**9:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError("only integers with + - * and parentheses")
+
     if len(expression) > 100:
         raise ValueError("expression longer than 100 characters")
     return ev(ast.parse(expression.strip(), mode="eval").body)
@@ -78,9 +85,12 @@ def reward_fn(answer: str, row: dict) -> float:
 
 def make_rollout_fn(setup: RolloutSetup):
     return make_agent_rollout_fn(
-        agent_factory=lambda row: ToolAgent([{"role": "system", "content": SYSTEM}] + WARM_UP + row["messages"],
-                                            tools=[], parser="hermes"),  # tools=[]: the prompt shows the format
-        env_factory=lambda row: ToolEnvironment(row, TOOLS, reward_fn, max_steps=MAX_STEPS,
-                                                intermediate_rewards=SHAPING),
-        max_total_tokens=MAX_TOTAL_TOKENS, sampling=SAMPLING,
+        agent_factory=lambda row: ToolAgent(
+            [{"role": "system", "content": SYSTEM}] + WARM_UP + row["messages"], tools=[], parser="hermes"
+        ),  # tools=[]: the prompt shows the format
+        env_factory=lambda row: ToolEnvironment(
+            row, TOOLS, reward_fn, max_steps=MAX_STEPS, intermediate_rewards=SHAPING
+        ),
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        sampling=SAMPLING,
     )(setup)

@@ -106,9 +106,7 @@ def compute_policy_loss(
     per_token_loss_N = output.per_token_loss_N
     if inputs.sample_weights_N is not None:
         per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
-    loss = aggregate(
-        per_token_loss_N, inputs, output.aggregation or cfg.aggregation, total_tokens, total_sequences
-    )
+    loss = aggregate(per_token_loss_N, inputs, output.aggregation or cfg.aggregation, total_tokens, total_sequences)
     metrics = diagnostic_metrics(inputs, cfg)
     metrics.update(output.metrics)
     metrics["loss"] = float(loss.detach())

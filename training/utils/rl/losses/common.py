@@ -98,7 +98,9 @@ def validate_inputs(inputs: LossInputs) -> None:
     if n[0] > 0:
         lo, hi = int(inputs.sequence_index_N.min()), int(inputs.sequence_index_N.max())
         if lo < 0 or hi >= inputs.num_sequences:
-            raise ValueError(f"sequence_index_N: values span [{lo}, {hi}], outside [0, num_sequences={inputs.num_sequences})")
+            raise ValueError(
+                f"sequence_index_N: values span [{lo}, {hi}], outside [0, num_sequences={inputs.num_sequences})"
+            )
 
 
 def exp_clamped(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,9 @@ class LossConfig:
 
     def __post_init__(self):
         if isinstance(self.policy_loss, str) and self.policy_loss not in LOSS_NAMES:
-            raise ValueError(f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSS_NAMES)} "
-                             "or pass a callable")
+            raise ValueError(
+                f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSS_NAMES)} or pass a callable"
+            )
         if not isinstance(self.policy_loss, str) and not callable(self.policy_loss):
             raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")
         if self.kl_beta < 0:

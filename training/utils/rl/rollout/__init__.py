@@ -117,8 +117,9 @@ class RolloutSetup:
     """Anything the user passed to ``main(..., rollout_extras=...)``."""
     max_seq_len: Optional[int] = None
     """The longest sequence (prompt + completion) the trainer will accept."""
-    weight_sync_hooks: list[tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = \
-        field(default_factory=list)
+    weight_sync_hooks: list[tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = field(
+        default_factory=list
+    )
     """``(before, after)`` async callables the recipe awaits around every weight sync (a proxy pauses new calls)."""
 
     @property
@@ -155,7 +156,9 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
     if sum(sample.loss_mask) == 0:
         raise RolloutValidationError("loss_mask", "no trainable token (all zeros)")
     if sample.loss_mask[0] == 1:
-        raise RolloutValidationError("loss_mask", "loss_mask[0] is 1; the first token has no context to be sampled from")
+        raise RolloutValidationError(
+            "loss_mask", "loss_mask[0] is 1; the first token has no context to be sampled from"
+        )
     for i, lp in enumerate(sample.logprobs):
         if not _finite(lp):
             raise RolloutValidationError("logprobs", f"logprobs[{i}]={lp!r} is not finite")
@@ -166,12 +169,16 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
     versions = sample.token_weight_versions
     if versions is not None:
         if len(versions) != sum(sample.loss_mask):
-            raise RolloutValidationError("token_weight_versions", f"length {len(versions)} != number of trainable "
-                                         f"tokens {sum(sample.loss_mask)} (one version per loss_mask 1)")
+            raise RolloutValidationError(
+                "token_weight_versions",
+                f"length {len(versions)} != number of trainable "
+                f"tokens {sum(sample.loss_mask)} (one version per loss_mask 1)",
+            )
         for i, v in enumerate(versions):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise RolloutValidationError("token_weight_versions", f"token_weight_versions[{i}]={v!r} is not "
-                                             "a non-negative int")
+                raise RolloutValidationError(
+                    "token_weight_versions", f"token_weight_versions[{i}]={v!r} is not a non-negative int"
+                )
 
 
 def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> list[RolloutSample]:
@@ -183,10 +190,13 @@ def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> l
             raise RolloutValidationError("segments", "a RolloutRun needs at least one segment")
         if not _finite(result.reward):
             raise RolloutValidationError("reward", f"{result.reward!r} is not a finite number")
-        if result.return_weights is not None and (len(result.return_weights) != len(result.segments) or
-                                                  not all(_finite(g) for g in result.return_weights)):
-            raise RolloutValidationError("return_weights", f"{len(result.return_weights)} values for "
-                                         f"{len(result.segments)} segments, or a non-finite one")
+        if result.return_weights is not None and (
+            len(result.return_weights) != len(result.segments) or not all(_finite(g) for g in result.return_weights)
+        ):
+            raise RolloutValidationError(
+                "return_weights",
+                f"{len(result.return_weights)} values for {len(result.segments)} segments, or a non-finite one",
+            )
         samples = result.samples()
     else:
         samples = [result]

@@ -102,8 +102,9 @@ def canonical_message(message: dict) -> dict:
         return {"raw": json.dumps(message, sort_keys=True, default=str)}
     out: dict[str, Any] = {"role": m["role"], "content": m["content"].strip()}
     if m.get("tool_calls"):
-        out["tool_calls"] = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                             for c in m["tool_calls"]]
+        out["tool_calls"] = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]
+        ]
     for key in ("name", "reasoning_content"):
         if m.get(key):
             out[key] = m[key]
@@ -137,14 +138,14 @@ def _message_diff(expected: list[dict], sent: list[dict]) -> Optional[str]:
         if exp.get("role") == "assistant" and message_hash(_strip_thinking(exp)) == message_hash(sent[i]):
             return f"thinking stripped at index {i}"
         if len(sent) < len(expected):
-            return f"context compacted: {len(expected)} messages expected, {len(sent)} sent " \
-                   f"(first change at index {i})"
+            return f"context compacted: {len(expected)} messages expected, {len(sent)} sent (first change at index {i})"
         return f"message hash changed at index {i} (role {sent[i].get('role')!r})"
     return None
 
 
-def classify(previous: Optional[TurnCall], call: TurnCall, strategy: str = "messages",
-             previous_name: str = "previous call") -> TurnLabel:
+def classify(
+    previous: Optional[TurnCall], call: TurnCall, strategy: str = "messages", previous_name: str = "previous call"
+) -> TurnLabel:
     """Label ``call`` against one earlier call ``previous`` (APPEND if it extends it, else WIPE).
 
     ``previous_name`` words the reason ("previous call", "call 3"). The label's ``chain`` and
@@ -170,8 +171,13 @@ def classify(previous: Optional[TurnCall], call: TurnCall, strategy: str = "mess
         return TurnLabel(WIPE, diff, token_prefix=prefix)
     if tokens_extend:
         return TurnLabel(APPEND, f"prompt extends {previous_name}", token_prefix=prefix)
-    return TurnLabel(APPEND, f"prompt extends {previous_name}; re-render drift: token prefix broken at position "
-                             f"{prefix} of {len(expected_ids)}", token_prefix=prefix, token_drift=True)
+    return TurnLabel(
+        APPEND,
+        f"prompt extends {previous_name}; re-render drift: token prefix broken at position "
+        f"{prefix} of {len(expected_ids)}",
+        token_prefix=prefix,
+        token_drift=True,
+    )
 
 
 def _extent(call: TurnCall, strategy: str) -> int:

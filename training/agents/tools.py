@@ -12,8 +12,12 @@ for a tool's fault: every call yields a ``ToolResult`` whose ``status`` is one o
 - ``unknown_tool``: no tool of that name is registered;
 - ``bad_arguments``: the arguments do not match the schema (missing / unexpected / wrong type).
 
-Deadline caveat: an async tool is cancelled at its deadline; a sync tool's worker thread
-cannot be killed, so its result is discarded but the thread runs on until it returns.
+Sync tools run in threads of their own (``run_in_tool_thread``), never in asyncio's default pool,
+which the rest of the process shares: one daemon thread per call, started at once, so a tool's
+deadline counts from the start of the call (no queue wait), and at most ``MAX_TOOL_THREADS`` run
+at a time (more is an ``error`` result naming the hung calls). An async tool is cancelled at its
+deadline; a sync tool's thread cannot be killed, so its result is discarded and the thread runs on
+until it returns. Being a daemon, a hung one never keeps the process from exiting.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import threading
 import time
 import types
 import typing
@@ -34,8 +39,13 @@ STATUSES = (OK, ERROR, TIMEOUT, UNKNOWN_TOOL, BAD_ARGUMENTS)
 """Every status a ``ToolResult`` can carry."""
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list,), "null": (type(None),),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+    "null": (type(None),),
 }
 
 
@@ -55,6 +65,42 @@ class ToolResult:
         return self.status == OK
 
 
+MAX_TOOL_THREADS = 64
+"""Sync tool calls running at once in the process (hung ones included); more are refused."""
+_tool_threads = threading.BoundedSemaphore(MAX_TOOL_THREADS)
+
+
+async def run_in_tool_thread(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """Run a sync tool in a daemon thread of its own and await its result (see the module docstring)."""
+    if not _tool_threads.acquire(blocking=False):
+        raise RuntimeError(f"{MAX_TOOL_THREADS} sync tool calls are still running (hung tools?); refusing another")
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def deliver(value: Any, error: Optional[BaseException]) -> None:
+        if future.done():  # cancelled at its deadline
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def work() -> None:
+        try:
+            value, error = fn(**kwargs), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
+            value, error = None, e
+        finally:
+            _tool_threads.release()
+        try:
+            loop.call_soon_threadsafe(deliver, value, error)
+        except RuntimeError:  # the loop is gone: nobody waits for this result
+            pass
+
+    threading.Thread(target=work, name=f"tool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
+
+
 class Tool:
     """Base class: set ``name``, ``description``, ``parameters`` and override ``apply`` or ``apply_async``."""
 
@@ -71,12 +117,14 @@ class Tool:
 
     async def apply_async(self, **kwargs: Any) -> Any:
         """Async implementation; the default runs ``apply`` in a worker thread."""
-        return await asyncio.to_thread(self.apply, **kwargs)
+        return await run_in_tool_thread(self.apply, **kwargs)
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style schema that chat templates render (``tools=[...]``)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def check_arguments(self, arguments: Any) -> Optional[str]:
         """None if ``arguments`` fit ``parameters``; otherwise what is wrong (top-level keys and types only)."""
@@ -102,8 +150,16 @@ class Tool:
         return None
 
 
-_PY_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
-                             tuple: "array", dict: "object", type(None): "null"}
+_PY_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    tuple: "array",
+    dict: "object",
+    type(None): "null",
+}
 
 
 def _type_schema(hint: Any) -> dict[str, Any]:
@@ -175,8 +231,15 @@ class FunctionTool(Tool):
     type and description. ``description`` / ``parameters`` override them.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
-                 parameters: Optional[dict] = None, timeout_s: Optional[float] = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: Optional[str] = None,
+        description: Optional[str] = None,
+        parameters: Optional[dict] = None,
+        timeout_s: Optional[float] = None,
+    ):
         self.fn = fn
         self.name = name or fn.__name__
         doc_description, doc_parameters = function_schema(fn)
@@ -190,7 +253,7 @@ class FunctionTool(Tool):
     async def apply_async(self, **kwargs: Any) -> Any:
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(**kwargs)
-        return await asyncio.to_thread(self.fn, **kwargs)
+        return await run_in_tool_thread(self.fn, **kwargs)
 
 
 def output_text(value: Any, max_chars: int) -> str:

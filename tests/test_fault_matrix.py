@@ -5,6 +5,7 @@ leaving no server or /dev/shm copy (test_exit_cleanup.py), a server killed befor
 (test_launcher.py), failing and hanging rollouts (test_recipes.py).
 """
 
+import json
 import time
 
 import pytest
@@ -85,3 +86,51 @@ def test_a_rollout_blocking_the_event_loop_times_out_nothing(tiny_model_path, se
     m = read_metrics(cfg.log_path)
     assert sum(r.get("rollout/timeouts", 0) for r in m) == 0
     assert any("event loop has been blocked" in r.getMessage() and "before" in r.getMessage() for r in caplog.records)
+
+
+def test_a_malformed_sample_costs_one_completion_and_its_row_is_still_trained(tiny_model_path, server, tmp_path):
+    """Row 2's first rollout returns 3 logprobs for 4 tokens: counted invalid, never trained, the run goes on."""
+    broken = []
+
+    def factory(setup):
+        good = sampling_rollout(setup)
+
+        async def rollout_fn(row):
+            sample = await good(row)
+            if row["id"] == 2 and not broken:
+                broken.append(True)
+                sample.logprobs = sample.logprobs[:-1]
+            return sample
+
+        return rollout_fn
+
+    cfg = config(
+        tiny_model_path, server, tmp_path, completions_per_prompt=3, max_steps=3, max_rollout_error_fraction=0.5
+    )
+    out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert out["steps"] == 3 and broken
+    m = read_metrics(cfg.log_path)
+    assert sum(r.get("rollout/invalid", 0) for r in m) == 1
+    trained_rows = [
+        json.loads(line)["row_position"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+    ]
+    assert trained_rows.count(2) == 2  # its two valid completions
+    assert set(trained_rows) == set(range(6))  # 3 steps x 2 rows, none lost
+
+
+def test_a_checkpoint_write_cut_short_resumes_from_the_previous_one(tiny_model_path, server, tmp_path):
+    """Simulated state of a kill in the middle of writing checkpoint 2 (a partial ``step_000002.tmp`` next to
+    ``latest`` -> step 1): the rerun resumes at step 1 and writes step 2 over the debris."""
+    cfg = config(tiny_model_path, server, tmp_path, max_steps=1, dcp_save_interval=1, synchronous_training=True)
+    async_rl_loop.main(cfg, rollout_fn_factory=sampling_rollout, rows=ROWS)
+    ckpts = tmp_path / "run" / "checkpoints"
+    debris = ckpts / "step_000002.tmp"
+    debris.mkdir()
+    (debris / "__0_0.distcp").write_bytes(b"half a tensor")
+    assert (ckpts / "latest").read_text().strip() == "step_000001"
+    longer = config(tiny_model_path, server, tmp_path, max_steps=2, dcp_save_interval=1, synchronous_training=True)
+    out = async_rl_loop.main(longer, rollout_fn_factory=sampling_rollout, rows=ROWS)
+    assert out["steps"] == 2
+    assert (ckpts / "latest").read_text().strip() == "step_000002" and not debris.exists()
+    state = json.loads((ckpts / "step_000002" / "recipe_state.json").read_text())
+    assert state["step"] == 2 and state["cursor"]["done_floor"] == 4  # rows 0-3, each trained once

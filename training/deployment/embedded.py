@@ -81,7 +81,13 @@ class EmbeddedDeployment(ServerProcess):
         return env
 
     def load_weights(
-        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+        self,
+        folder: str,
+        weight_version: int,
+        *,
+        mode: str = "shm",
+        wait_for_inflight: bool = True,
+        force: bool = False,
     ) -> dict:
         """POST the file (shm) or the folder (disk) to the server; it answers once it serves the new version."""
         if mode == "shm":
@@ -90,7 +96,12 @@ class EmbeddedDeployment(ServerProcess):
             endpoint, path = "/update_weights_from_disk", folder
         else:
             raise ValueError(f"mode: {mode!r} is not one of ('shm', 'disk')")
-        body = {"path": path, "weight_version": int(weight_version), "wait_for_inflight": wait_for_inflight}
+        body = {
+            "path": path,
+            "weight_version": int(weight_version),
+            "wait_for_inflight": wait_for_inflight,
+            "force": force,
+        }
         status, text = self._http("POST", endpoint, body, timeout=max(self.cfg.request_timeout_s, 600.0))
         if status != 200:
             raise WeightSyncError(f"{self.base_url}{endpoint}: HTTP {status or 'no answer'}: {text[:2000]}")

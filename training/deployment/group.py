@@ -177,11 +177,14 @@ class DeploymentGroup:
         *,
         specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]] = None,
         wait_for_inflight: bool = True,
+        force: bool = False,
     ) -> dict:
         """Load new weights into every replica as ``weight_version`` (see the module docstring).
 
         ``specs`` (``(name, dtype, shape)`` per tensor, e.g. ``PolicyTrainer.weight_specs()``) lets the
-        distributed path stream a lazy iterator; the file paths ignore it. Returns timings
+        distributed path stream a lazy iterator; the file paths ignore it. ``force`` lets a version
+        older than the served one load (a run's first push to a server an earlier run left ahead).
+        Returns timings
         (``total_s`` and the path's own). Raises ``WeightSyncError`` naming the replica that refused.
         """
         t0 = time.perf_counter()
@@ -193,7 +196,7 @@ class DeploymentGroup:
                     named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight
                 )
             else:
-                out = await self._push_file(named_weights, weight_version, wait_for_inflight)
+                out = await self._push_file(named_weights, weight_version, wait_for_inflight, force)
             if self.sampler is not None:
                 self.sampler.note_weight_version(weight_version)
         finally:
@@ -203,7 +206,7 @@ class DeploymentGroup:
         return out
 
     async def _push_file(
-        self, named_weights: Iterable[tuple[str, Any]], weight_version: int, wait_for_inflight: bool
+        self, named_weights: Iterable[tuple[str, Any]], weight_version: int, wait_for_inflight: bool, force: bool
     ) -> dict:
         mode = self.weight_sync_mode
         if self._folder is None:
@@ -216,7 +219,7 @@ class DeploymentGroup:
         folder = str(self._folder.folder)
         answers = await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, self._load, r, folder, weight_version, mode, wait_for_inflight)
+                loop.run_in_executor(self._pool, self._load, r, folder, weight_version, mode, wait_for_inflight, force)
                 for r in self.replicas
             )
         )
@@ -228,20 +231,30 @@ class DeploymentGroup:
         }
 
     def _load(
-        self, replica: ServerProcess, folder: str, weight_version: int, mode: str, wait_for_inflight: bool
+        self,
+        replica: ServerProcess,
+        folder: str,
+        weight_version: int,
+        mode: str,
+        wait_for_inflight: bool,
+        force: bool = False,
     ) -> dict:
         """Load into one replica (blocking): restart it first if dead; retry once if it died during the load."""
         replica.ensure_alive()
         restarts = replica.restart_count
         try:
-            answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
+            answer = replica.load_weights(
+                folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight, force=force
+            )
         except WeightSyncError:
             if not replica.recover(restarts):
                 raise  # a refusal by a live server (its old weights stay), or an attached server
             log.warning(
                 "%s died during the weight push of v%d; retrying after its restart", replica.base_url, weight_version
             )
-            answer = replica.load_weights(folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight)
+            answer = replica.load_weights(
+                folder, weight_version, mode=mode, wait_for_inflight=wait_for_inflight, force=force
+            )
         replica.note_weights(folder, weight_version, mode)
         return answer
 

@@ -212,13 +212,20 @@ class ServerProcess:
 
     # ------------------------------------------------------------ weights
     def load_weights(
-        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+        self,
+        folder: str,
+        weight_version: int,
+        *,
+        mode: str = "shm",
+        wait_for_inflight: bool = True,
+        force: bool = False,
     ) -> dict:
         """Load ``<folder>/model.safetensors`` into the running server as ``weight_version`` (blocking).
 
         ``mode`` says where the folder lives (``shm``: this host's /dev/shm; ``disk``: a folder the
-        server can read). Raises ``WeightSyncError`` naming the step that failed; the server keeps
-        serving (its old weights where it refused)."""
+        server can read). ``force`` loads a version older than the served one (this package's server
+        refuses that otherwise; other engines do not check). Raises ``WeightSyncError`` naming the
+        step that failed; the server keeps serving (its old weights where it refused)."""
         raise NotImplementedError
 
     def note_weights(self, folder: str, weight_version: int, mode: str) -> None:

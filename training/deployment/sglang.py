@@ -283,7 +283,13 @@ class SGLangDeployment(ServerProcess):
                 shutil.copy2(src / name, folder / name)
 
     def load_weights(
-        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+        self,
+        folder: str,
+        weight_version: int,
+        *,
+        mode: str = "shm",
+        wait_for_inflight: bool = True,
+        force: bool = False,
     ) -> dict:
         """Copy the model's config next to the weights and ``POST /update_weights_from_disk``.
 

@@ -154,7 +154,13 @@ class VLLMDeployment(ServerProcess):
             return text
 
     def load_weights(
-        self, folder: str, weight_version: int, *, mode: str = "shm", wait_for_inflight: bool = True
+        self,
+        folder: str,
+        weight_version: int,
+        *,
+        mode: str = "shm",
+        wait_for_inflight: bool = True,
+        force: bool = False,
     ) -> dict:
         """Reload ``<folder>/model.safetensors`` in the running server (steps 2-5 of the module doc).
 

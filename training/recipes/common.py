@@ -305,14 +305,16 @@ class RunContext:
         """Weights are pushed after every ``weight_sync_interval``-th step."""
         return step_done % self.cfg.weight_sync_interval == 0
 
-    async def sync_weights(self, version: int) -> float:
-        """Push the trainer's weights to every replica as ``version``; seconds taken."""
+    async def sync_weights(self, version: int, force: bool = False) -> float:
+        """Push the trainer's weights to every replica as ``version``; seconds taken. ``force``: the run's
+        first push, which may go below the version an earlier run left on an attached server."""
         t0 = time.perf_counter()
         await self.deployment.push(
             self.trainer.named_weights(),
             version,
             specs=self.trainer.weight_specs(),
             wait_for_inflight=not self.cfg.inflight_weight_updates,
+            force=force,
         )
         return time.perf_counter() - t0
 
@@ -346,7 +348,7 @@ class RunContext:
     async def start_run(self) -> None:
         """Before the first step: sync a resumed run's (or an attached server's) weights; eval at step 0."""
         if self.start_step > 0 or not self.deployment.launched:
-            await self.sync_weights(self.start_step)
+            await self.sync_weights(self.start_step, force=True)
         if self.eval_due(self.start_step):
             self.metrics.log(self.start_step, await self.evaluate())
 

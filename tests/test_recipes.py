@@ -163,9 +163,9 @@ def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path,
     deployed = [0]
     real_sync = recipes_common.RunContext.sync_weights
 
-    async def spy_sync(self, version):
+    async def spy_sync(self, version, **kw):
         deployed[0] = version
-        return await real_sync(self, version)
+        return await real_sync(self, version, **kw)
 
     monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy_sync)
     late_calls = []
@@ -226,9 +226,9 @@ def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path
     pushed = []
     real = recipes_common.RunContext.sync_weights
 
-    async def spy(self, version):
+    async def spy(self, version, **kw):
         pushed.append(version)
-        return await real(self, version)
+        return await real(self, version, **kw)
 
     monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy)
     rec = Recorder()
@@ -400,8 +400,8 @@ def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_m
     versions = {}
     real_sync = async_rl_loop.RunContext.sync_weights
 
-    async def sync_and_check(ctx, version):
-        out = await real_sync(ctx, version)
+    async def sync_and_check(ctx, version, **kw):
+        out = await real_sync(ctx, version, **kw)
         for url in ctx.deployment.base_urls:  # the barrier: every replica already serves the new version
             versions.setdefault(url, []).append(
                 await DeploymentSampler(url, api_key=ctx.deployment.cfg.api_key).weight_version()

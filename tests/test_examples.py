@@ -56,7 +56,7 @@ def test_default_example_reward_rises(tmp_path):
     assert last > first + 0.1, (first, last)
 
 
-@pytest.mark.slow
+@pytest.mark.demo
 def test_tool_use_smollm2_demo_improves_held_out_accuracy(tmp_path):
     """The tool-use demo as shipped (SmolLM2, ~30 min on 2 busy cores): held-out accuracy rises."""
     metrics = run_example("tool_use_smollm2", tmp_path / "run", timeout=3600)

@@ -322,6 +322,10 @@ class ProxyServer:
             return err
         if (body.get("n") or 1) != 1:
             return _error(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
+        if not isinstance(body.get("stream", False), bool):
+            return _error(400, "'stream' must be a boolean", "stream")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            return _error(400, "'stream_options' must be an object", "stream_options")
         async with self._admitted():
             if body.get("stream"):
                 return await self._stream(request, session, endpoint, body)

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
+from tests.test_recipes import ROWS
+from tests.test_recipes import config as recipes_config
 from training.deployment.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop
-from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
+from training.utils import DeployConfig, EngineConfig
 from training.utils.metrics import read_metrics
 from training.utils.rl.rollout import RolloutSample
-
-ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(32)]
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +29,8 @@ def server(tiny_model_path, tmp_path_factory):
 
 
 def config(tiny_model_path, server, tmp_path, **kw):
-    base = dict(
-        base_model=tiny_model_path,
-        log_path=str(tmp_path / "run"),
-        completions_per_prompt=2,
-        prompt_groups_per_step=2,
-        max_tokens=4,
-        max_steps=2,
-        export_final_model=False,
-        shuffle_rows=False,
-        trainer=TrainerConfig(learning_rate=1e-3),
-        loss=LossConfig(kl_beta=0.0),
-        deployment=DeployConfig(base_url=server.base_url),
-    )
-    base.update(kw)
-    return async_rl_loop.Config(**base)
+    """``test_recipes.config`` with rows in order (these tests name rows by position)."""
+    return recipes_config(tiny_model_path, server, tmp_path, **{"shuffle_rows": False, **kw})
 
 
 def sampling_rollout(setup, before=None):

@@ -113,11 +113,13 @@ RECIPE_SCRIPT = textwrap.dedent('''
 
 
 def _run(args, tmp_path, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINING_DIST_TIMEOUT_S": "120"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINING_DIST_TIMEOUT_S": "120", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     done = subprocess.run(
         [str(a) for a in args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
+    if done.returncode != 0:
+        (tmp_path / "stderr.txt").write_text(done.stderr)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-8000:])
     return done
 
 

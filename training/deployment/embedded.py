@@ -54,6 +54,8 @@ class EmbeddedDeployment(ServerProcess):
         )
         self.served_model_name = served_model_name or self.cfg.deployment_id
 
+    guard_parent = False  # serve.py --exit-with-parent watches the trainer itself
+
     def _command(self) -> list[str]:
         engine_config = dataclasses.replace(self.cfg.engine_config, model=self.model)
         cmd = [

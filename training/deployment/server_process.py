@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,6 +41,8 @@ from training.utils.http import control_request, free_port
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ORPHAN_GUARD = Path(__file__).with_name("orphan_guard.py")
+"""Run as a script (stdlib only: no package imports in the guard process)."""
 HEALTH_POLL_S = 0.2
 """How often a starting server's health endpoint is polled."""
 
@@ -54,6 +57,9 @@ class ServerProcess:
 
     engine = "server"
     health_path = "/health"
+    guard_parent = True
+    """Launch the command under ``orphan_guard`` (stopped if this process dies, even by SIGKILL).
+    False for a server that watches its parent itself."""
 
     def __init__(
         self,
@@ -280,6 +286,8 @@ class ServerProcess:
         if self._log_fh is None:
             self._log_fh = open(self.log_path, "ab", buffering=0)
         cmd = self._command()
+        if self.guard_parent:
+            cmd = [sys.executable, str(ORPHAN_GUARD), str(os.getpid()), "--", *cmd]
         self._log_fh.write(f"=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
         t0 = time.monotonic()
         self._proc = subprocess.Popen(

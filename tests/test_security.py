@@ -38,3 +38,41 @@ def test_request_bodies_are_parsed_strictly(raw, problem):
         "seed": 2**64 - 1,
         "x": [1.5, "é", {"y": None}],
     }
+
+
+def test_connections_without_a_request_in_progress_are_closed_and_busy_ones_are_not(tiny_model_path, tmp_path):
+    """Half-open and slow-header connections are closed after --idle-timeout-s; a body that trickles in
+    for longer than that is still read and answered."""
+    import json
+    import socket
+    import time
+    import urllib.parse
+
+    from training.deployment.embedded import EmbeddedDeployment
+    from training.utils import DeployConfig, EngineConfig
+
+    cfg = DeployConfig(log_file=str(tmp_path / "s.log"), engine_config=EngineConfig(max_model_len=64))
+    with EmbeddedDeployment(tiny_model_path, cfg, extra_args=["--idle-timeout-s", "1"]) as dep:
+        url = urllib.parse.urlparse(dep.base_url)
+        addr = (url.hostname, url.port)
+        silent = [socket.create_connection(addr) for _ in range(8)]
+        partial = [socket.create_connection(addr) for _ in range(8)]
+        for s in partial:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        slow = socket.create_connection(addr)
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        for i in range(0, len(body), len(body) // 5 + 1):  # ~3 s of trickling, past the 1 s idle limit
+            time.sleep(0.6)
+            slow.sendall(body[i : i + len(body) // 5 + 1])
+        slow.settimeout(30)
+        reply = slow.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        for s in silent + partial:
+            s.settimeout(10)
+            assert s.recv(1024) == b"", "an idle connection was kept open"
+            s.close()
+        slow.close()

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from training.utils.cli import OverrideError, field_docs, field_types, parse_value
 from training.utils.config import EngineConfig
+from training.utils.http import IDLE_CONNECTION_TIMEOUT_S, close_idle_connections
 
 READY_PREFIX = "DEPLOYMENT READY"
 
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PID",
         help="shut down when process PID is no longer this server's parent",
+    )
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=IDLE_CONNECTION_TIMEOUT_S,
+        help="close a connection that has had no request in progress (incomplete headers, or idle keep-alive) "
+        "for this many seconds",
     )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -161,7 +169,7 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watcher = None
+    watcher = reaper = None
     try:
         site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
         await site.start()
@@ -172,12 +180,14 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
             file=ready_file or sys.stdout,
             flush=True,
         )
+        reaper = asyncio.create_task(close_idle_connections(runner.server, args.idle_timeout_s))
         if args.exit_with_parent is not None:
             watcher = asyncio.create_task(_watch_parent(args.exit_with_parent, stop))
         await stop.wait()
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, reaper):
+            if task is not None:
+                task.cancel()
         await runner.cleanup()
         await engine.shutdown()
         print("deployment server stopped", flush=True)

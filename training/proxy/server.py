@@ -55,7 +55,14 @@ from training.proxy.streaming import (
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
-from training.utils.http import SESSION_HEADER, bearer_ok, parse_json_body, session_headers, session_id_of
+from training.utils.http import (
+    SESSION_HEADER,
+    bearer_ok,
+    close_idle_connections,
+    parse_json_body,
+    session_headers,
+    session_id_of,
+)
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,7 @@ class ProxyServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._runner: Optional[web.AppRunner] = None
+        self._reaper: Optional[asyncio.Task] = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> "ProxyServer":
@@ -144,10 +152,14 @@ class ProxyServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        self._reaper = asyncio.create_task(close_idle_connections(self._runner.server))
         await self.pool.open()
         return self
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -15,6 +15,9 @@
   within 64 bits, nesting at most ``MAX_JSON_DEPTH``, no lone surrogates); anything else is a
   ``ValueError`` whose message a server returns as its 400.
 
+- ``close_idle_connections``: a server-side sweeper that closes connections which have sent no
+  complete request for ``IDLE_CONNECTION_TIMEOUT_S`` (half-open or slow-header clients).
+
 The sampler keeps one pooled session per event loop for its many requests
 (``training/deployment/sampler.py``); one-off control calls open a session per call.
 """
@@ -124,6 +127,38 @@ MAX_JSON_DEPTH = 64
 """Deepest nesting a request body may have (OpenAI bodies need fewer than 10 levels)."""
 MAX_JSON_INT = 2**64
 """Integers in a request body must lie in (-MAX_JSON_INT, MAX_JSON_INT)."""
+
+
+IDLE_CONNECTION_TIMEOUT_S = 30.0
+"""Seconds a server connection may stay without a request in progress (headers not yet complete, or
+kept alive between requests) before it is closed. Above the aiohttp client's 15 s keep-alive, so a
+pooled client connection is dropped by the client first."""
+
+
+async def close_idle_connections(server: Any, idle_timeout_s: float = IDLE_CONNECTION_TIMEOUT_S) -> None:
+    """Close every connection of an aiohttp ``server`` (``AppRunner.server``) that has had no request in
+    progress for ``idle_timeout_s``; runs until cancelled.
+
+    aiohttp has no timeout for the header phase (and before 3.10 none for a connection that never
+    sends a byte), so without this a client can hold connections open forever. A handler whose request
+    state cannot be read is treated as busy (never closed)."""
+    import asyncio
+
+    idle_since: dict[Any, float] = {}
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(min(1.0, idle_timeout_s / 4))
+        now, seen = loop.time(), set()
+        for handler in server.connections:
+            seen.add(handler)
+            if getattr(handler, "_current_request", True) is not None:  # busy with a request
+                idle_since.pop(handler, None)
+            elif now - idle_since.setdefault(handler, now) >= idle_timeout_s:
+                transport = getattr(handler, "transport", None)
+                if transport is not None:
+                    transport.close()
+        for handler in set(idle_since) - seen:
+            del idle_since[handler]
 
 
 class JsonBodyError(ValueError):

@@ -236,7 +236,7 @@ def main() -> None:
             "Step time: median over steps 2..N of each run, then over the interleaved rounds; trainer_idle = "
             "Σ wait_rollout_s / Σ step_time_s; groups_dropped per run; length / env-call ratios over every "
             "trained sample of all rounds, against the synchronous row; step_iqr_over_median = the spread of the "
-            "step times (noise: the machine was shared with other jobs); token_lag = share of trained tokens "
+            "step times within a setting (run-to-run noise); token_lag = share of trained tokens "
             "k versions behind the weights they were trained from (k:share)."
             + (
                 ""

@@ -1,12 +1,23 @@
 """Faults a run must survive (issue #18's matrix), each on the tiny model against the real server.
 
-Rows covered elsewhere: a killed and resumed trainer (test_resume_kill.py), SIGTERM / SIGKILL
-leaving no server or /dev/shm copy (test_exit_cleanup.py), a server killed before a weight push
-(test_launcher.py), failing and hanging rollouts (test_recipes.py).
+The eight rows and where each is tested:
+1. 10 % of rollouts raise: test_recipes.py (failing rollouts: the error budget, no row lost);
+2. a hung rollout: test_recipes.py (the rollout deadline), and one blocking the event loop here;
+3. a hung tool: here, a whole run in its own process (it must also exit);
+4. the server killed mid-step and during a weight push: here (and before a push: test_launcher.py);
+5. the trainer killed and resumed: test_resume_kill.py;
+6. a kill during a checkpoint write: here;
+7. a malformed sample: here;
+8. Ctrl-C / SIGTERM / SIGKILL: test_exit_cleanup.py (no server, no /dev/shm copy left).
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +27,10 @@ from training.deployment.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig, EngineConfig
 from training.utils.metrics import read_metrics
+from training.deployment.weight_sync import SHM_PREFIX, shm_dir
 from training.utils.rl.rollout import RolloutSample
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +135,100 @@ def test_a_checkpoint_write_cut_short_resumes_from_the_previous_one(tiny_model_p
     assert (ckpts / "latest").read_text().strip() == "step_000002" and not debris.exists()
     state = json.loads((ckpts / "step_000002" / "recipe_state.json").read_text())
     assert state["step"] == 2 and state["cursor"]["done_floor"] == 4  # rows 0-3, each trained once
+
+
+def trained_rows(log_path) -> list[int]:
+    """The row position of every trained sample (rollouts.jsonl)."""
+    return [json.loads(line)["row_position"] for line in (Path(log_path) / "rollouts.jsonl").read_text().splitlines()]
+
+
+HUNG_TOOL_RUN = """
+import json, sys, types
+from tests.test_fault_matrix import config, sampling_rollout
+from tests.test_recipes import ROWS
+from tests.test_tool_threads import hung_lookup
+from training.agents.tools import FunctionTool, ToolManager
+from training.recipes import async_rl_loop
+from training.utils import DeployConfig
+from training.utils.tool_parsers import ToolCall
+
+model, url, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
+tools = ToolManager([FunctionTool(hung_lookup)], timeout_s=0.3)
+statuses = []
+
+def factory(setup):
+    sample = sampling_rollout(setup)
+
+    async def rollout_fn(row):
+        call = ToolCall(id=str(len(statuses)), name="hung_lookup", arguments={"key": "x"})
+        statuses.append((await tools.execute(call)).status)  # its thread sleeps for an hour
+        return await sample(row)
+
+    return rollout_fn
+
+cfg = config(model, types.SimpleNamespace(base_url=url), __import__("pathlib").Path(tmp), max_steps=3,
+             deployment=DeployConfig(base_url=url, weight_sync="shm"))
+out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+print(json.dumps({"steps": out["steps"], "statuses": statuses}))
+"""
+
+
+def test_a_hung_tool_in_every_rollout_blocks_neither_training_nor_the_exit(tiny_model_path, server, tmp_path):
+    """Every rollout first calls a sync tool that never returns (deadline 0.3 s): each call times out, the
+    run trains all its steps on every row, and the process exits with a dozen hung tool threads alive.
+    Before the tool threads, these calls filled the pool the training step runs on."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", HUNG_TOOL_RUN, tiny_model_path, server.base_url, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = run.communicate(timeout=300)  # a hang here means the tool threads held the exit
+    finally:
+        run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["steps"] == 3 and len(out["statuses"]) >= 12 and set(out["statuses"]) == {"timeout"}
+    assert set(trained_rows(tmp_path / "run")) == set(range(6))  # 3 steps x 2 rows, none lost
+    assert not list(shm_dir().glob(f"{SHM_PREFIX}{run.pid}-*"))
+
+
+def test_the_server_killed_mid_step_and_during_a_weight_push(tiny_model_path, server, tmp_path, monkeypatch):
+    """The run's own server is SIGKILLed while step 1's rollouts sample, and again while step 2's weights are
+    being loaded into it: the watchdog restarts it, the rollouts retry, the push waits for the restart and
+    loads again; every row is trained once, and no server or /dev/shm copy is left."""
+    launched, kills = [], []
+    real_start, real_load = EmbeddedDeployment.start, EmbeddedDeployment.load_weights
+
+    def start(self):
+        launched.append(self)
+        return real_start(self)
+
+    def load_weights(self, folder, weight_version, **kw):
+        if weight_version == 2 and "push" not in kills:
+            kills.append("push")
+            os.kill(self.pid, signal.SIGKILL)
+        return real_load(self, folder, weight_version, **kw)
+
+    monkeypatch.setattr(EmbeddedDeployment, "start", start)
+    monkeypatch.setattr(EmbeddedDeployment, "load_weights", load_weights)
+
+    def factory(setup):
+        async def before(row):
+            if row["id"] == 2 and "step" not in kills:
+                kills.append("step")
+                os.kill(launched[0].pid, signal.SIGKILL)
+
+        return sampling_rollout(setup, before)
+
+    own = DeployConfig(engine_config=EngineConfig(max_batch_size=16), weight_sync="shm", max_restarts=3)
+    cfg = config(tiny_model_path, server, tmp_path, max_steps=3, synchronous_training=True, deployment=own)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert out["steps"] == 3 and kills == ["step", "push"]
+    (dep,) = launched
+    assert len(dep.restarts) == 2 and all(r["ok"] for r in dep.restarts)
+    assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # each row's 2 completions, once
+    assert not dep.is_alive()
+    assert not list(shm_dir().glob(f"{SHM_PREFIX}{os.getpid()}-*"))

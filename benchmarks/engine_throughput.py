@@ -5,7 +5,8 @@
 Workload per concurrency C: ``C * per_client`` requests with mixed prompt lengths (8..64 random
 ids) and completion lengths (tiny 16..64, SmolLM2 8..32 tokens), ``ignore_eos`` so every request
 generates exactly its length, temperature 1. C client coroutines pull requests from one queue and
-send them to ``/v1/completions`` of an ``EmbeddedDeployment`` (a child process, fp32, CPU).
+send them to ``/v1/completions`` of an ``EmbeddedDeployment`` (a child process, CPU; fp32, and for
+SmolLM2 also bf16 with every baseline in bf16 too).
 
 Baselines, measured in the same run on the same requests:
 (a) ``transformers`` ``generate`` on static batches of C requests in arrival order, left-padded,
@@ -61,7 +62,7 @@ async def _serve_clients(sampler, reqs: list[tuple[list[int], int]], clients: in
 
 
 def bench_server(
-    path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list, engine: str = "embedded"
+    path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list, engine: str = "embedded", dtype="float32"
 ) -> tuple[dict, list]:
     """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
     from training.deployment.factory import make_deployment
@@ -70,7 +71,9 @@ def bench_server(
 
     max_c = max(reqs_by_c)
     cfg = DeployConfig(
-        engine=engine, startup_timeout_s=600, engine_config=EngineConfig(max_batch_size=max_c, max_model_len=256)
+        engine=engine,
+        startup_timeout_s=600,
+        engine_config=EngineConfig(max_batch_size=max_c, max_model_len=256, dtype=dtype),
     )
     with make_deployment(path, cfg) as dep:
 
@@ -125,9 +128,15 @@ def vllm_available() -> bool:
 
 
 def bench_model(
-    name: str, concurrency: list[int], per_client: int, repeats: int, n_sequential: int, with_vllm: bool
+    name: str,
+    concurrency: list[int],
+    per_client: int,
+    repeats: int,
+    n_sequential: int,
+    with_vllm: bool,
+    dtype: str = "float32",
 ) -> list[dict]:
-    """Rows for one model: per concurrency, engine vs generate and engine vs sequential."""
+    """Rows for one model and dtype: per concurrency, engine vs generate, vs sequential and vs vLLM (all in ``dtype``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = model_path(name)
@@ -135,16 +144,16 @@ def bench_model(
     lengths = COMPLETION_RANGE.get(name, (8, 32))
     reqs_by_c = {c: workload(c * per_client, lengths, vocab, seed=c) for c in concurrency}
     sequential = reqs_by_c[min(concurrency)][:n_sequential]
-    per_c, seq = bench_server(path, reqs_by_c, repeats, sequential)
-    vllm_per_c = bench_server(path, reqs_by_c, repeats, [], engine="vllm")[0] if with_vllm else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    per_c, seq = bench_server(path, reqs_by_c, repeats, sequential, dtype=dtype)
+    vllm_per_c = bench_server(path, reqs_by_c, repeats, [], engine="vllm", dtype=dtype)[0] if with_vllm else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     bench_generate(path, reqs_by_c[min(concurrency)][:2], 2, model)  # warm-up
     rows = []
     seq_tps = median(seq)
     for c in concurrency:
         gen = median([bench_generate(path, reqs_by_c[c], c, model) for _ in range(repeats)])
         eng = median(per_c[c])
-        label = f"{name}: server, {c} clients ({len(reqs_by_c[c])} requests)"
+        label = f"{name}{'' if dtype == 'float32' else ' ' + dtype}: server, {c} clients ({len(reqs_by_c[c])} requests)"
         rows.append(row(label, eng, "generated tok/s", f"generate, static batches of {c}", gen))
         rows.append(row(label, eng, "generated tok/s", "same server, one request at a time", seq_tps))
         if c in vllm_per_c:
@@ -158,6 +167,11 @@ def main() -> None:
     p.add_argument("--concurrency", default="8,32,64")
     p.add_argument("--per-client", type=int, default=0, help="requests per client (0: tiny 2, SmolLM2 1)")
     p.add_argument("--sequential-requests", type=int, default=8)
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="weight dtypes for SmolLM2 (every side of a row in the same dtype); the tiny model runs float32 only",
+    )
     p.add_argument(
         "--vllm",
         choices=["auto", "yes", "no"],
@@ -173,7 +187,8 @@ def main() -> None:
     rows = []
     for m in models:
         per_client = a.per_client or (2 if m == "tiny" else 1)
-        rows += bench_model(m, conc, per_client, a.repeats, a.sequential_requests, with_vllm and m != "tiny")
+        for dtype in ["float32"] if m == "tiny" or a.quick else a.dtypes.split(","):
+            rows += bench_model(m, conc, per_client, a.repeats, a.sequential_requests, with_vllm and m != "tiny", dtype)
     notes = (
         "vLLM CPU baseline (c): "
         + (

@@ -251,7 +251,7 @@ def main() -> None:
     )
     notes = (
         f"Interleaved: all servers up at once, each repeat rotates their order, fresh prompts per repeat. "
-        f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Shared 2-core machine: see the "
+        f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Noise: the "
         f"spreads (min–max over {a.repeats} repeats)."
     )
     emit("engine_rl_shapes", rows, headline=1 if with_vllm else 0, notes=notes, started=started, repeats=a.repeats)

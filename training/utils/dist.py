@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Process-group timeout when ``TRAINING_DIST_TIMEOUT_S`` is not set."""
+EXIT_BARRIER_TIMEOUT_S = 60.0
+"""How long ``shutdown_distributed`` waits for the other ranks before leaving anyway."""
 
 
 class Command(IntEnum):
@@ -100,13 +102,14 @@ def shutdown_distributed() -> None:
 
     The barrier makes the ranks leave together: a rank that exits while its peer is still using the
     group can abort in gloo's teardown at interpreter exit (``terminate called without an active
-    exception``, seen 1 run in 5 under load without it). A peer that is already gone is logged, not raised.
+    exception``, seen 1 run in 5 under load without it). A peer that is gone or has not arrived within
+    ``EXIT_BARRIER_TIMEOUT_S`` (a gloo ``monitored_barrier``, which names it) is logged, not raised.
     """
     global _started_here
     if _started_here and dist.is_initialized():
         try:
-            dist.barrier()
-        except Exception as e:  # noqa: BLE001 - a peer already gone; leave anyway
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - a peer already gone or stuck; leave anyway
             logger.warning("rank %d: leaving without the exit barrier (%s)", rank(), e)
         dist.destroy_process_group()
     _started_here = False

@@ -306,9 +306,9 @@ def main() -> None:
             )
             rows.append(
                 row(
-                    f"{desc}, step time (lower is better)",
+                    f"{desc}, step time",
                     timing["lora_s"],
-                    "s per optimizer step",
+                    "s per optimizer step (lower is better)",
                     "full fine-tuning",
                     timing["full_s"],
                     noise=_spread(timing["pair_ratios"]),

@@ -1,11 +1,10 @@
 """Streaming and the Anthropic Messages API through the proxy, recorded token-exact (real tiny server)."""
 
 import asyncio
-import json
 
 import openai
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 
 from training.deployment.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, stitch_calls
@@ -30,85 +29,6 @@ async def direct(server, path, body):
         async with s.post(server.base_url + path, json={**body, "return_token_ids": True, "logprobs": logprobs}) as r:
             assert r.status == 200, await r.text()
             return await r.json()
-
-
-class StreamingFacade:
-    """Stand-in for a streaming upstream (our server does not stream yet): forwards each call to the
-    real tiny server without streaming and streams that reply's real tokens back one per chunk, in
-    vLLM's chunk format (``token_ids`` per chunk, ``prompt_token_ids`` first, the chunk's logprobs)."""
-
-    def __init__(self, server_url: str):
-        self.server_url = server_url
-        self.streamed = 0
-
-    async def handle(self, request):
-        body = await request.json()
-        stream = body.pop("stream", False)
-        body.pop("stream_options", None)
-        async with ClientSession() as s:
-            async with s.post(self.server_url + "/v1/chat/completions", json=body) as r:
-                reply = await r.json()
-                if not stream or r.status != 200:
-                    return web.json_response(reply, status=r.status)
-        self.streamed += 1
-        choice = reply["choices"][0]
-        head = {"id": reply["id"], "object": "chat.completion.chunk", "created": 0, "model": reply["model"]}
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-
-        async def send(choices, **extra):
-            await resp.write(f"data: {json.dumps({**head, **extra, 'choices': choices})}\n\n".encode())
-
-        await send(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "token_ids": [],
-                    "prompt_token_ids": choice["prompt_token_ids"],
-                    "finish_reason": None,
-                }
-            ]
-        )
-        for tid, entry in zip(choice["token_ids"], choice["logprobs"]["content"]):
-            await send(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"content": entry["token"]},
-                        "token_ids": [tid],
-                        "logprobs": {"content": [entry]},
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        await send(
-            [
-                {
-                    "index": 0,
-                    "delta": {},
-                    "token_ids": [],
-                    "finish_reason": choice["finish_reason"],
-                    "weight_version": choice["weight_version"],
-                }
-            ]
-        )
-        await send([], usage=reply["usage"])
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def __aenter__(self):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
 
 
 async def stream_chat(proxy, sid, messages, **kw):
@@ -165,10 +85,19 @@ def test_stream_synthesised_from_a_full_reply_is_recorded_exactly(server):
 
 def test_relayed_upstream_stream_reaches_the_agent_chunk_by_chunk_and_is_recorded_exactly(server):
     async def go():
-        async with StreamingFacade(server.base_url) as up, ProxyServer([up.url], upstream_stream="on") as proxy:
+        async with ProxyServer([server.base_url], upstream_stream="on") as proxy:
+            relayed = []
+            relay = proxy._relay
+
+            async def counting_relay(*args):  # a spy: the real relay, counted when it streamed
+                resp = await relay(*args)
+                relayed.append(resp is not None and resp.status == 200)
+                return resp
+
+            proxy._relay = counting_relay
             chunks, text = await stream_chat(proxy, "r1", MESSAGES, max_tokens=6, seed=21, logprobs=True)
             truth = await direct(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "seed": 21})
-            return chunks, text, truth, up.streamed, proxy.close_session("r1")
+            return chunks, text, truth, sum(relayed), proxy.close_session("r1")
 
     chunks, text, truth, streamed, session = asyncio.run(go())
     t = truth["choices"][0]

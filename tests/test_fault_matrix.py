@@ -143,7 +143,7 @@ def trained_rows(log_path) -> list[int]:
 
 
 HUNG_TOOL_RUN = """
-import json, sys, types
+import json, sys
 from tests.test_fault_matrix import config, sampling_rollout
 from tests.test_recipes import ROWS
 from tests.test_tool_threads import hung_lookup
@@ -166,8 +166,7 @@ def factory(setup):
 
     return rollout_fn
 
-cfg = config(model, types.SimpleNamespace(base_url=url), __import__("pathlib").Path(tmp), max_steps=3,
-             deployment=DeployConfig(base_url=url, weight_sync="shm"))
+cfg = config(model, None, __import__("pathlib").Path(tmp), max_steps=3, deployment=DeployConfig(base_url=url, weight_sync="shm"))
 out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
 print(json.dumps({"steps": out["steps"], "statuses": statuses}))
 """

@@ -31,6 +31,7 @@ def server(tiny_model_path, tmp_path_factory):
 
 
 def config(tiny_model_path, server, tmp_path, **kw):
+    """The small recipe config of these tests, on ``server`` unless ``deployment`` is given (then ``server`` may be None)."""
     base = dict(
         base_model=tiny_model_path,
         log_path=str(tmp_path / "run"),
@@ -41,9 +42,10 @@ def config(tiny_model_path, server, tmp_path, **kw):
         export_final_model=False,
         trainer=TrainerConfig(learning_rate=1e-3),
         loss=LossConfig(kl_beta=0.0),
-        deployment=DeployConfig(base_url=server.base_url),
     )
     base.update(kw)
+    if "deployment" not in kw:
+        base["deployment"] = DeployConfig(base_url=server.base_url)
     return async_rl_loop.Config(**base)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_recipes import config as recipe_config
 from training.deployment.factory import make_deployment, make_sampler
 from training.deployment.server_process import DeploymentStartError
 from training.deployment.sampler import DeploymentSampler
@@ -260,24 +261,6 @@ def test_sync_waits_for_in_flight_requests(server, hf, tmp_path):
     assert run(server.server_weight_version()) == "4"
 
 
-def recipe_config(model_path, tmp_path, deployment):
-    from training.recipes import async_rl_loop
-    from training.utils import LossConfig, TrainerConfig
-
-    return async_rl_loop.Config(
-        base_model=model_path,
-        log_path=str(tmp_path / "run"),
-        completions_per_prompt=2,
-        prompt_groups_per_step=2,
-        max_tokens=4,
-        max_steps=2,
-        export_final_model=False,
-        trainer=TrainerConfig(learning_rate=1e-3),
-        loss=LossConfig(kl_beta=0.0),
-        deployment=deployment,
-    )
-
-
 ROWS = [{"id": i, "prompt_ids": [1, 10 + i, 20 + i % 7, 201]} for i in range(16)]
 
 
@@ -310,7 +293,9 @@ def test_async_rl_loop_attached_to_vllm(server, vllm_model_path, tmp_path):
     from training.recipes import async_rl_loop
 
     labels = []
-    cfg = recipe_config(vllm_model_path, tmp_path, DeployConfig(engine="vllm", base_url=server.base_url))
+    cfg = recipe_config(
+        vllm_model_path, None, tmp_path, deployment=DeployConfig(engine="vllm", base_url=server.base_url)
+    )
     result = async_rl_loop.main(cfg, rollout_fn_factory=labelling_rollouts(labels), rows=ROWS)
     assert result["steps"] == 2
     assert run(server.server_weight_version()) == "2"  # synced v0 at start, then after each step
@@ -326,8 +311,9 @@ def test_async_rl_loop_launches_vllm(vllm_model_path, tmp_path):
     shm_before = set(Path("/dev/shm").glob(f"training-vllm-{os.getpid()}-*"))
     cfg = recipe_config(
         vllm_model_path,
+        None,
         tmp_path,
-        DeployConfig(
+        deployment=DeployConfig(
             engine="vllm", startup_timeout_s=400, engine_config=EngineConfig(max_model_len=512, max_batch_size=8)
         ),
     )

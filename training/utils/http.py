@@ -10,11 +10,9 @@
 - ``session_id_of``: the multi-turn session a request belongs to (``x-multi-turn-session-id``, else
   ``x-session-affinity``, else the body's ``user`` field): the one rule the server (KV reuse), the
   sampler and the proxy (replica affinity, recording) share.
-
 - ``parse_json_body``: a request body as JSON, strictly (valid UTF-8, no NaN / Infinity, integers
   within 64 bits, nesting at most ``MAX_JSON_DEPTH``, no lone surrogates); anything else is a
   ``ValueError`` whose message a server returns as its 400.
-
 - ``close_idle_connections``: a server-side sweeper that closes connections which have sent no
   complete request for ``IDLE_CONNECTION_TIMEOUT_S`` (half-open or slow-header clients).
 
@@ -24,6 +22,7 @@ The sampler keeps one pooled session per event loop for its many requests
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -142,8 +141,6 @@ async def close_idle_connections(server: Any, idle_timeout_s: float = IDLE_CONNE
     aiohttp has no timeout for the header phase (and before 3.10 none for a connection that never
     sends a byte), so without this a client can hold connections open forever. A handler whose request
     state cannot be read is treated as busy (never closed)."""
-    import asyncio
-
     idle_since: dict[Any, float] = {}
     loop = asyncio.get_running_loop()
     while True:

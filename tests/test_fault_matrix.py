@@ -47,6 +47,11 @@ def config(tiny_model_path, server, tmp_path, **kw):
     return recipes_config(tiny_model_path, server, tmp_path, **{"shuffle_rows": False, **kw})
 
 
+def trained_rows(log_path) -> list[int]:
+    """The row position of every trained sample (rollouts.jsonl)."""
+    return [json.loads(line)["row_position"] for line in (Path(log_path) / "rollouts.jsonl").read_text().splitlines()]
+
+
 def sampling_rollout(setup, before=None):
     sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
 
@@ -112,11 +117,9 @@ def test_a_malformed_sample_costs_one_completion_and_its_row_is_still_trained(ti
     assert out["steps"] == 3 and broken
     m = read_metrics(cfg.log_path)
     assert sum(r.get("rollout/invalid", 0) for r in m) == 1
-    trained_rows = [
-        json.loads(line)["row_position"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
-    ]
-    assert trained_rows.count(2) == 2  # its two valid completions
-    assert set(trained_rows) == set(range(6))  # 3 steps x 2 rows, none lost
+    trained = trained_rows(cfg.log_path)
+    assert trained.count(2) == 2  # its two valid completions
+    assert set(trained) == set(range(6))  # 3 steps x 2 rows, none lost
 
 
 def test_a_checkpoint_write_cut_short_resumes_from_the_previous_one(tiny_model_path, server, tmp_path):
@@ -135,11 +138,6 @@ def test_a_checkpoint_write_cut_short_resumes_from_the_previous_one(tiny_model_p
     assert (ckpts / "latest").read_text().strip() == "step_000002" and not debris.exists()
     state = json.loads((ckpts / "step_000002" / "recipe_state.json").read_text())
     assert state["step"] == 2 and state["cursor"]["done_floor"] == 4  # rows 0-3, each trained once
-
-
-def trained_rows(log_path) -> list[int]:
-    """The row position of every trained sample (rollouts.jsonl)."""
-    return [json.loads(line)["row_position"] for line in (Path(log_path) / "rollouts.jsonl").read_text().splitlines()]
 
 
 HUNG_TOOL_RUN = """

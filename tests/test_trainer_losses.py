@@ -80,3 +80,34 @@ def test_loss_raises_preferred_sequence_logprob(tiny_model_path, reference_logpr
     assert after > before + 0.2, f"{policy_loss}: preferred logprob {before:.4f} -> {after:.4f}"
     if ref is not None:
         assert "kl_ref" in metrics
+
+
+@pytest.mark.parametrize("policy_loss", ["grpo", "gspo", "cispo"])
+def test_single_update_step_takes_old_logprobs_from_its_own_pass(tiny_model_path, policy_loss, monkeypatch):
+    """One optimizer step per training step (ppo_epochs = ppo_mini_batches = 1): ``train_on_batch`` runs no
+    separate old-logprob forward, and the update equals the one with l_old from that forward (to 1e-5)."""
+    from training.utils.rl.ppo import StepBatch, train_on_batch
+
+    config = TrainerConfig(device="cpu", learning_rate=5e-3, micro_batch_tokens=40, logprob_chunk_tokens=8)
+    cfg = LossConfig(policy_loss=policy_loss, kl_beta=0.0)
+    sequences, masks = _batch()
+    total_tokens = sum(map(sum, masks))
+    reference = PolicyTrainer(tiny_model_path, config)
+    sampler = [[(lp - 0.05) * m for lp, m in zip(lps, mask)] for lps, mask in zip(reference.logprobs(sequences), masks)]
+
+    old = reference.logprobs(sequences)  # the separate forward, as every step with several updates runs it
+    expected = reference.forward_backward(sequences, _loss_fn(cfg, old, sampler, None, masks, total_tokens, 4))
+    expected_norm = reference.optim_step()["grad_norm"]
+
+    trainer = PolicyTrainer(tiny_model_path, config)
+    forwards = []
+    monkeypatch.setattr(trainer, "logprobs", lambda *a, **k: forwards.append(a) or pytest.fail("separate forward"))
+    batch = StepBatch(sequences, sampler, masks, list(ADVANTAGES), [1.0] * len(sequences))
+    got = train_on_batch(trainer, batch, cfg)
+    assert forwards == []
+    assert expected_norm > 1e-3  # a real update to compare
+    assert got["train/loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6)
+    assert got["train/grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    assert got["train/tis_weight_mean"] == pytest.approx(expected["tis_weight_mean"], rel=1e-5)
+    for (name, p), q in zip(trainer.model.named_parameters(), reference.model.parameters()):
+        assert (p - q).abs().max().item() <= 1e-5, name

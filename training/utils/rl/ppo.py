@@ -8,7 +8,10 @@
             backward (packed micro-batches accumulate), clip, step
 
 With one epoch and one mini-batch the ratio r = exp(l - l_old) is 1 everywhere, so clipping
-is inert: it only matters when ``ppo_epochs * ppo_mini_batches > 1``.
+is inert: it only matters when ``ppo_epochs * ppo_mini_batches > 1``. In that case the weights at
+the start of the step are the ones the single backward pass runs under, so ``l_old`` is taken as
+``l.detach()`` from that pass instead of from a separate no-grad forward (a forward saved per step,
+and r is exactly 1 rather than 1 up to the rounding of two packings).
 
 Under ``torchrun`` rank 0 calls ``train_on_groups``: it announces a TRAIN command, sends the
 step's ``StepBatch`` to the other ranks as tensors (``StepBatch.broadcast``) and the PPO
@@ -203,7 +206,9 @@ def train_on_batch(
     """The PPO inner loop on one ``StepBatch`` (see the module docstring); ``train/*`` metrics."""
     n = len(batch)
     sequences = batch.tokens
-    old_logprobs = trainer.logprobs(sequences, temperature=temperature)
+    # one optimizer step over the whole batch: l_old is the pass's own logprobs, detached (module docstring)
+    single_update = ppo_epochs * min(ppo_mini_batches, n) == 1
+    old_logprobs = None if single_update else trainer.logprobs(sequences, temperature=temperature)
     ref_logprobs: Optional[list] = None
     if reference is not None and loss_cfg.kl_beta > 0:
         ref_logprobs = reference.logprobs(sequences, temperature=temperature)
@@ -224,7 +229,7 @@ def train_on_batch(
             total_tokens = sum(batch.num_trainable_tokens(i) for i in idx)
             # per-sample lists in the order of this mini-batch's sequences (what packed.gather indexes)
             lists = {
-                "old": [old_logprobs[i] for i in idx],
+                "old": None if old_logprobs is None else [old_logprobs[i] for i in idx],
                 "sampler": [batch.sampler_logprobs[i] for i in idx],
                 "adv": [batch.advantages[i] for i in idx],
                 "mask": [batch.loss_masks[i] for i in idx],
@@ -243,7 +248,7 @@ def train_on_batch(
             def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=num_sequences):
                 inputs = LossInputs(
                     logprobs_N=logprobs_N,
-                    old_logprobs_N=packed.gather(lists["old"]),
+                    old_logprobs_N=logprobs_N.detach() if lists["old"] is None else packed.gather(lists["old"]),
                     sampler_logprobs_N=packed.gather(lists["sampler"]),
                     advantages_N=packed.gather(lists["adv"]),
                     loss_mask_N=packed.gather(lists["mask"]),

@@ -484,3 +484,55 @@ def test_distributed_weight_sync_config_is_checked():
         DeployConfig(base_url="http://10.0.0.2:8000", weight_sync="distributed")
     with pytest.raises(ValueError, match="weight_sync"):
         DeployConfig(weight_sync="distributed", weight_sync_master_addr="10.0.0.1")  # embedded: use shm
+
+
+def test_run_seed_reaches_the_servers_sampling(tiny_model_path, tmp_path):
+    """A run's ``seed`` seeds the server it starts (EngineConfig.seed None): seeds 0 and 1 sample different
+    completions of one prompt, and the same seed the same ones (one prompt, so arrival order cannot matter).
+    Replicas of a group get seeds seed + i."""
+    from training.deployment.group import replica_config
+
+    def completions(seed: int, name: str) -> list[list[int]]:
+        sampled = []
+
+        def factory(setup):
+            sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
+
+            async def rollout_fn(row):
+                (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
+                sampled.append(c.full_tokens[c.prompt_len :])
+                n = len(c.full_tokens) - c.prompt_len
+                return RolloutSample(
+                    c.full_tokens,
+                    [0.0] * c.prompt_len + c.inference_logprobs,
+                    [0] * c.prompt_len + [1] * n,
+                    random.random(),
+                )
+
+            return rollout_fn
+
+        deployment = DeployConfig(engine_config=EngineConfig(max_batch_size=8))
+        cfg = config(
+            tiny_model_path,
+            None,
+            tmp_path / name,
+            seed=seed,
+            max_steps=1,
+            max_tokens=8,
+            prompt_groups_per_step=1,
+            completions_per_prompt=4,
+            deployment=deployment,
+        )
+        rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS[:1])
+        return sorted(sampled)
+
+    first = completions(0, "a")
+    assert len(first) == 4
+    assert completions(0, "b") == first
+    assert completions(1, "c") != first
+
+    group = DeployConfig(num_replicas=3, engine_config=EngineConfig(seed=5))
+    assert [replica_config(group, i).engine_config.seed for i in range(3)] == [5, 6, 7]
+    unset = DeployConfig(num_replicas=2)
+    assert [replica_config(unset, i).engine_config.seed for i in range(2)] == [0, 1]
+    assert replica_config(DeployConfig(), 0).engine_config.seed is None

@@ -215,6 +215,9 @@ def test_launch_command_and_distributed_bodies():
     assert cmd[1:5] == ["-m", "sglang.launch_server", "--model-path", "/m"]
     assert cmd[cmd.index("--port") + 1] == "30000" and cmd[cmd.index("--context-length") + 1] == "1024"
     assert cmd[-2:] == ["--tp", "2"]
+    assert "--random-seed" not in cmd  # no seed set: SGLang's own default
+    seeded = SGLangDeployment("/m", DeployConfig(engine="sglang", engine_config=EngineConfig(seed=7)))._command()
+    assert seeded[seeded.index("--random-seed") + 1] == "7"
     assert distributed_init_body("10.0.0.1", 29500, 3)["rank_offset"] == 1
     body = distributed_update_body([("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16))], 7)
     assert (body["names"], body["dtypes"], body["shapes"], body["weight_version"]) == (

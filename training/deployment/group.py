@@ -48,6 +48,15 @@ log = logging.getLogger(__name__)
 WeightSyncHook = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
 
 
+def replica_config(cfg: DeployConfig, index: int) -> DeployConfig:
+    """``cfg`` for replica ``index``: its engine seed is the group's seed (0 if unset) + ``index``, so two
+    replicas never hand the same generator seeds to their requests."""
+    if cfg.num_replicas == 1 and index == 0:
+        return cfg
+    seed = (cfg.engine_config.seed or 0) + index
+    return dataclasses.replace(cfg, engine_config=dataclasses.replace(cfg.engine_config, seed=seed))
+
+
 class DeploymentGroup:
     """Replicas (launched or attached), their sampler, and weight pushes to all of them at once."""
 
@@ -114,7 +123,7 @@ class DeploymentGroup:
                 log_file = str(self.log_dir / ("deployment.log" if cfg.num_replicas == 1 else f"deployment-{i}.log"))
             else:
                 log_file = None
-            replicas.append(make_deployment(self.model, cfg, log_file=log_file))
+            replicas.append(make_deployment(self.model, replica_config(cfg, i), log_file=log_file))
         return replicas
 
     # ------------------------------------------------------------ lifecycle

@@ -267,6 +267,8 @@ class SGLangDeployment(ServerProcess):
         ]
         if self.cfg.engine_config.dtype != "auto":
             cmd += ["--dtype", self.cfg.engine_config.dtype]
+        if self.cfg.engine_config.seed is not None:
+            cmd += ["--random-seed", str(self.cfg.engine_config.seed)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args

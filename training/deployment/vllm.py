@@ -124,6 +124,7 @@ class VLLMDeployment(ServerProcess):
             "--worker-extension-cls",
             WORKER_EXTENSION,
             *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []),
+            *(["--seed", str(self.cfg.engine_config.seed)] if self.cfg.engine_config.seed is not None else []),
             *self.extra_args,
         ]
 

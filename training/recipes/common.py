@@ -31,7 +31,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -441,6 +441,8 @@ def start_rollouts(
 ) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
     """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once."""
     dcfg = cfg.deployment
+    if dcfg.engine_config.seed is None:  # the run's seed: runs with different seeds sample differently
+        dcfg = replace(dcfg, engine_config=replace(dcfg.engine_config, seed=cfg.seed))
     tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
     deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(tokenizer)
     try:

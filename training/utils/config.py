@@ -128,8 +128,10 @@ class EngineConfig:
     """KV cache slots = sequences decoded at once (running plus parked sessions)."""
     max_model_len: int = 2048
     """Longest prompt + completion, in tokens (the KV cache holds this many per slot)."""
-    seed: int = 0
-    """Seeds the per-request generators of requests that bring no seed of their own."""
+    seed: Optional[int] = None
+    """Seeds the per-request generators of requests that bring no seed of their own. ``None``: a
+    recipe's run uses its own ``seed`` (so runs with different seeds sample differently), a server
+    started by hand uses 0; replica ``i`` of a group adds ``i``."""
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     """Decode batch buckets captured as CUDA graphs (clipped to ``max_batch_size``); empty = eager."""
     use_lean_forward: bool = True

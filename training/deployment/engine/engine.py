@@ -118,7 +118,7 @@ class LLMEngine:
             config.enable_prefix_caching,
         )
         self.weight_version = 0
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(0 if config.seed is None else config.seed)
         self.pending_updates: list[PendingUpdate] = []
         self.counters = {
             "tokens_generated": 0,

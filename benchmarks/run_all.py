@@ -8,7 +8,7 @@ Each script runs in its own process (``python -m benchmarks.<name>``), one after
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
 running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
-re-measured without regenerating the rest). ``end_to_end`` (against TRL, an hour or more) runs only
+re-measured without regenerating the rest). ``end_to_end`` (against TRL, about 15 minutes per seed) runs only
 when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
 ``--steps``) into the saved results the same way. A kept figure is shown with its own date.
 Benchmarks are not tests: CI never runs them.

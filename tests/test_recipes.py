@@ -53,7 +53,7 @@ class Recorder:
     """A rollout factory that records what happened; reward = share of even output ids."""
 
     def __init__(self, delay_for=None, fail_for=None, hang_for=None):
-        self.rows, self.versions = [], []
+        self.rows, self.versions, self.outputs = [], [], []
         self.delay_for, self.fail_for, self.hang_for = delay_for or {}, fail_for or set(), hang_for or set()
 
     def __call__(self, setup):
@@ -68,6 +68,7 @@ class Recorder:
             await asyncio.sleep(self.delay_for.get(row["id"], 0.0))
             (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
             out = c.full_tokens[c.prompt_len :]
+            self.outputs.append(out)
             self.versions.append(c.weight_version)
             versions = getattr(c, "token_weight_versions", None) or [c.weight_version] * len(out)
             return RolloutSample(
@@ -493,24 +494,6 @@ def test_run_seed_reaches_the_servers_sampling(tiny_model_path, tmp_path):
     from training.deployment.group import replica_config
 
     def completions(seed: int, name: str) -> list[list[int]]:
-        sampled = []
-
-        def factory(setup):
-            sampler = setup.sampler.with_defaults(**setup.sampling_kwargs)
-
-            async def rollout_fn(row):
-                (c,) = await sampler.sample_with_prompt_tokens(row["prompt_ids"], n=1)
-                sampled.append(c.full_tokens[c.prompt_len :])
-                n = len(c.full_tokens) - c.prompt_len
-                return RolloutSample(
-                    c.full_tokens,
-                    [0.0] * c.prompt_len + c.inference_logprobs,
-                    [0] * c.prompt_len + [1] * n,
-                    random.random(),
-                )
-
-            return rollout_fn
-
         deployment = DeployConfig(engine_config=EngineConfig(max_batch_size=8))
         cfg = config(
             tiny_model_path,
@@ -523,8 +506,9 @@ def test_run_seed_reaches_the_servers_sampling(tiny_model_path, tmp_path):
             completions_per_prompt=4,
             deployment=deployment,
         )
-        rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS[:1])
-        return sorted(sampled)
+        recorder = Recorder()
+        rl_loop.main(cfg, rollout_fn_factory=recorder, rows=ROWS[:1])
+        return sorted(recorder.outputs)
 
     first = completions(0, "a")
     assert len(first) == 4

@@ -3,7 +3,7 @@
 import pytest
 
 from training.recipes.async_rl_loop import Config
-from training.utils import DeployConfig, LossConfig, TrainerConfig, WandBConfig
+from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig, WandBConfig
 
 pytestmark = pytest.mark.unit
 
@@ -23,6 +23,9 @@ def test_unknown_loss_name_lists_the_allowed_ones():
     [
         (lambda: TrainerConfig(dtype="fp8"), "dtype"),
         (lambda: TrainerConfig(device="tpu"), "device"),
+        (lambda: TrainerConfig(num_threads=0), "num_threads"),
+        (lambda: TrainerConfig(num_threads=True), "num_threads"),
+        (lambda: EngineConfig(num_threads=-2), "num_threads"),
         (lambda: DeployConfig(port=70000), "port"),
         (lambda: DeployConfig(base_url="localhost:8000"), "base_url"),
         (lambda: DeployConfig(weight_sync="nccl"), "weight_sync"),

@@ -8,13 +8,16 @@ import asyncio
 import json
 import random
 
+import aiohttp
 import pytest
+import torch
 
 from training.deployment.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes import common as recipes_common
 from training.recipes.common import RolloutFailureError
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
+from training.utils.http import auth_headers
 from training.utils.metrics import read_metrics
 from training.utils.rl.rollout import RolloutSample
 
@@ -520,3 +523,64 @@ def test_run_seed_reaches_the_servers_sampling(tiny_model_path, tmp_path):
     unset = DeployConfig(num_replicas=2)
     assert [replica_config(unset, i).engine_config.seed for i in range(2)] == [0, 1]
     assert replica_config(DeployConfig(), 0).engine_config.seed is None
+
+
+def test_cpu_share_splits_the_cores_only_when_trainer_and_servers_overlap_on_this_cpu(monkeypatch):
+    from training.recipes.resources import CpuShare, cpu_share
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+
+    def share(overlaps=True, **kw):
+        return cpu_share(async_rl_loop.Config(base_model="m", **kw), overlaps)
+
+    assert share() == CpuShare(engine_threads=4, trainer_threads_busy=4, trainer_threads_idle=8)
+    assert share(deployment=DeployConfig(num_replicas=2)) == CpuShare(2, 4, 8)
+    assert share(deployment=DeployConfig(engine_config=EngineConfig(num_threads=2))) == CpuShare(2, 6, 8)
+    assert share(trainer=TrainerConfig(num_threads=3)) == CpuShare(4, 3, 3)
+    assert share(overlaps=False) is None
+    assert share(deployment=DeployConfig(base_url="http://127.0.0.1:1")) is None
+    assert async_rl_loop.AsyncRLLoop.overlaps(async_rl_loop.Config(base_model="m", max_head_offpolicy_versions=1))
+    assert not async_rl_loop.AsyncRLLoop.overlaps(async_rl_loop.Config(base_model="m"))
+    assert not rl_loop.SyncRLLoop.overlaps(async_rl_loop.Config(base_model="m", max_head_offpolicy_versions=1))
+
+
+def test_overlapping_run_gives_server_and_trainer_their_share_of_the_cores(tiny_model_path, tmp_path, monkeypatch):
+    """async_rl_loop with an embedded server on this CPU: the server runs ``cores // 2`` threads (its /stats says so),
+    and the trainer asks a budget that is the rest while groups are in flight and every core otherwise."""
+    cores = torch.get_num_threads()
+    cfg = config(
+        tiny_model_path,
+        None,
+        tmp_path,
+        max_head_offpolicy_versions=1,
+        deployment=DeployConfig(engine_config=EngineConfig(max_batch_size=8)),
+    )
+    server_threads, budgets = [], []
+
+    class StatsRecorder(Recorder):
+        def __call__(self, setup):
+            rollout_fn = super().__call__(setup)
+
+            async def with_stats(row):
+                async with aiohttp.ClientSession() as session:
+                    url, headers = setup.sampler.base_url + "/stats", auth_headers(setup.sampler.api_key)
+                    async with session.get(url, headers=headers) as response:
+                        server_threads.append((await response.json())["num_threads"])
+                return await rollout_fn(row)
+
+            return with_stats
+
+    real = recipes_common.train_on_groups
+
+    def spy(trainer, groups, *a, **kw):
+        budgets.append((trainer.thread_budget is not None) and trainer.thread_budget())
+        return real(trainer, groups, *a, **kw)
+
+    monkeypatch.setattr(recipes_common, "train_on_groups", spy)
+    before = torch.get_num_threads()
+    try:
+        assert async_rl_loop.main(cfg, rollout_fn_factory=StatsRecorder(), rows=ROWS)["steps"] == 2
+    finally:
+        torch.set_num_threads(before)
+    assert set(server_threads) == {max(1, cores // 2)}
+    assert len(budgets) == 2 and set(budgets) <= {max(1, cores - max(1, cores // 2)), cores}

@@ -285,3 +285,46 @@ def test_master_weights_are_float32_and_autocast_is_opt_in(tiny_model_path):
     a, b = plain.logprobs(seq)[0], mixed.logprobs(seq)[0]
     diff = max(abs(x - y) for x, y in zip(a, b))
     assert 0 < diff < 0.1  # bf16 compute: close to, but not bit-equal with, the fp32 forward
+
+
+def test_thread_budget_is_asked_per_layer_forward_and_backward_and_changes_nothing_computed(tiny_model_path):
+    """``share_cpu``: the budget is asked before every decoder layer's forward and backward pass, the calling
+    thread's torch thread count follows it within one step, and losses and gradients equal the unshared run's."""
+    seqs = _sequences(seed=3)
+    masks = [[0] + [1] * (len(s) - 1) for s in seqs]
+    total = sum(map(len, seqs))
+    plain = _trainer(tiny_model_path)
+    plain_metrics = plain.forward_backward(seqs, _mask_loss(masks, total))
+    plain_grads = [p.grad.clone() for p in plain.model.parameters()]
+
+    shared = _trainer(tiny_model_path)
+    layers = shared.model.config.num_hidden_layers
+    asked, seen = [], []
+    shared.share_cpu(lambda: asked.append(None) or (1 if len(asked) <= layers else 2))
+    for layer in shared.model.get_decoder().layers:  # what each layer's forward ran with
+        layer.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        metrics = shared.forward_backward(seqs, _mask_loss(masks, total))
+        assert len(asked) == 2 * layers + 1  # the entry point, then each layer forward and backward
+        assert seen == [1] * (layers - 1) + [2]  # layer hooks run before the recording hook
+        assert torch.get_num_threads() == 2  # the last backward layer's budget
+        assert metrics["loss"] == pytest.approx(plain_metrics["loss"], abs=1e-6)
+        for g, p in zip(plain_grads, shared.model.parameters()):
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-5)
+        asked.clear()
+        shared.logprobs(seqs)  # no gradient: forward hooks only
+        assert len(asked) == layers + 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_num_threads_sets_the_calling_threads_torch_threads(tiny_model_path):
+    before = torch.get_num_threads()
+    try:
+        trainer = _trainer(tiny_model_path, num_threads=1)
+        torch.set_num_threads(2)
+        trainer.logprobs(_sequences())
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -89,6 +89,11 @@ class AsyncRLLoop:
         self.failure: Optional[BaseException] = None
         """An error raised while accepting a group; the consumer re-raises it."""
 
+    @staticmethod
+    def overlaps(cfg: Config) -> bool:
+        """Whether rollouts run while the trainer trains (the CPU split in ``resources.cpu_share`` depends on it)."""
+        return not cfg.synchronous_training and cfg.max_head_offpolicy_versions > 0
+
     # ---- producer -------------------------------------------------------------------------
     def may_submit(self) -> bool:
         cfg = self.ctx.cfg

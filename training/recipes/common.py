@@ -43,6 +43,8 @@ from training.deployment.sampler import DeploymentRequestError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
 from training.recipes.resources import (
+    CpuShare,
+    cpu_share,
     log_start_notes,
     promote_final_model,
     resolve_rollout_factory,
@@ -235,21 +237,37 @@ class RunContext:
         self.metrics = MetricsLogger(log_path, self.total_steps, cfg.wandb, cfg.to_dict(), resume_step=self.start_step)
         self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
+        self.groups_in_flight = 0
+        """Training groups being sampled (``run_group`` calls not yet returned)."""
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
         row = self.rows[self.cursor.row_index(position)]
-        return await run_group(
-            self.rollout_fn,
-            row,
-            position,
-            submit_version,
-            self.cfg.completions_per_prompt,
-            self.cfg.rollout_timeout_s,
-            self.semaphore,
-            self.vocab_size,
-            is_retryable,
-        )
+        self.groups_in_flight += 1
+        try:
+            return await run_group(
+                self.rollout_fn,
+                row,
+                position,
+                submit_version,
+                self.cfg.completions_per_prompt,
+                self.cfg.rollout_timeout_s,
+                self.semaphore,
+                self.vocab_size,
+                is_retryable,
+            )
+        finally:
+            self.groups_in_flight -= 1
+
+    def share_cpu(self, share: CpuShare) -> None:
+        """Give the trainer (and a separate reference model) ``share``'s threads: fewer while groups are in flight."""
+
+        def budget() -> int:
+            return share.trainer_threads_busy if self.groups_in_flight else share.trainer_threads_idle
+
+        for model in (self.trainer, self.reference):
+            if model is not None:
+                model.share_cpu(budget)
 
     def accept_group(self, group: PromptGroup) -> bool:
         """Count the group's outcomes; True if it is kept for training (advantages set)."""
@@ -438,11 +456,15 @@ def start_rollouts(
     state: TrainState,
     rollout_fn_factory: RolloutFnFactory,
     rollout_extras: dict[str, Any],
+    share: Optional[CpuShare] = None,
 ) -> tuple[DeploymentGroup, RolloutSetup, RolloutFn]:
-    """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once."""
+    """Start (or attach) the deployment, build the ``RolloutSetup`` and call ``make_rollout_fn`` once
+    (``share``: the embedded servers' threads when they share the trainer's CPU)."""
     dcfg = cfg.deployment
     if dcfg.engine_config.seed is None:  # the run's seed: runs with different seeds sample differently
         dcfg = replace(dcfg, engine_config=replace(dcfg.engine_config, seed=cfg.seed))
+    if share is not None:
+        dcfg = replace(dcfg, engine_config=replace(dcfg.engine_config, num_threads=share.engine_threads))
     tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
     deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(tokenizer)
     try:
@@ -535,12 +557,21 @@ def _run_recipe(
             if not main_rank:
                 return {"steps": follow_rank0(cfg, state, log_path), "last_metrics": {}, "final_model": None}
             log_start_notes(cfg, model_path)
+            share = cpu_share(cfg, loop_cls.overlaps(cfg))
+            if share is not None:
+                logger.info(
+                    "trainer and server share this CPU: server %d thread(s) per replica, trainer %d while rollouts "
+                    "run and %d otherwise (trainer.num_threads / deployment.engine_config.num_threads override)",
+                    share.engine_threads,
+                    share.trainer_threads_busy,
+                    share.trainer_threads_idle,
+                )
             deployment, setup, rollout_fn = start_rollouts(
-                cfg, model_path, log_path, state, rollout_fn_factory, rollout_extras or {}
+                cfg, model_path, log_path, state, rollout_fn_factory, rollout_extras or {}, share
             )
             try:
                 result = asyncio.run(
-                    _run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+                    _run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn, share)
                 )
                 steps = result["steps"]
                 final = None
@@ -570,8 +601,11 @@ async def _run_loop(
     deployment: DeploymentGroup,
     setup: RolloutSetup,
     rollout_fn: RolloutFn,
+    share: Optional[CpuShare],
 ) -> dict[str, Any]:
     ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    if share is not None:
+        ctx.share_cpu(share)
     watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
     try:
         return await loop_cls(ctx).run()

@@ -8,6 +8,7 @@
 - ``promote_final_model``: ``output_model_id`` → a copy of the exported Hugging Face folder.
 - ``log_start_notes``: the served model's name, and the settings that only a hosted service
   uses (accepted so documented configs run unchanged; no local effect).
+- ``cpu_share``: how the trainer and the embedded servers split the cores when both run on this CPU.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
 
 from training.models import resolve_model
 from training.recipes.config import Config
 from training.recipes.single_turn import make_single_turn_rollout_fn
+from training.utils import dist
 from training.utils.data import Rows, load_rows
+from training.utils.device import resolve_device
 
 logger = logging.getLogger("training.recipe")
 
@@ -98,3 +104,44 @@ def log_start_notes(cfg: Config, model_path: str) -> None:
             cfg.trainer.training_shape_id,
             cfg.trainer.device,
         )
+
+
+@dataclass
+class CpuShare:
+    """Threads of the trainer and of each embedded server when they share this machine's cores."""
+
+    engine_threads: int
+    """``EngineConfig.num_threads`` of each server."""
+    trainer_threads_busy: int
+    """The trainer's threads while rollouts are in flight (the servers generate meanwhile)."""
+    trainer_threads_idle: int
+    """The trainer's threads while no rollout is in flight: every core."""
+
+
+def cpu_share(cfg: Config, overlaps: bool) -> Optional[CpuShare]:
+    """The core split of a run whose trainer and embedded servers run on this CPU at the same time, else None.
+
+    They run at the same time when the loop ``overlaps`` generation with training (``async_rl_loop`` with
+    ``max_head_offpolicy_versions > 0``). Two OpenMP thread pools that each spin on every core slow each other down
+    several times over (training/recipes/README.md, "CPU threads"), so:
+    - each server gets ``engine_config.num_threads`` when set, else half the cores split over the replicas (at
+      least 1 each);
+    - the trainer gets ``trainer.num_threads`` when set (fixed), else every core while no rollout is in flight and
+      the cores the servers leave (at least 1) while one is.
+    "Every core" is torch's thread count in this process (one per physical core, or ``OMP_NUM_THREADS``). Without
+    overlap each side uses every core in its turn (or its own ``num_threads``).
+    """
+    dcfg = cfg.deployment
+    if (
+        not overlaps
+        or dcfg.base_url is not None
+        or dcfg.engine != "embedded"
+        or dist.is_distributed()
+        or resolve_device(cfg.trainer.device).type != "cpu"
+        or dcfg.engine_config.resolve_device().type != "cpu"
+    ):
+        return None
+    cores = torch.get_num_threads()
+    engine_threads = dcfg.engine_config.num_threads or max(1, cores // 2 // dcfg.num_replicas)
+    busy = cfg.trainer.num_threads or max(1, cores - engine_threads * dcfg.num_replicas)
+    return CpuShare(engine_threads, busy, cfg.trainer.num_threads or cores)

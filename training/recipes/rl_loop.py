@@ -25,6 +25,11 @@ class SyncRLLoop:
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
 
+    @staticmethod
+    def overlaps(cfg: Config) -> bool:
+        """Rollouts never run while the trainer trains."""
+        return False
+
     async def sample_batch(self, version: int) -> list:
         """Groups for one step, all sampled under ``version``; fewer only when the rows run out."""
         ctx, need = self.ctx, self.ctx.cfg.prompt_groups_per_step

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from training.trainer.model import decoder_layers
 from training.trainer.packing import PackedBatch, pack_sequences, pack_units, plan_units, unit_tokens
 from training.utils.dist import is_distributed, max_over_ranks, rank, world_size
 
@@ -28,15 +29,6 @@ FSDP_LOGPROBS_METHOD = "fsdp_packed_logprobs"
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------------
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: classes named in ``_no_split_modules``, else ``decoder.layers``."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = list(getattr(model.get_decoder(), "layers", []))
-    return layers
-
-
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root; gradients are SUMMED over ranks.
 
@@ -51,7 +43,7 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     from training.trainer.logprobs import packed_logprobs
 
     mesh = init_device_mesh(device.type, (world_size(),))
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):  # the repeated blocks, sharded one by one
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():

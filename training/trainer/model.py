@@ -201,3 +201,12 @@ def attention_implementation(model: torch.nn.Module) -> str:
     """The attention implementation the loaded model runs with (``packed_sdpa``, ``sdpa``, ``eager``,
     ``flash_attention_2``...)."""
     return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes named in ``_no_split_modules``, else ``decoder.layers``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(model.get_decoder(), "layers", []))
+    return layers

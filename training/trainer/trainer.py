@@ -36,7 +36,7 @@ from training.trainer.distributed import fsdp_logprobs, full_tensor, plan_micro_
 from training.utils import dist as dist_utils
 from training.utils.dist import Command, lead
 from training.trainer.logprobs import score_sequences
-from training.trainer.model import load_causal_lm, prefix_sharing_supported
+from training.trainer.model import decoder_layers, load_causal_lm, prefix_sharing_supported
 from training.trainer.packing import PackedBatch
 from training.utils.config import TrainerConfig
 from training.utils.device import resolve_device, resolve_dtype
@@ -123,6 +123,45 @@ class _ScoringModel:
             logger.info("shared-prompt packing off (ordinary packing instead): %s", reason)
         return supported
 
+    thread_budget: Optional[Callable[[], int]] = None
+    """Set by ``share_cpu``: how many CPU threads torch may use right now (wins over ``cfg.num_threads``)."""
+    _budget_hooked = False
+
+    def use_cpu_threads(self) -> None:
+        """On CPU, set the calling thread's torch thread count (OpenMP settings are per thread, so every entry point
+        calls this) to ``thread_budget()`` when set, else ``cfg.num_threads``; None leaves torch's setting alone."""
+        if self.device.type != "cpu":
+            return
+        n = self.thread_budget() if self.thread_budget is not None else self.cfg.num_threads
+        if n is not None and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def share_cpu(self, budget: Callable[[], int]) -> None:
+        """On CPU, ask ``budget()`` for the thread count before every decoder layer's forward and backward pass.
+
+        For a server that generates on the same cores at times: while it does, ``budget`` returns the trainer's
+        share, otherwise every core. Asking per layer lets a long step take the cores back as soon as they are free.
+        """
+        self.thread_budget = budget
+        if self.device.type != "cpu" or self._budget_hooked:
+            return
+        self._budget_hooked = True
+
+        def before_forward(module, args) -> None:
+            self.use_cpu_threads()
+
+        def before_backward(grad: torch.Tensor) -> None:
+            self.use_cpu_threads()
+
+        def after_forward(module, args, output) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(before_backward)  # runs when the gradient reaches this layer's output
+
+        for layer in decoder_layers(self.model):
+            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_hook(after_forward)
+
     def autocast(self):
         """Autocast to ``compute_dtype`` when it differs from the parameter dtype, else a no-op."""
         if self.compute_dtype == self.dtype:
@@ -133,6 +172,7 @@ class _ScoringModel:
         """Per-token logprobs of each sequence (no gradient, eval mode), packed by
         ``cfg.micro_batch_tokens``; ``result[i][t] = log p(seq[t] | seq[:t])``, ``result[i][0] = 0.0``."""
         _check_sequences(sequences, _vocab_size(self.model))
+        self.use_cpu_threads()
         self.model.eval()
         if not dist_utils.is_distributed():
             with self.autocast():
@@ -240,6 +280,7 @@ class PolicyTrainer(_ScoringModel):
         ``0 * sum(logprobs)``, and the metrics are combined over ranks the same way.
         """
         _check_sequences(sequences, _vocab_size(self.model))
+        self.use_cpu_threads()
         self.model.train()
         per_micro_batch: list[tuple[dict[str, float], int]] = []
         total_loss = 0.0
@@ -269,6 +310,7 @@ class PolicyTrainer(_ScoringModel):
         Returns ``grad_norm`` (before clipping) and ``learning_rate``. A non-finite grad norm
         skips the update (the grads are dropped) and is reported as is.
         """
+        self.use_cpu_threads()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm > 0 else math.inf
         if params:  # under FSDP2 the grads are DTensor shards and the norm is a global one
@@ -414,6 +456,8 @@ class _BaseModelReference(_ScoringModel):
     def __init__(self, policy: PolicyTrainer):
         self.cfg, self.model, self.device = policy.cfg, policy.model, policy.device
         self.dtype, self.compute_dtype, self.share_prefixes = policy.dtype, policy.compute_dtype, policy.share_prefixes
+        self.thread_budget = policy.thread_budget
+        self._budget_hooked = policy._budget_hooked  # the model's layer hooks are the policy's
 
     def logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[float]]:
         with lora.adapters_disabled(self.model):

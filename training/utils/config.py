@@ -26,6 +26,14 @@ def _check_device(name: str, value: str) -> None:
     _check(is_device_name(value), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
 
 
+def _check_threads(value: Optional[int]) -> None:
+    _check(
+        value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+        "num_threads",
+        f"must be a positive integer or None (torch's default), got {value!r}",
+    )
+
+
 @dataclass
 class TrainerConfig:
     """The policy trainer: optimizer and how batches are executed."""
@@ -61,6 +69,10 @@ class TrainerConfig:
     is the policy's own base weights with the adapters switched off (no second copy), so this does not apply."""
     seed: int = 0
     """Seed for torch's RNG in the trainer."""
+    num_threads: Optional[int] = None
+    """CPU threads of the trainer's torch ops (intra-op). None: torch's default (one per core), except that a recipe
+    whose embedded server generates on the same CPU while the trainer trains splits the cores between the two
+    (see training/recipes/README.md, "CPU threads"). Ignored on GPU."""
     training_shape_id: Optional[str] = None
     """A hosted service's training shape (Fireworks: ``accounts/<a>/trainingShapes/<s>``). Accepted so documented
     configs run unchanged, and logged at start; it has no local effect (``device`` and ``dtype`` decide here)."""
@@ -92,6 +104,7 @@ class TrainerConfig:
         )
         _check(self.micro_batch_tokens > 0, "micro_batch_tokens", f"must be > 0, got {self.micro_batch_tokens}")
         _check(self.logprob_chunk_tokens > 0, "logprob_chunk_tokens", f"must be > 0, got {self.logprob_chunk_tokens}")
+        _check_threads(self.num_threads)
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
         _check(self.compute_dtype in DTYPES, "compute_dtype", f"{self.compute_dtype!r} is not one of {DTYPES}")
         _check_device("device", self.device)
@@ -132,6 +145,10 @@ class EngineConfig:
     """Seeds the per-request generators of requests that bring no seed of their own. ``None``: a
     recipe's run uses its own ``seed`` (so runs with different seeds sample differently), a server
     started by hand uses 0; replica ``i`` of a group adds ``i``."""
+    num_threads: Optional[int] = None
+    """CPU threads of the engine's forward passes (torch intra-op). None: torch's default (one per core), except
+    that a recipe whose trainer trains on the same CPU while this server generates gives it its share of the cores
+    (see training/recipes/README.md, "CPU threads"). Embedded engine only; ignored on GPU."""
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     """Decode batch buckets captured as CUDA graphs (clipped to ``max_batch_size``); empty = eager."""
     use_lean_forward: bool = True
@@ -156,6 +173,7 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
+        _check_threads(self.num_threads)
         _check(
             all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes),
             "cuda_graph_batch_sizes",

@@ -45,6 +45,8 @@ class AsyncEngine:
         self._in_step = False
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._num_threads = config.num_threads or torch.get_num_threads()
+        """CPU threads of the engine thread's torch ops (OpenMP settings are per thread: handed on in ``_run``)."""
 
     # ----------------------------------------------------------------- properties
     @property
@@ -77,6 +79,7 @@ class AsyncEngine:
             s = self.engine.stats()
             s["waiting"] += len(self._inbox)
             s["paused"] = self._paused
+            s["num_threads"] = self._num_threads
             return s
 
     # ----------------------------------------------------------------- lifecycle
@@ -86,7 +89,6 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        self._num_threads = torch.get_num_threads()  # OpenMP settings are per thread: hand ours on
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

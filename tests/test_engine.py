@@ -444,3 +444,48 @@ def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
         device=torch.device("cpu"),
     )
     assert small.k[0].shape == (4, 1, 8, 4)
+
+
+def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(tiny_qwen2_path, tiny_model_path):
+    """On CPU fp32 the lean runner's matmuls run on oneDNN-reordered copies of the weights: the logits equal the
+    plain ``F.linear`` path's (Qwen2: biases through both fused forms), and a streamed update, which writes
+    ``runner.targets`` piece by piece, refreshes the copies (otherwise the old weights would keep generating)."""
+    from training.deployment.engine.engine import LLMEngine
+    from training.deployment.engine.model_runner import PrefillItem
+
+    def logits(runner, onednn: bool) -> torch.Tensor:
+        if not onednn:  # the plain path on the same tensors
+            saved = [{k: L.pop(k) for k in list(L) if k.endswith("_packed")} for L in runner.layers]
+            head, runner.lm_head_packed = runner.lm_head_packed, None
+        try:
+            first = runner.prefill([PrefillItem(0, PROMPTS[3], 0), PrefillItem(1, PROMPTS[0], 0)]).clone()
+            step = runner.decode([0, 1], [7, 8], [len(PROMPTS[3]), len(PROMPTS[0])]).clone()
+            return torch.cat([first, step])
+        finally:
+            if not onednn:
+                for L, packed in zip(runner.layers, saved):
+                    L.update(packed)
+                runner.lm_head_packed = head
+
+    runner = LLMEngine(EngineConfig(model=tiny_qwen2_path, max_batch_size=4, max_model_len=64)).runner
+    if not runner.onednn:
+        pytest.skip("torch without mkldnn: the plain path is the only one")
+    assert runner.lm_head_packed is not None and all("qkv_packed" in L for L in runner.layers)
+    torch.testing.assert_close(logits(runner, True), logits(runner, False), atol=1e-5, rtol=1e-5)
+
+    async def body(eng):
+        await eng.generate(PROMPTS[3], greedy())  # the engine thread is idle again once this returns
+        before = logits(eng.engine.runner, True)
+        new = {name: t * 1.5 if t.ndim == 2 else t for name, t in load_safetensors(eng.config.model).items()}
+
+        def load():
+            for name, target in eng.engine.runner.targets.items():
+                target.copy_(new[name])
+
+        await eng.update_weights_streamed(load, 1)
+        after = logits(eng.engine.runner, True)
+        torch.testing.assert_close(after, logits(eng.engine.runner, False), atol=1e-5, rtol=1e-5)
+        return before, after
+
+    before, after = run_engine(tiny_model_path, body)
+    assert not torch.allclose(before, after, atol=1e-3)  # the copies follow the update

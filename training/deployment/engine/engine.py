@@ -290,7 +290,10 @@ class LLMEngine:
             self.pending_updates.pop(0)
             try:
                 if upd.load is not None:
-                    upd.load()
+                    try:
+                        upd.load()
+                    finally:  # streamed pieces went into runner.targets directly
+                        self.runner.weights_changed()
                 else:
                     self.runner.load_weights(upd.tensors)
             except BaseException as exc:  # validated before; a failure here is a bug, OOM or a lost peer

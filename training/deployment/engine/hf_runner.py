@@ -1,7 +1,7 @@
 """Fallback runner: the plain transformers forward, for architectures the lean forward lacks.
 
 Same interface as :class:`~training.deployment.engine.model_runner.LeanModelRunner`
-(``prefill``, ``decode``, ``copy_kv``, ``load_weights``, ``cache``, ``weight_shapes``, ``tied``,
+(``prefill``, ``decode``, ``copy_kv``, ``load_weights``, ``weights_changed``, ``cache``, ``weight_shapes``, ``tied``,
 ``vocab_size``, ``targets``). K/V lives in the engine's slot :class:`KVCache`, handed to the model
 as a transformers ``Cache`` (``SlotCache``) whose ``update`` writes the new K/V at each row's
 (slot, position) and returns the keys to attend. So the fallback shares continuous batching
@@ -128,6 +128,9 @@ class HFModelRunner:
         """Copy a validated full set into the model's parameters in place."""
         for name, target in self._targets.items():
             target.copy_(tensors[name])
+
+    def weights_changed(self) -> None:
+        """Nothing is derived from the parameters here (the lean runner refreshes its oneDNN copies)."""
 
     def copy_kv(self, src: int, dst: int, n: int) -> None:
         """K/V positions ``[0, n)`` of slot ``src`` into slot ``dst`` (prefix reuse, compaction)."""

@@ -16,9 +16,9 @@ Two entry points, both return fp32 logits:
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
 On CPU in fp32 the five matmuls (qkv, o, gate_up, down, LM head) run as oneDNN linears on
-weights reordered once into oneDNN's blocked layout (``pack_weights``, called after every weight
-change): 1.3–3.5× faster than ``F.linear`` (MKL) at every batch size on this AMD EPYC, where MKL
-does not take its AVX-512 paths. The reordered copies double the weights' memory. The sums run in
+weights reordered once into oneDNN's blocked layout (``weights_changed``, called after every
+weight change): 1.3–3.5× faster than ``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch
+size on the AMD EPYC this was measured on. The reordered copies double the weights' memory. The sums run in
 another order than MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is
 in BENCHMARKS.md ("exactness").
 """
@@ -102,7 +102,7 @@ class LeanModelRunner:
         self.weight_shapes = checkpoint_shapes(path)
         self.tied = self.tied and "lm_head.weight" not in self.weight_shapes
         self.onednn = onednn_linear_available(device, dtype)
-        """The matmuls run as oneDNN linears on reordered weights (``pack_weights``)."""
+        """The matmuls run as oneDNN linears on reordered weights (``weights_changed`` makes them)."""
         self.lm_head_packed: torch.Tensor | None = None
         self._allocate(self.weight_shapes)
         self.load_weights(load_safetensors(path))

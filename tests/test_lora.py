@@ -142,6 +142,29 @@ def test_base_reference_is_the_untrained_model_and_leaves_the_adapters_on(tiny_m
         PolicyTrainer(tiny_model_path, TrainerConfig(device="cpu")).base_reference()
 
 
+def test_base_reference_shares_the_policys_thread_budget_and_layer_hooks(tiny_model_path):
+    """The base reference is the policy's model: sharing the CPU with both (as the recipe does, reference made
+    first) installs one set of layer hooks, and both ask the same budget."""
+    from training.trainer.model import decoder_layers
+
+    trainer = _lora(tiny_model_path)
+    reference = trainer.base_reference()
+    layers = decoder_layers(trainer.model)
+    hooks_before = [len(layer._forward_pre_hooks) for layer in layers]
+    asked = []
+
+    def budget():
+        asked.append(None)
+        return torch.get_num_threads()
+
+    trainer.share_cpu(budget)
+    reference.share_cpu(budget)
+    assert [len(layer._forward_pre_hooks) for layer in layers] == [n + 1 for n in hooks_before]
+    assert reference.thread_budget is trainer.thread_budget is budget
+    reference.logprobs(SEQS)
+    assert len(asked) == len(layers) + 1  # the entry point, then each layer once
+
+
 def test_bad_lora_settings_name_the_field(tiny_model_path):
     with pytest.raises(ValueError, match="lora_target_modules"):
         _lora(tiny_model_path, lora_target_modules=["no_such_proj"])

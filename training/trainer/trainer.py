@@ -456,8 +456,15 @@ class _BaseModelReference(_ScoringModel):
     def __init__(self, policy: PolicyTrainer):
         self.cfg, self.model, self.device = policy.cfg, policy.model, policy.device
         self.dtype, self.compute_dtype, self.share_prefixes = policy.dtype, policy.compute_dtype, policy.share_prefixes
-        self.thread_budget = policy.thread_budget
-        self._budget_hooked = policy._budget_hooked  # the model's layer hooks are the policy's
+        self.policy = policy
+
+    @property
+    def thread_budget(self) -> Optional[Callable[[], int]]:
+        return self.policy.thread_budget
+
+    def share_cpu(self, budget: Callable[[], int]) -> None:
+        """The model is the policy's, so are its layer hooks and their budget."""
+        self.policy.share_cpu(budget)
 
     def logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[list[float]]:
         with lora.adapters_disabled(self.model):

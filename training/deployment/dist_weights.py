@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from training.deployment.weight_sync import WeightSyncError
 from training.utils.http import auth_headers
+from training.utils.openmp import releasing_openmp_threads
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -372,7 +373,7 @@ class DistributedWeightSender:
                 self.store.set(go_key(uid), b"go")
                 t1 = time.perf_counter()
                 try:
-                    sent, peak = await asyncio.to_thread(self._broadcast_all, stream, specs)
+                    sent, peak = await asyncio.to_thread(releasing_openmp_threads(self._broadcast_all), stream, specs)
                 except Exception as e:
                     failed = await _failed_servers(tasks, grace_s=5.0)
                     for t in tasks:

@@ -43,6 +43,7 @@ from training.deployment.protocol import (
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import DONE, ChunkStream, sse
 from training.utils.http import JsonBodyError, bearer_ok, parse_json_body, session_id_of
+from training.utils.openmp import releasing_openmp_threads
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,7 @@ def _confined(path: str, roots: list[Path]) -> Path:
     return resolved
 
 
+@releasing_openmp_threads
 def _finite_tensors(tensors: dict) -> dict:
     """Refuse NaN or inf weights (400 naming the first such tensor); they would poison every answer."""
     import torch
@@ -328,6 +330,7 @@ def _finite_tensors(tensors: dict) -> dict:
     return tensors
 
 
+@releasing_openmp_threads
 def _read_weights(path: Path) -> dict:
     """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle)."""
     from training.deployment.engine.weights import load_safetensors

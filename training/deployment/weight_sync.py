@@ -29,6 +29,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from training.utils.openmp import releasing_openmp_threads
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -132,7 +134,7 @@ class WeightFolder:
         return {"bytes": written, "write_s": time.perf_counter() - t0}
 
     async def write_async(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        return await asyncio.to_thread(self.write, named_weights)
+        return await asyncio.to_thread(releasing_openmp_threads(self.write), named_weights)
 
     def remove(self) -> None:
         """Delete an owned /dev/shm folder (a full model copy in RAM); a disk folder stays."""

@@ -56,6 +56,7 @@ from training.utils.checkpoint import latest_checkpoint, load_checkpoint, rng_st
 from training.utils.data import Rows, RowCursor, load_rows
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
+from training.utils.openmp import release_openmp_threads
 from training.utils.run_record import check_log_path, write_config_record
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.losses import needs_reference_logprobs
@@ -237,6 +238,7 @@ class RunContext:
         self.metrics = MetricsLogger(log_path, self.total_steps, cfg.wandb, cfg.to_dict(), resume_step=self.start_step)
         self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
+        release_openmp_threads()  # the models were built on this thread; from here the trainer's thread computes
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""
 
@@ -407,6 +409,7 @@ class RunContext:
                 state,
                 keep_last=self.cfg.keep_checkpoints,
             )
+        release_openmp_threads()  # the trainer's thread computes; this one keeps no OpenMP pool
 
     async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:
         """Wait for ``changed`` (a rollout finished); raise when nothing finished for ``stall_timeout_s``.

@@ -26,6 +26,7 @@ from training.deployment.engine.config import (
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
 from training.deployment.engine.sequence import Sequence
 from training.deployment.engine.weights import load_safetensors, validate_update
+from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.engine = LLMEngine(config)
+        release_openmp_threads()  # the engine thread computes: no second OpenMP pool (training/utils/openmp.py)
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
@@ -261,7 +263,7 @@ class AsyncEngine:
         records its version. Cached and parked K/V of the old weights is dropped.
         """
         runner = self.engine.runner
-        checked = await asyncio.to_thread(validate_update, tensors, runner.weight_shapes, runner.tied)
+        checked = await asyncio.to_thread(releasing_openmp_threads(validate_update), tensors, runner.weight_shapes, runner.tied)
         await self._queue_update(checked, weight_version, wait_for_inflight, None)
 
     async def update_weights_streamed(
@@ -299,7 +301,7 @@ class AsyncEngine:
     async def update_weights_from_disk(self, path: str, weight_version: int, **kw) -> None:
         """Load a safetensors folder (or file) with safetensors, then :meth:`update_weights`."""
         try:
-            tensors = await asyncio.to_thread(load_safetensors, path)
+            tensors = await asyncio.to_thread(releasing_openmp_threads(load_safetensors), path)
         except FileNotFoundError as exc:
             raise WeightUpdateError(f"path: {exc}") from exc
         await self.update_weights(tensors, weight_version, **kw)

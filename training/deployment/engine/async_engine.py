@@ -263,7 +263,9 @@ class AsyncEngine:
         records its version. Cached and parked K/V of the old weights is dropped.
         """
         runner = self.engine.runner
-        checked = await asyncio.to_thread(releasing_openmp_threads(validate_update), tensors, runner.weight_shapes, runner.tied)
+        checked = await asyncio.to_thread(
+            releasing_openmp_threads(validate_update), tensors, runner.weight_shapes, runner.tied
+        )
         await self._queue_update(checked, weight_version, wait_for_inflight, None)
 
     async def update_weights_streamed(

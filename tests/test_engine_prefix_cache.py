@@ -162,3 +162,74 @@ def test_random_traffic_with_shared_prefixes_matches_cold_runs(tiny_model_path):
     assert stats["cached_prompt_tokens"] > 0
     assert stats["prefill_tokens"] + stats["cached_prompt_tokens"] == sum(len(p) for p, _ in requests)
     assert_same_outputs(results, cold(tiny_model_path, requests))
+
+
+# ---- shared-prefix decode attention ------------------------------------------------------------
+
+
+def test_shared_prefix_attention_equals_attention_over_whole_rows():
+    """Two groups holding copies of their prefix and one row of its own: same output as plain SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    from training.deployment.engine.model_runner import SharedPrefix, SharedPrefixAttention
+
+    torch.manual_seed(0)
+    b, kh, g, d, max_len = 7, 2, 3, 16, 96
+    k_cache, v_cache = torch.randn(b + 1, kh, max_len, d), torch.randn(b + 1, kh, max_len, d)
+    groups = [SharedPrefix([0, 1, 2], 60), SharedPrefix([3, 5], 40)]
+    for grp in groups:
+        for r in grp.rows[1:]:
+            k_cache[r, :, : grp.length] = k_cache[grp.rows[0], :, : grp.length]
+            v_cache[r, :, : grp.length] = v_cache[grp.rows[0], :, : grp.length]
+    positions = [62, 65, 70, 41, 10, 44, 12]  # row 4 and row 6: in no group
+    plan = SharedPrefixAttention.plan(list(range(b)), positions, groups, kh, max_len)
+    assert plan is not None
+    q = torch.randn(b, kh, g, d)
+    key_len = max(positions) + 1
+    visible = torch.arange(key_len)[None, :] <= torch.tensor(positions)[:, None]
+    mask = torch.zeros(b, key_len).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k_cache[:b, :, :key_len], v_cache[:b, :, :key_len], attn_mask=mask)
+    assert torch.allclose(plan.attend(q, k_cache, v_cache), want, atol=1e-6)
+    # not worth it: short prefixes against long rows of their own
+    assert SharedPrefixAttention.plan(list(range(b)), positions, [SharedPrefix([0, 1], 4)], kh, max_len) is None
+
+
+def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_model_path, monkeypatch):
+    """A GRPO group with a long prompt: decode takes the shared-prefix path for all members; outputs as cold."""
+    import training.deployment.engine.engine as engine_module
+    from training.deployment.engine.model_runner import SharedPrefixAttention
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 500) for _ in range(150)]
+    requests = [(prompt, sampled(seed=10, max_tokens=40))]
+    requests += [(prompt, sampled(seed=11 + i, max_tokens=10)) for i in range(3)] + [(prompt, greedy(10))] * 2
+    largest, used = [0], [0]
+    plan, groups_of = SharedPrefixAttention.plan, engine_module.shared_prefixes
+
+    def spy_groups(running):
+        out = groups_of(running)
+        largest[0] = max([largest[0], *(len(g.rows) for g in out)])
+        return out
+
+    def spy_plan(*args):
+        made = plan(*args)
+        used[0] += made is not None
+        return made
+
+    monkeypatch.setattr(engine_module, "shared_prefixes", spy_groups)
+    monkeypatch.setattr(SharedPrefixAttention, "plan", staticmethod(spy_plan))
+
+    async def body(eng):
+        stream = eng.generate_stream(*requests[0])
+        await stream.__anext__()  # the leader decodes: later members copy its prompt K/V from its running slot
+        rest = await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[1:]])
+        async for delta in stream:
+            if delta.result is not None:
+                return [delta.result, *rest]
+
+    results = run_engine(tiny_model_path, body, max_batch_size=8)
+    assert largest[0] == len(requests)  # followers and later copies share the leader's origin
+    assert used[0] > 0
+    monkeypatch.undo()
+    assert_same_outputs(results, cold(tiny_model_path, requests))

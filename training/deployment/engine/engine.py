@@ -35,7 +35,7 @@ from training.deployment.engine.config import (
     validate_request,
 )
 from training.deployment.engine.kv_cache import SlotState
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, lean_supported
+from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix, lean_supported
 from training.deployment.engine.sampling import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus
@@ -56,6 +56,14 @@ class PendingUpdate:
     wait_for_inflight: bool
     done: Callable[[Optional[BaseException]], None]
     load: Optional[Callable[[], None]] = None
+
+
+def shared_prefixes(running: list[Sequence]) -> list[SharedPrefix]:
+    """Rows (indices into ``running``) that hold copies of one prefix K/V, groups of two or more."""
+    rows: dict[int, list[int]] = {}
+    for i, seq in enumerate(running):
+        rows.setdefault(seq.kv_origin, []).append(i)
+    return [SharedPrefix(r, min(running[i].kv_origin_len for i in r)) for r in rows.values() if len(r) > 1]
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
@@ -176,7 +184,10 @@ class LLMEngine:
         if running:
             self.counters["max_running"] = max(self.counters["max_running"], len(running))
             logits = self.runner.decode(
-                [s.slot for s in running], [s.last_token for s in running], [len(s.token_ids) - 1 for s in running]
+                [s.slot for s in running],
+                [s.last_token for s in running],
+                [len(s.token_ids) - 1 for s in running],
+                shared_prefixes(running),
             )
             self._sample_and_postprocess(running, logits)
         self.counters["steps"] += 1

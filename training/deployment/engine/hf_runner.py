@@ -186,8 +186,8 @@ class HFModelRunner:
         return torch.stack(out)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One batched forward: token ``i`` at ``positions[i]`` of ``slots[i]``; logits [B, V].
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int], shared_prefixes=()) -> torch.Tensor:
+        """One batched forward: token ``i`` at ``positions[i]`` of ``slots[i]``; logits [B, V] (``shared_prefixes``: unused).
 
         Slots must be ``0 .. B-1`` (the engine keeps running sequences compact), so the batch
         attends to the cache block ``[:B]`` as it is, without gathering rows.

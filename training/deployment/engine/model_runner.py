@@ -26,7 +26,7 @@ in BENCHMARKS.md ("exactness").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,18 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+SHARED_ATTENTION_GAIN = 2.0
+"""Decode takes the shared-prefix attention when it reads at least this many times fewer keys."""
+
+
+@dataclass
+class SharedPrefix:
+    """Decode rows whose slots hold the same K/V (bitwise: copied from one computation) at positions ``[0, length)``."""
+
+    rows: list[int]
+    length: int
 
 
 @dataclass
@@ -323,13 +335,15 @@ class LeanModelRunner:
         num_rows: int,
         key_len: int,
         compact: bool,
+        shared: Optional["SharedPrefixAttention"] = None,
     ) -> torch.Tensor:
-        """One decode step, tensor ops only (CUDA-graph safe); logits [B, V].
+        """One decode step, tensor ops only (CUDA-graph safe without ``shared``); logits [B, V].
 
         ``num_rows``: cache rows attended (> every slot used); ``key_len``: keys attended
         (> every position); ``compact``: slots == arange(B), so rows need no scatter/gather.
         The engine keeps running sequences in slots ``[0, B)``, so it always decodes compact and
         attends over exactly the live rows and the keys up to the longest live position.
+        ``shared``: attention by :class:`SharedPrefixAttention` instead (compact only).
         """
         b, dev = tokens.shape[0], tokens.device
         kh, group, d, max_len = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, self.max_len
@@ -355,25 +369,123 @@ class LeanModelRunner:
             else:
                 qs = qk.new_zeros(num_rows, kh, group, d)
                 qs[slots] = qk[:, : self.num_heads].reshape(b, kh, group, d)
-            o = F.scaled_dot_product_attention(
-                qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], attn_mask=mask
-            )
-            o = o if compact else o[slots]
+            if shared is not None:
+                o = shared.attend(qs, kc, vc)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], attn_mask=mask
+                )
+                o = o if compact else o[slots]
             x = self._mlp_and_residual(L, x, o.reshape(b, -1))
         return self._logits(x)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Decode one token for each row (``positions[i]`` = where ``tokens[i]`` goes); logits [B, V]."""
+    def decode(
+        self,
+        slots: list[int],
+        tokens: list[int],
+        positions: list[int],
+        shared_prefixes: Sequence[SharedPrefix] = (),
+    ) -> torch.Tensor:
+        """Decode one token for each row (``positions[i]`` = where ``tokens[i]`` goes); logits [B, V].
+
+        ``shared_prefixes``: groups of rows whose prefix K/V is the same (GRPO group members,
+        ``n > 1``); on CPU their attention reads that prefix once per group when it saves enough
+        (``SHARED_ATTENTION_GAIN``), see :class:`SharedPrefixAttention`.
+        """
         if self.graphs is not None:
             out = self.graphs.run(slots, tokens, positions)
             if out is not None:
                 return out
         compact = slots == list(range(len(slots)))
+        shared = None
+        if compact and shared_prefixes and self.device.type == "cpu":
+            shared = SharedPrefixAttention.plan(slots, positions, shared_prefixes, self.num_kv_heads, self.max_len)
         t = torch.tensor(tokens, device=self.device)
         p = torch.tensor(positions, device=self.device)
         s = torch.tensor(slots, device=self.device)
-        return self.decode_forward(t, p, s, max(slots) + 1, max(positions) + 1, compact)
+        return self.decode_forward(t, p, s, max(slots) + 1, max(positions) + 1, compact, shared)
 
     def release(self, slot: int) -> None:
         """Nothing to do: a slot's stale K/V is overwritten before it is attended again."""
+
+
+class SharedPrefixAttention:
+    """Decode attention that reads a prefix shared by several rows once, not once per row.
+
+    The members of a GRPO group (and the choices of ``n > 1``) hold copies of one prompt's K/V in
+    their slots. Attention of row ``i`` over keys ``[0, len_i)`` splits into the shared prefix
+    ``[0, P)`` and the row's own suffix ``[P, len_i)``:
+
+        prefix:  one SDPA per group, the queries of all its rows against one copy of the prefix
+        suffix:  one SDPA over every row's own keys (gathered, masked to each row's length)
+        merge:   o = (o_p·exp(lse_p - m) + o_s·exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m)),
+                 m = max(lse_p, lse_s), lse = the log-sum-exp of each part's scaled scores
+
+    which is softmax attention over the whole row (the same maths; the sums run in another order,
+    ~1e-7 relative). Rows outside any group have an empty prefix (lse_p = -inf). Keys read per
+    layer: ``sum(P) + rows × longest suffix`` instead of ``rows × longest row``; :meth:`plan`
+    returns None unless that is ``SHARED_ATTENTION_GAIN`` times fewer.
+    """
+
+    def __init__(
+        self, groups: list[tuple[torch.Tensor, int, int]], suffix_rows: torch.Tensor, suffix_mask: torch.Tensor
+    ):
+        self.groups = groups
+        """(rows, slot holding the prefix, prefix length) per group."""
+        self.suffix_rows = suffix_rows
+        """Flat rows of a layer's ``[slots * K * max_len, d]`` cache view: each row's suffix keys, [B, K, S]."""
+        self.suffix_mask = suffix_mask
+        """0 / -inf, [B, 1, 1, S]: which of the S gathered keys a row attends."""
+
+    @classmethod
+    def plan(
+        cls, slots: list[int], positions: list[int], shared: Sequence[SharedPrefix], num_kv_heads: int, max_len: int
+    ) -> Optional["SharedPrefixAttention"]:
+        b = len(slots)
+        start = [0] * b
+        groups = []
+        for g in shared:
+            length = min([g.length, *(positions[r] for r in g.rows)])  # the current token is never in the prefix
+            if len(g.rows) < 2 or length <= 0:
+                continue
+            for r in g.rows:
+                start[r] = length
+            groups.append((torch.tensor(g.rows), slots[g.rows[0]], length))
+        if not groups:
+            return None
+        suffix = max(p + 1 - s for p, s in zip(positions, start))
+        plain_keys = b * (max(positions) + 1)
+        if plain_keys < SHARED_ATTENTION_GAIN * (sum(n for _, _, n in groups) + b * suffix):
+            return None
+        start_t, lens = torch.tensor(start), torch.tensor(positions) + 1
+        offset = torch.arange(suffix)
+        pos = (start_t[:, None] + offset[None, :]).clamp_(max=max_len - 1)  # [B, S]
+        heads = (torch.tensor(slots)[:, None] * num_kv_heads + torch.arange(num_kv_heads)[None, :]) * max_len
+        rows = heads[:, :, None] + pos[:, None, :]  # [B, K, S]
+        visible = offset[None, :] < (lens - start_t)[:, None]
+        mask = torch.zeros(b, suffix).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        return cls(groups, rows.reshape(-1), mask)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d]."""
+        b, kh, g, d = q.shape
+        s = self.suffix_mask.shape[-1]
+        k = k_cache.view(-1, d).index_select(0, self.suffix_rows).view(b, kh, s, d)
+        v = v_cache.view(-1, d).index_select(0, self.suffix_rows).view(b, kh, s, d)
+        mask = self.suffix_mask.to(q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        pre_out = torch.zeros_like(out)
+        pre_lse = torch.full_like(lse, float("-inf"))
+        for rows, slot, n in self.groups:
+            m = rows.numel()
+            qg = q.index_select(0, rows).permute(1, 0, 2, 3).reshape(1, kh, m * g, d)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qg, k_cache[slot : slot + 1, :, :n], v_cache[slot : slot + 1, :, :n]
+            )
+            pre_out[rows] = o.view(kh, m, g, d).transpose(0, 1)
+            pre_lse[rows] = l.view(kh, m, g).transpose(0, 1)
+        top = torch.maximum(lse, pre_lse)
+        w_suffix, w_prefix = (lse - top).exp_(), (pre_lse - top).exp_()
+        out = out.mul_(w_suffix[..., None]).add_(pre_out.mul_(w_prefix[..., None]))
+        return out.div_((w_suffix + w_prefix)[..., None])

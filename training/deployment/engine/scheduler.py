@@ -88,6 +88,7 @@ class Scheduler:
         adm = Admission()
         budget = self.max_prefill_tokens
         leaders: dict[tuple[int, ...], Sequence] = {}
+        running_in = {s.slot: s for s in self.running}
         while self.admitting and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             target = len(self.running)
@@ -97,6 +98,7 @@ class Scheduler:
                 self._make_room(target, donor=-1)
                 self._start(seq, target, reuse=0)
                 seq.cached_prompt_tokens = seq.num_prompt_tokens
+                seq.kv_origin, seq.kv_origin_len = leader.kv_origin, min(leader.kv_origin_len, seq.num_prompt_tokens)
                 adm.followers.append((seq, leader))
                 continue
             donor, reuse = self._find_donor(seq, target)
@@ -110,6 +112,9 @@ class Scheduler:
                 if self.slots.session[donor] == seq.session_id:
                     self.slots.unpark(donor)  # the session moves on; its old turn stays as plain cache
             self._start(seq, target, reuse)
+            if donor in running_in:  # a copy of a running sequence's K/V: shared with it at decode
+                origin = running_in[donor]
+                seq.kv_origin, seq.kv_origin_len = origin.kv_origin, min(origin.kv_origin_len, reuse)
             adm.prefill.append((seq, PrefillItem(target, seq.prompt_token_ids[reuse:], reuse)))
             leaders[tuple(seq.prompt_token_ids)] = seq
             budget -= seq.num_prompt_tokens - reuse
@@ -180,6 +185,7 @@ class Scheduler:
         seq.num_cached = reuse
         seq.cached_prompt_tokens = reuse
         seq.status = SequenceStatus.RUNNING
+        seq.kv_origin, seq.kv_origin_len = seq.seq_id, seq.num_prompt_tokens  # its own prefill
         self.running.append(seq)
         # content counts once prefilled (``prefilled``); until then no other request may copy from it
         self.slots.write(slot, SlotState.RUNNING, seq.prompt_token_ids, 0, self.weight_epoch)
@@ -236,5 +242,6 @@ class Scheduler:
         return self.slots.drop_reusable()
 
     def mark_recomputed(self, seq: Sequence) -> None:
-        """``seq``'s K/V was recomputed under the live weights."""
+        """``seq``'s K/V was recomputed under the live weights (by its own computation: shared with no one)."""
         self.slots.version[seq.slot] = self.weight_epoch
+        seq.kv_origin, seq.kv_origin_len = seq.seq_id, seq.num_cached

@@ -57,6 +57,10 @@ class Sequence:
         self.slot: int = -1
         self.num_cached = 0
         self.cached_prompt_tokens = 0
+        self.kv_origin = self.seq_id
+        """Sequences with the same ``kv_origin`` hold copies of one computation's K/V at positions
+        ``[0, kv_origin_len)`` (the smallest of theirs): decode reads it once for them all."""
+        self.kv_origin_len = 0
         self.finish_reason: Optional[str] = None
         self.text = ""
         self.matched_stop_string = False

@@ -446,7 +446,8 @@ def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
     assert small.k[0].shape == (4, 1, 8, 4)
 
 
-def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(tiny_qwen2_path, tiny_model_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(tiny_qwen2_path, tiny_model_path, dtype):
     """On CPU fp32 the lean runner's matmuls run on oneDNN-reordered copies of the weights: the logits equal the
     plain ``F.linear`` path's (Qwen2: biases through both fused forms), and a streamed update, which writes
     ``runner.targets`` piece by piece, refreshes the copies (otherwise the old weights would keep generating)."""
@@ -467,11 +468,12 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
                     L.update(packed)
                 runner.lm_head_packed = head
 
-    runner = LLMEngine(EngineConfig(model=tiny_qwen2_path, max_batch_size=4, max_model_len=64)).runner
+    runner = LLMEngine(EngineConfig(model=tiny_qwen2_path, max_batch_size=4, max_model_len=64, dtype=dtype)).runner
     if not runner.onednn:
-        pytest.skip("torch without mkldnn: the plain path is the only one")
+        pytest.skip(f"no oneDNN linears for {dtype} here (torch without mkldnn, or a CPU without bf16)")
     assert runner.lm_head_packed is not None and all("qkv_packed" in L for L in runner.layers)
-    torch.testing.assert_close(logits(runner, True), logits(runner, False), atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the same oneDNN kernels as F.linear, rounding of the fused add
+    torch.testing.assert_close(logits(runner, True), logits(runner, False), atol=tol, rtol=tol)
 
     async def body(eng):
         await eng.generate(PROMPTS[3], greedy())  # the engine thread is idle again once this returns
@@ -484,8 +486,8 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
 
         await eng.update_weights_streamed(load, 1)
         after = logits(eng.engine.runner, True)
-        torch.testing.assert_close(after, logits(eng.engine.runner, False), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after, logits(eng.engine.runner, False), atol=tol, rtol=tol)
         return before, after
 
-    before, after = run_engine(tiny_model_path, body)
+    before, after = run_engine(tiny_model_path, body, dtype=dtype)
     assert not torch.allclose(before, after, atol=1e-3)  # the copies follow the update

@@ -42,13 +42,12 @@ PACK_BATCH = 32
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN linears on reordered weights: CPU, fp32, a torch built with mkldnn."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """oneDNN linears on reordered weights: CPU, a torch built with mkldnn, fp32 (or bf16 where the CPU has it)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 SHARED_ATTENTION_GAIN = 2.0
@@ -274,7 +273,7 @@ class LeanModelRunner:
         """
         h = self._norm(x, self.final_norm)
         if self.lm_head_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(h, self.lm_head_packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(h, self.lm_head_packed, None, "none", [], "").float()
         if self.device.type != "cpu":
             return F.linear(h, self.lm_head).float()
         n, vocab = h.shape[0], self.lm_head.shape[0]

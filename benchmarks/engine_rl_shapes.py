@@ -1,9 +1,9 @@
 """Engine on RL-shaped traffic: (a) decode-heavy and (b) GRPO-shaped, vs vLLM CPU and ``generate``, interleaved.
 
-    python -m benchmarks.engine_rl_shapes [--model smollm2] [--clients 32] [--completions 64,256]
+    python -m benchmarks.engine_rl_shapes [--model smollm2] [--clients 32,64] [--completions 64,256]
         [--groups 4] [--group-prompts 256,1024] [--repeats 3] [--vllm auto|yes|no] [--quick]
 
-(a) decode-heavy: ``--clients`` concurrent clients, one request each, prompts 32–128 random ids,
+(a) decode-heavy: ``--clients`` concurrent clients (a row per count), one request each, prompts 32–128 random ids,
     completion lengths long-tailed in ``--completions`` (half at the low end, a tail up to the
     high end), ``ignore_eos``, T = 1. Servers: the embedded one (prefix caching on) and vLLM's
     CPU build; baseline ``transformers`` ``generate`` on one static left-padded batch of the same
@@ -112,7 +112,7 @@ def spread(xs: list[float]) -> str:
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--clients", default="32,64", help="client counts of (a), a row each")
     p.add_argument("--completions", default="64,256", help="completion length range of (a)")
     p.add_argument("--groups", type=int, default=4, help="prompts of (b), each sent 8 times")
     p.add_argument("--group-prompts", default="256,1024", help="prompt length range of (b)")
@@ -120,7 +120,7 @@ def main() -> None:
     a = p.parse_args()
     started = time.perf_counter()
     if a.quick:
-        a.model, a.clients, a.completions, a.groups, a.group_prompts, a.vllm = "tiny", 4, "4,8", 1, "32,64", "no"
+        a.model, a.clients, a.completions, a.groups, a.group_prompts, a.vllm = "tiny", "4", "4,8", 1, "32,64", "no"
     from benchmarks.engine_throughput import vllm_available
     from training.deployment.factory import make_deployment
     from training.deployment.sampler import DeploymentSampler
@@ -128,9 +128,10 @@ def main() -> None:
 
     path = model_path(a.model)
     lo, hi = (int(x) for x in a.completions.split(","))
+    client_counts = [int(x) for x in a.clients.split(",")]
     plo, phi = (int(x) for x in a.group_prompts.split(","))
     with_vllm = a.vllm == "yes" or (a.vllm == "auto" and vllm_available())
-    batch = max(a.clients, a.groups * GROUP_SIZE)
+    batch = max(*client_counts, a.groups * GROUP_SIZE)
     max_len = max(128 + hi, phi + 48) + 8
     specs = {"embedded": dict(), "embedded, no prefix caching": dict(enable_prefix_caching=False)}
     deps = {
@@ -155,7 +156,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tps = {n: [] for n in ["embedded", "vLLM", "generate"] if n in deps or n == "generate"}
+    tps = {(n, c): [] for n in ["embedded", "vLLM", "generate"] if n in deps or n == "generate" for c in client_counts}
     wall = {n: [] for n in deps}
     computed = {n: [] for n in deps}
     prompt_tokens = []
@@ -171,16 +172,17 @@ def main() -> None:
                         await send_all(s, decode_heavy(2, 4, 8, seed=999))
                     generate_tps(model, decode_heavy(2, 4, 8, seed=999))
                     for r in range(a.repeats):
-                        a_reqs = decode_heavy(a.clients, lo, hi, seed=100 + r)
                         b_reqs = grpo_shaped(a.groups, plo, phi, seed=200 + r)
                         prompt_tokens.append(sum(len(p_) for p_, _ in b_reqs))
                         order = ["embedded", "vLLM", "generate"]
-                        for n in order[r % 3 :] + order[: r % 3]:
-                            if n == "generate":
-                                tps[n].append(generate_tps(model, a_reqs))
-                            elif n in samplers:
-                                s_, g = await send_all(samplers[n], a_reqs)
-                                tps[n].append(g / s_)
+                        for c in client_counts:
+                            a_reqs = decode_heavy(c, lo, hi, seed=100 + r)
+                            for n in order[r % 3 :] + order[: r % 3]:
+                                if n == "generate":
+                                    tps[n, c].append(generate_tps(model, a_reqs))
+                                elif n in samplers:
+                                    s_, g = await send_all(samplers[n], a_reqs)
+                                    tps[n, c].append(g / s_)
                         names = list(deps)
                         for n in names[r % len(names) :] + names[: r % len(names)]:
                             before = await prompt_tokens_computed(http, n, deps[n].base_url)
@@ -196,31 +198,22 @@ def main() -> None:
         for d in deps.values():
             d.stop()
     rows = []
-    la = f"(a) decode-heavy, {a.model}: {a.clients} clients, completions {lo}–{hi}"
-    eng = median(tps["embedded"])
-    rows.append(
-        row(
-            la,
-            eng,
-            "generated tok/s",
-            "generate, one static batch",
-            median(tps["generate"]),
-            spread=spread(tps["embedded"]),
-            baseline_spread=spread(tps["generate"]),
-        )
-    )
-    if "vLLM" in tps:
-        rows.append(
-            row(
-                la,
-                eng,
-                "generated tok/s",
-                "vLLM CPU build, same requests",
-                median(tps["vLLM"]),
-                spread=spread(tps["embedded"]),
-                baseline_spread=spread(tps["vLLM"]),
-            )
-        )
+    for c in client_counts:
+        la = f"(a) decode-heavy, {a.model}: {c} clients, completions {lo}–{hi}"
+        ours_tps = tps["embedded", c]
+        for base, label in (("vLLM", "vLLM CPU build, same requests"), ("generate", "generate, one static batch")):
+            if (base, c) in tps:
+                rows.append(
+                    row(
+                        la,
+                        median(ours_tps),
+                        "generated tok/s",
+                        label,
+                        median(tps[base, c]),
+                        spread=spread(ours_tps),
+                        baseline_spread=spread(tps[base, c]),
+                    )
+                )
     lb = f"(b) GRPO-shaped, {a.model}: {a.groups} prompts × {GROUP_SIZE}, prompts {plo}–{phi}"
     # time figures as speed-ups: baseline seconds / our seconds (ratio > 1 = we are faster)
     ours = median(wall["embedded"])
@@ -254,7 +247,7 @@ def main() -> None:
         f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Noise: the "
         f"spreads (min–max over {a.repeats} repeats)."
     )
-    emit("engine_rl_shapes", rows, headline=1 if with_vllm else 0, notes=notes, started=started, repeats=a.repeats)
+    emit("engine_rl_shapes", rows, headline=0, notes=notes, started=started, repeats=a.repeats)
 
 
 if __name__ == "__main__":

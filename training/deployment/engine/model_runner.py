@@ -399,7 +399,7 @@ class LeanModelRunner:
         compact = slots == list(range(len(slots)))
         shared = None
         if compact and shared_prefixes and self.device.type == "cpu":
-            shared = SharedPrefixAttention.plan(slots, positions, shared_prefixes, self.num_kv_heads, self.max_len)
+            shared = SharedPrefixAttention.plan(slots, positions, shared_prefixes)
         t = torch.tensor(tokens, device=self.device)
         p = torch.tensor(positions, device=self.device)
         s = torch.tensor(slots, device=self.device)
@@ -416,75 +416,72 @@ class SharedPrefixAttention:
     their slots. Attention of row ``i`` over keys ``[0, len_i)`` splits into the shared prefix
     ``[0, P)`` and the row's own suffix ``[P, len_i)``:
 
-        prefix:  one SDPA per group, the queries of all its rows against one copy of the prefix
-        suffix:  one SDPA over every row's own keys (gathered, masked to each row's length)
+        prefix:  the queries of all the group's rows against one copy of the prefix (one SDPA)
+        suffix:  each row against its own keys ``[P, len_i)`` (one SDPA over the rows, masked)
         merge:   o = (o_p·exp(lse_p - m) + o_s·exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m)),
                  m = max(lse_p, lse_s), lse = the log-sum-exp of each part's scaled scores
 
     which is softmax attention over the whole row (the same maths; the sums run in another order,
-    ~1e-7 relative). Rows outside any group have an empty prefix (lse_p = -inf). Keys read per
-    layer: ``sum(P) + rows × longest suffix`` instead of ``rows × longest row``; :meth:`plan`
-    returns None unless that is ``SHARED_ATTENTION_GAIN`` times fewer.
+    ~1e-7 relative). The rows are cut into segments of consecutive rows (slots) with one shared
+    prefix each, or none (rows of their own: plain attention over their keys), so every operand is
+    a view of the cache, nothing is gathered. Keys read per layer: ``sum over segments of P + rows ×
+    (longest row - P)`` instead of ``rows × longest row``; :meth:`plan` returns None unless that is
+    ``SHARED_ATTENTION_GAIN`` times fewer.
     """
 
-    def __init__(
-        self, groups: list[tuple[torch.Tensor, int, int]], suffix_rows: torch.Tensor, suffix_mask: torch.Tensor
-    ):
-        self.groups = groups
-        """(rows, slot holding the prefix, prefix length) per group."""
-        self.suffix_rows = suffix_rows
-        """Flat rows of a layer's ``[slots * K * max_len, d]`` cache view: each row's suffix keys, [B, K, S]."""
-        self.suffix_mask = suffix_mask
-        """0 / -inf, [B, 1, 1, S]: which of the S gathered keys a row attends."""
+    def __init__(self, segments: list[tuple[int, int, int, int, torch.Tensor]]):
+        self.segments = segments
+        """(first row, end row, shared prefix length P (0: none), keys end, mask 0 / -inf [rows, 1, 1, end - P])."""
 
     @classmethod
     def plan(
-        cls, slots: list[int], positions: list[int], shared: Sequence[SharedPrefix], num_kv_heads: int, max_len: int
+        cls, slots: list[int], positions: list[int], shared: Sequence[SharedPrefix]
     ) -> Optional["SharedPrefixAttention"]:
+        """Segments for compact ``slots`` (row i in slot i); None when plain attention reads about as much."""
         b = len(slots)
-        start = [0] * b
-        groups = []
-        for g in shared:
+        group_of, prefix = [-1] * b, {}
+        for gi, g in enumerate(shared):
             length = min([g.length, *(positions[r] for r in g.rows)])  # the current token is never in the prefix
-            if len(g.rows) < 2 or length <= 0:
+            if len(g.rows) > 1 and length > 0:
+                prefix[gi] = length
+                for r in g.rows:
+                    group_of[r] = gi
+        if not prefix:
+            return None
+        segments, keys, r0 = [], 0, 0
+        for r in range(1, b + 1):
+            if r < b and group_of[r] == group_of[r0]:
                 continue
-            for r in g.rows:
-                start[r] = length
-            groups.append((torch.tensor(g.rows), slots[g.rows[0]], length))
-        if not groups:
+            p = prefix.get(group_of[r0], 0) if r - r0 > 1 else 0  # a lone member reads its prefix in place
+            end = max(positions[r0:r]) + 1
+            own = torch.arange(p, end)[None, :] <= torch.tensor(positions[r0:r])[:, None]
+            mask = torch.zeros(own.shape).masked_fill_(~own, float("-inf"))[:, None, None, :]
+            segments.append((r0, r, p, end, mask))
+            keys += p + (r - r0) * (end - p)
+            r0 = r
+        if b * (max(positions) + 1) < SHARED_ATTENTION_GAIN * keys:
             return None
-        suffix = max(p + 1 - s for p, s in zip(positions, start))
-        plain_keys = b * (max(positions) + 1)
-        if plain_keys < SHARED_ATTENTION_GAIN * (sum(n for _, _, n in groups) + b * suffix):
-            return None
-        start_t, lens = torch.tensor(start), torch.tensor(positions) + 1
-        offset = torch.arange(suffix)
-        pos = (start_t[:, None] + offset[None, :]).clamp_(max=max_len - 1)  # [B, S]
-        heads = (torch.tensor(slots)[:, None] * num_kv_heads + torch.arange(num_kv_heads)[None, :]) * max_len
-        rows = heads[:, :, None] + pos[:, None, :]  # [B, K, S]
-        visible = offset[None, :] < (lens - start_t)[:, None]
-        mask = torch.zeros(b, suffix).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-        return cls(groups, rows.reshape(-1), mask)
+        return cls(segments)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d]."""
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         b, kh, g, d = q.shape
-        s = self.suffix_mask.shape[-1]
-        k = k_cache.view(-1, d).index_select(0, self.suffix_rows).view(b, kh, s, d)
-        v = v_cache.view(-1, d).index_select(0, self.suffix_rows).view(b, kh, s, d)
-        mask = self.suffix_mask.to(q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
-        pre_out = torch.zeros_like(out)
-        pre_lse = torch.full_like(lse, float("-inf"))
-        for rows, slot, n in self.groups:
-            m = rows.numel()
-            qg = q.index_select(0, rows).permute(1, 0, 2, 3).reshape(1, kh, m * g, d)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qg, k_cache[slot : slot + 1, :, :n], v_cache[slot : slot + 1, :, :n]
+        out = torch.empty_like(q)
+        for r0, r1, p, end, mask in self.segments:
+            qs, ks, vs, mask = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end], mask.to(q.dtype)
+            if p == 0:
+                out[r0:r1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+                continue
+            m = r1 - r0
+            o_own, lse_own = flash(qs, ks, vs, attn_mask=mask)
+            o_pre, lse_pre = flash(
+                qs.transpose(0, 1).reshape(1, kh, m * g, d), k_cache[r0 : r0 + 1, :, :p], v_cache[r0 : r0 + 1, :, :p]
             )
-            pre_out[rows] = o.view(kh, m, g, d).transpose(0, 1)
-            pre_lse[rows] = l.view(kh, m, g).transpose(0, 1)
-        top = torch.maximum(lse, pre_lse)
-        w_suffix, w_prefix = (lse - top).exp_(), (pre_lse - top).exp_()
-        out = out.mul_(w_suffix[..., None]).add_(pre_out.mul_(w_prefix[..., None]))
-        return out.div_((w_suffix + w_prefix)[..., None])
+            o_pre = o_pre.view(kh, m, g, d).transpose(0, 1)
+            lse_pre = lse_pre.view(kh, m, g).transpose(0, 1)
+            top = torch.maximum(lse_own, lse_pre)
+            w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
+            mixed = o_own.mul_(w_own[..., None]).add_(o_pre * w_pre[..., None])
+            torch.div(mixed, (w_own + w_pre)[..., None], out=out[r0:r1])
+        return out

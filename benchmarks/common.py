@@ -40,6 +40,31 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot, from ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[3] + ticks[4], sum(ticks)
+
+
+def wait_for_quiet_cpu(busy_below: float = 0.1, window_s: float = 0.5, timeout_s: float = 30.0) -> float:
+    """Wait until the machine's CPUs are busy less than ``busy_below`` over ``window_s``; returns seconds waited.
+
+    A server keeps computing for a moment after its last answer (vLLM's CPU build kept one core
+    busy for about a second), so the next timed side would pay for it. Off Linux, returns at once.
+    """
+    t0 = time.perf_counter()
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    while time.perf_counter() - t0 < timeout_s:
+        idle0, total0 = _cpu_times()
+        time.sleep(window_s)
+        idle1, total1 = _cpu_times()
+        if 1 - (idle1 - idle0) / max(1, total1 - total0) < busy_below:
+            break
+    return time.perf_counter() - t0
+
+
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence."""
     if not values:

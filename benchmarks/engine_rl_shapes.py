@@ -16,8 +16,9 @@
     vLLM's ``prefix_cache_queries - prefix_cache_hits`` from ``/metrics``.
 
 Every server is up for the whole run, and each repeat runs the servers in rotated order on fresh
-random prompts (so no repeat hits a cache filled by an earlier one): ratios come from runs taken
-minutes apart on the same (shared, noisy) machine. Figure: generated tokens/s (a) and wall time (b),
+random prompts (so no repeat hits a cache filled by an earlier one), each side starting once the
+CPUs are quiet (``wait_for_quiet_cpu``): ratios come from runs taken minutes apart on the same
+machine. Figure: generated tokens/s (a) and wall time (b),
 median of ``--repeats``; the spread (min–max over repeats) is in each row.
 """
 
@@ -31,7 +32,7 @@ import time
 import aiohttp
 import torch
 
-from benchmarks.common import base_parser, emit, median, model_path, row, sig
+from benchmarks.common import base_parser, emit, median, model_path, row, sig, wait_for_quiet_cpu
 
 GROUP_SIZE = 8
 
@@ -178,6 +179,7 @@ def main() -> None:
                         for c in client_counts:
                             a_reqs = decode_heavy(c, lo, hi, seed=100 + r)
                             for n in order[r % 3 :] + order[: r % 3]:
+                                wait_for_quiet_cpu()  # the previous side may still be winding down
                                 if n == "generate":
                                     tps[n, c].append(generate_tps(model, a_reqs))
                                 elif n in samplers:
@@ -185,6 +187,7 @@ def main() -> None:
                                     tps[n, c].append(g / s_)
                         names = list(deps)
                         for n in names[r % len(names) :] + names[: r % len(names)]:
+                            wait_for_quiet_cpu()
                             before = await prompt_tokens_computed(http, n, deps[n].base_url)
                             s_, _ = await send_all(samplers[n], b_reqs)
                             wall[n].append(s_)

@@ -183,7 +183,7 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows():
             k_cache[r, :, : grp.length] = k_cache[grp.rows[0], :, : grp.length]
             v_cache[r, :, : grp.length] = v_cache[grp.rows[0], :, : grp.length]
     positions = [62, 65, 70, 41, 10, 44, 12]  # row 4 and row 6: in no group
-    plan = SharedPrefixAttention.plan(list(range(b)), positions, groups)
+    plan = SharedPrefixAttention.plan(positions, groups)
     assert plan is not None
     q = torch.randn(b, kh, g, d)
     key_len = max(positions) + 1
@@ -192,7 +192,7 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows():
     want = F.scaled_dot_product_attention(q, k_cache[:b, :, :key_len], v_cache[:b, :, :key_len], attn_mask=mask)
     assert torch.allclose(plan.attend(q, k_cache, v_cache), want, atol=1e-6)
     # not worth it: short prefixes against long rows of their own
-    assert SharedPrefixAttention.plan(list(range(b)), positions, [SharedPrefix([0, 1], 4)]) is None
+    assert SharedPrefixAttention.plan(positions, [SharedPrefix([0, 1], 4)]) is None
 
 
 def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_model_path, monkeypatch):

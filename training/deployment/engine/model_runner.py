@@ -12,7 +12,8 @@ Two entry points, both return fp32 logits:
 - ``prefill(items)``: new tokens of several sequences packed into one ``[N, hidden]`` batch for
   the matmuls; attention per sequence over its slot (cached prefix + new tokens).
 - ``decode(slots, tokens, positions)``: one token per running sequence; attention over the
-  slot rows ``[:S]`` of the cache, keys ``[:L]``, masked per row by its length.
+  slot rows ``[:S]`` of the cache, keys ``[:L]``, masked per row by its length, or, for rows
+  that hold copies of one prefix (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
 On CPU in fp32 the five matmuls (qkv, o, gate_up, down, LM head) run as oneDNN linears on
@@ -399,7 +400,7 @@ class LeanModelRunner:
         compact = slots == list(range(len(slots)))
         shared = None
         if compact and shared_prefixes and self.device.type == "cpu":
-            shared = SharedPrefixAttention.plan(slots, positions, shared_prefixes)
+            shared = SharedPrefixAttention.plan(positions, shared_prefixes, self.dtype)
         t = torch.tensor(tokens, device=self.device)
         p = torch.tensor(positions, device=self.device)
         s = torch.tensor(slots, device=self.device)
@@ -435,10 +436,10 @@ class SharedPrefixAttention:
 
     @classmethod
     def plan(
-        cls, slots: list[int], positions: list[int], shared: Sequence[SharedPrefix]
+        cls, positions: list[int], shared: Sequence[SharedPrefix], dtype: torch.dtype = torch.float32
     ) -> Optional["SharedPrefixAttention"]:
-        """Segments for compact ``slots`` (row i in slot i); None when plain attention reads about as much."""
-        b = len(slots)
+        """Segments for a compact batch (row i in slot i); None when plain attention reads about as much."""
+        b = len(positions)
         group_of, prefix = [-1] * b, {}
         for gi, g in enumerate(shared):
             length = min([g.length, *(positions[r] for r in g.rows)])  # the current token is never in the prefix
@@ -455,7 +456,7 @@ class SharedPrefixAttention:
             p = prefix.get(group_of[r0], 0) if r - r0 > 1 else 0  # a lone member reads its prefix in place
             end = max(positions[r0:r]) + 1
             own = torch.arange(p, end)[None, :] <= torch.tensor(positions[r0:r])[:, None]
-            mask = torch.zeros(own.shape).masked_fill_(~own, float("-inf"))[:, None, None, :]
+            mask = torch.zeros(own.shape, dtype=dtype).masked_fill_(~own, float("-inf"))[:, None, None, :]
             segments.append((r0, r, p, end, mask))
             keys += p + (r - r0) * (end - p)
             r0 = r
@@ -469,7 +470,7 @@ class SharedPrefixAttention:
         b, kh, g, d = q.shape
         out = torch.empty_like(q)
         for r0, r1, p, end, mask in self.segments:
-            qs, ks, vs, mask = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end], mask.to(q.dtype)
+            qs, ks, vs = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end]
             if p == 0:
                 out[r0:r1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
                 continue

@@ -448,9 +448,10 @@ def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(tiny_qwen2_path, tiny_model_path, dtype):
-    """On CPU fp32 the lean runner's matmuls run on oneDNN-reordered copies of the weights: the logits equal the
-    plain ``F.linear`` path's (Qwen2: biases through both fused forms), and a streamed update, which writes
-    ``runner.targets`` piece by piece, refreshes the copies (otherwise the old weights would keep generating)."""
+    """On CPU (fp32, and bf16 where the CPU has it) the lean runner's matmuls run on oneDNN-reordered copies of
+    the weights: the logits equal the plain ``F.linear`` path's (Qwen2: biases through both fused forms), and a
+    streamed update, which writes ``runner.targets`` piece by piece, refreshes the copies (otherwise the old
+    weights would keep generating)."""
     from training.deployment.engine.engine import LLMEngine
     from training.deployment.engine.model_runner import PrefillItem
 

@@ -16,12 +16,13 @@ Two entry points, both return fp32 logits:
   that hold copies of one prefix (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
-On CPU in fp32 the five matmuls (qkv, o, gate_up, down, LM head) run as oneDNN linears on
-weights reordered once into oneDNN's blocked layout (``weights_changed``, called after every
-weight change): 1.3–3.5× faster than ``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch
-size on the AMD EPYC this was measured on. The reordered copies double the weights' memory. The sums run in
-another order than MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is
-in BENCHMARKS.md ("exactness").
+On CPU in fp32 (and in bf16 where the CPU has native bf16) the five matmuls (qkv, o, gate_up,
+down, LM head) run as oneDNN linears on weights reordered once into oneDNN's blocked layout
+(``weights_changed``, called after every weight change). In fp32 they are 1.3–3.5× faster than
+``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch size on the AMD EPYC this was measured
+on. The reordered copies double the weights' memory. The fp32 sums run in another order than
+MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is in BENCHMARKS.md
+("exactness").
 """
 
 from __future__ import annotations
@@ -467,7 +468,7 @@ class SharedPrefixAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d]."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        b, kh, g, d = q.shape
+        _, kh, g, d = q.shape
         out = torch.empty_like(q)
         for r0, r1, p, end, mask in self.segments:
             qs, ks, vs = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end]

@@ -112,6 +112,37 @@ def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monk
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("vocab", [1000, 1024])  # a partial last block, and whole blocks only
+def test_a_plain_row_draws_the_first_token_whose_cumulative_mass_exceeds_u(vocab):
+    """The block-wise draw (no running sum over the whole vocabulary) picks the token a float64
+    running sum picks, for draws landing in every block; zero-probability tokens, including whole
+    masked blocks and the ends of blocks, are never drawn."""
+    from training.deployment.engine import sampling
+
+    n = 4000
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(n, vocab, generator=g) * 2
+    logits[:, 256:512] = float("-inf")  # a whole masked block
+    logits[:, 255] = float("-inf")  # the last token of a block
+    logits[: n // 2, -5:] = float("-inf")  # the end of the vocabulary
+    probs = torch.softmax(logits, -1)
+    u = torch.rand(n, generator=g)
+    got = sampling._draw_blocked(probs, u)
+    cum = probs.double().cumsum(-1)
+    target = u.double()[:, None] * cum[:, -1:]
+    want = torch.searchsorted(cum, target, right=True).squeeze(1)
+    # only a target within fp32 rounding of a token boundary may fall on the neighbouring token
+    near = (cum - target).abs().min(dim=-1).values < 1e-6
+    assert torch.equal(got[~near], want[~near])
+    assert near.sum() < n // 200
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    assert set((got // sampling.DRAW_BLOCK).tolist()) >= {0, 2, (vocab - 1) // sampling.DRAW_BLOCK}
+    # the edges: u = 0 draws the first token with mass, u just below 1 the last
+    edge = sampling._draw_blocked(probs[:2], torch.tensor([0.0, 1.0 - 2**-24]))
+    assert edge[0] == 0 and edge[1] == int(torch.nonzero(probs[1]).max())
+
+
+@pytest.mark.unit
 def test_top_k_1_at_temperature_1_is_greedy_with_the_t1_logprob():
     logits, seqs = rows(LOGITS, SamplingParams(temperature=1.0, top_k=1), 200)
     out = sample(logits, seqs)

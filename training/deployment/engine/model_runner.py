@@ -56,6 +56,21 @@ SHARED_ATTENTION_GAIN = 2.0
 """Decode takes the shared-prefix attention when it reads at least this many times fewer keys."""
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query position per row, q [R, K, G, d] (G query heads per kv head) over
+    k, v [R, K, L, d] with an additive mask [R, 1, 1, L]; returns [R, K, G, d].
+
+    fp32 on CPU: ``softmax(q·kᵀ/√d + mask)·v`` as two batched matmuls. With one query position
+    per row, SDPA's flash kernel sets up blocks per (row, head) that these matmuls skip: 7–18 %
+    less time over 30 layers of uncached K/V at 32–64 rows and 100–700 keys (about even at 1,000).
+    Elsewhere (bf16 scores would round, CUDA graphs) it is SDPA.
+    """
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)).add_(mask)
+    return torch.matmul(scores.softmax(-1), v)
+
+
 @dataclass
 class SharedPrefix:
     """Decode rows whose slots hold the same K/V (bitwise: copied from one computation) at positions ``[0, length)``."""
@@ -373,9 +388,7 @@ class LeanModelRunner:
             if shared is not None:
                 o = shared.attend(qs, kc, vc)
             else:
-                o = F.scaled_dot_product_attention(
-                    qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], attn_mask=mask
-                )
+                o = decode_attention(qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], mask)
                 o = o if compact else o[slots]
             x = self._mlp_and_residual(L, x, o.reshape(b, -1))
         return self._logits(x)
@@ -473,7 +486,7 @@ class SharedPrefixAttention:
         for r0, r1, p, end, mask in self.segments:
             qs, ks, vs = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end]
             if p == 0:
-                out[r0:r1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+                out[r0:r1] = decode_attention(qs, ks, vs, mask)
                 continue
             m = r1 - r0
             o_own, lse_own = flash(qs, ks, vs, attn_mask=mask)

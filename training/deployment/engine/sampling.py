@@ -20,7 +20,8 @@ whose probability underflows reports a finite fp32 (the lowest at worst), never 
 
 Randomness: each request owns a CPU ``torch.Generator``; a row draws exactly one uniform u from
 it per step (greedy rows included, when any row samples) and picks the token by inverse CDF
-(first index whose cumulative kept mass exceeds u · kept mass). Every formula a row goes through
+(first index whose cumulative kept mass exceeds u · kept mass; for rows without truncation the
+mass is summed a block of ``DRAW_BLOCK`` tokens at a time). Every formula a row goes through
 depends on its own fields only, so a seeded request samples the same tokens whatever else is
 batched with it. The whole batch needs one host sync; penalties touch only the tokens a row has
 seen (sparse), so their cost grows with the sequence length, not the vocabulary.
@@ -43,6 +44,8 @@ SHIFT_BELOW_T = 1e-4
 """Rows with 0 < T below this are scaled as (z - max z) / T (no overflow); others as z / T, as the trainer."""
 CANDIDATES = 256
 """Tokens sorted per row for top-k / top-p / min-p before falling back to the whole vocabulary (_sample_truncated)."""
+DRAW_BLOCK = 256
+"""Tokens per block of a plain row's inverse-CDF draw (_draw_blocked)."""
 _LOWEST = torch.finfo(torch.float32).min
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -74,19 +77,13 @@ def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
     greedy = [t == 0 for t in temps]
     truncates = [p.truncates and t > 0 for p, t in zip(params, temps)]
     plain = [not g and not tr for g, tr in zip(greedy, truncates)]
-    greedy_tokens = z.argmax(dim=-1) if any(greedy) or any(plain) else None
+    greedy_tokens = z.argmax(dim=-1) if any(greedy) else None
     if all(greedy):
         tokens = greedy_tokens
     else:
         probs = (torch.log_softmax(scale(z), dim=-1) if processed else logp).exp()
         u_B = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(device)
-        tokens = None
-        if any(plain):
-            cum = probs.cumsum(dim=-1)
-            idx = torch.searchsorted(cum, (u_B * cum[:, -1])[:, None], right=True)
-            tokens = idx.clamp(max=probs.shape[-1] - 1).squeeze(1)
-            # a zero-probability token can only be hit through rounding at the top end
-            tokens = torch.where(probs.gather(1, tokens[:, None]).squeeze(1) > 0, tokens, greedy_tokens)
+        tokens = _draw_blocked(probs, u_B) if any(plain) else None
         if any(truncates):  # chosen per row, so a row's draw never depends on its neighbours' fields
             cut = _sample_truncated(probs, u_B, params)
             tokens = cut if tokens is None else torch.where(torch.tensor(truncates, device=device), cut, tokens)
@@ -189,6 +186,31 @@ def _penalise(z: torch.Tensor, seqs: Seq[Sequence]) -> None:
     r = torch.tensor(rep, device=device)
     v = torch.where(v > 0, v / r, v * r) - torch.tensor(sub, device=device)
     z.index_put_(index, v)
+
+
+def _draw_blocked(probs: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative mass exceeds u · total mass, summed ``DRAW_BLOCK`` tokens at a time.
+
+    The mass before each block comes from the block sums (one reduction over the row), the mass
+    inside the chosen block from its own running sum, so no running sum over the whole vocabulary is
+    written (on CPU that ``cumsum`` was the dearest pass of a plain row's sampling). A rounding that
+    lands past the block's mass, or on a zero-probability token, takes the block's most likely
+    token (the block holds mass, so it has one).
+    """
+    rows, vocab = probs.shape
+    full = vocab // DRAW_BLOCK * DRAW_BLOCK
+    sums = [probs[:, :full].view(rows, -1, DRAW_BLOCK).sum(dim=-1)] if full else []
+    if full < vocab:
+        sums.append(probs[:, full:].sum(dim=-1, keepdim=True))
+    cum = torch.cat(sums, dim=1).cumsum(dim=-1) if len(sums) > 1 else sums[0].cumsum(dim=-1)
+    target = u_B[:, None] * cum[:, -1:]
+    block = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[1] - 1)
+    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)[None, :]
+    inside = probs.gather(1, cols.clamp(max=vocab - 1)) * (cols < vocab)
+    k = torch.searchsorted(inside.cumsum(dim=-1), target - before, right=True).clamp(max=DRAW_BLOCK - 1)
+    k = torch.where(inside.gather(1, k) > 0, k, inside.argmax(dim=-1, keepdim=True))
+    return (block * DRAW_BLOCK + k).squeeze(1)
 
 
 def _sample_truncated(probs: torch.Tensor, u_B: torch.Tensor, params) -> torch.Tensor:

@@ -492,3 +492,24 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
 
     before, after = run_engine(tiny_model_path, body, dtype=dtype)
     assert not torch.allclose(before, after, atol=1e-3)  # the copies follow the update
+
+
+def test_decode_attention_equals_sdpa_over_rows_of_any_length():
+    """The two-matmul decode attention (fp32 CPU) gives SDPA's output, rows masked to their own lengths;
+    other dtypes go to SDPA itself."""
+    import torch.nn.functional as F
+
+    from training.deployment.engine.model_runner import decode_attention
+
+    torch.manual_seed(0)
+    rows, kh, g, d, keys = 9, 3, 3, 64, 300
+    q, k, v = torch.randn(rows, kh, g, d), torch.randn(rows, kh, keys, d), torch.randn(rows, kh, keys, d)
+    lengths = torch.tensor([1, 2, 17, 64, 150, 299, 300, 5, 256])
+    visible = torch.arange(keys)[None, :] < lengths[:, None]
+    mask = torch.zeros(rows, keys).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(decode_attention(q, k, v, mask), want, atol=1e-6)
+    # a row attends only to its own visible keys: the first row's output is its first value
+    assert torch.allclose(decode_attention(q, k, v, mask)[0], v[0, :, :1].expand(kh, g, d), atol=1e-6)
+    half = [t.bfloat16() for t in (q, k, v, mask)]
+    assert torch.equal(decode_attention(*half), F.scaled_dot_product_attention(*half[:3], attn_mask=half[3]))

@@ -167,8 +167,9 @@ def test_random_traffic_with_shared_prefixes_matches_cold_runs(tiny_model_path):
 # ---- shared-prefix decode attention ------------------------------------------------------------
 
 
-def test_shared_prefix_attention_equals_attention_over_whole_rows():
-    """Two groups holding copies of their prefix and one row of its own: same output as plain SDPA."""
+@pytest.mark.parametrize("every_row_grouped", [False, True])
+def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grouped):
+    """Groups holding copies of their prefix (and rows of their own, or none): same output as plain SDPA."""
     import torch
     import torch.nn.functional as F
 
@@ -178,13 +179,16 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows():
     b, kh, g, d, max_len = 7, 2, 3, 16, 96
     k_cache, v_cache = torch.randn(b + 1, kh, max_len, d), torch.randn(b + 1, kh, max_len, d)
     groups = [SharedPrefix([0, 1, 2], 60), SharedPrefix([3, 5], 40)]
+    positions = [62, 65, 70, 41, 10, 44, 12]  # row 4 and row 6: in no group
+    if every_row_grouped:
+        groups = [SharedPrefix([0, 1, 2], 60), SharedPrefix([3, 4], 40), SharedPrefix([5, 6], 90)]
+        positions = [62, 65, 70, 41, 52, 95, 91]  # suffixes of 1 to 12 keys; the last row's ends at max_len
     for grp in groups:
         for r in grp.rows[1:]:
             k_cache[r, :, : grp.length] = k_cache[grp.rows[0], :, : grp.length]
             v_cache[r, :, : grp.length] = v_cache[grp.rows[0], :, : grp.length]
-    positions = [62, 65, 70, 41, 10, 44, 12]  # row 4 and row 6: in no group
     plan = SharedPrefixAttention.plan(positions, groups)
-    assert plan is not None
+    assert plan is not None and (plan.grouped_rows is None) == every_row_grouped
     q = torch.randn(b, kh, g, d)
     key_len = max(positions) + 1
     visible = torch.arange(key_len)[None, :] <= torch.tensor(positions)[:, None]

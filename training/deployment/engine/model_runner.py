@@ -431,22 +431,29 @@ class SharedPrefixAttention:
     their slots. Attention of row ``i`` over keys ``[0, len_i)`` splits into the shared prefix
     ``[0, P)`` and the row's own suffix ``[P, len_i)``:
 
-        prefix:  the queries of all the group's rows against one copy of the prefix (one SDPA)
-        suffix:  each row against its own keys ``[P, len_i)`` (one SDPA over the rows, masked)
-        merge:   o = (o_p·exp(lse_p - m) + o_s·exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m)),
-                 m = max(lse_p, lse_s), lse = the log-sum-exp of each part's scaled scores
+        prefix:  the queries of all the group's rows against one copy of the prefix (one flash
+                 SDPA call per group, which also returns the log-sum-exp lse_p of the scores)
+        suffix:  every grouped row against its own keys at once: they are gathered into
+                 ``[rows, K, W, d]`` (W = the longest suffix, masked per row), scores s_s
+        merge:   m = max(lse_p, max s_s),  o = (o_p·exp(lse_p - m) + Σ exp(s_s - m)·v) / (exp(lse_p - m) + Σ exp(s_s - m))
 
     which is softmax attention over the whole row (the same maths; the sums run in another order,
-    ~1e-7 relative). The rows are cut into segments of consecutive rows (slots) with one shared
-    prefix each, or none (rows of their own: plain attention over their keys), so every operand is
-    a view of the cache, nothing is gathered. Keys read per layer: ``sum over segments of P + rows ×
-    (longest row - P)`` instead of ``rows × longest row``; :meth:`plan` returns None unless that is
-    ``SHARED_ATTENTION_GAIN`` times fewer.
+    ~1e-7 relative). Rows are cut into segments of consecutive rows (slots) with one shared prefix
+    each, or none (rows of their own: :func:`decode_attention` over their keys). Keys read per
+    layer: ``sum over groups of P + rows × (longest row - P)`` instead of ``rows × longest row``;
+    :meth:`plan` returns None unless that is ``SHARED_ATTENTION_GAIN`` times fewer.
     """
 
-    def __init__(self, segments: list[tuple[int, int, int, int, torch.Tensor]]):
-        self.segments = segments
-        """(first row, end row, shared prefix length P (0: none), keys end, mask 0 / -inf [rows, 1, 1, end - P])."""
+    def __init__(self, groups, alone, grouped_rows, suffix_start, suffix_len, suffix_mask):
+        self.groups = groups
+        """(first row, end row, shared prefix length P) per group segment, in row order."""
+        self.alone = alone
+        """(first row, end row, keys end, mask 0 / -inf [rows, 1, 1, end]) per segment of rows of their own."""
+        self.grouped_rows = grouped_rows
+        """Rows in a group segment, in order (None: every row)."""
+        self.suffix_start, self.suffix_len, self.suffix_mask = suffix_start, suffix_len, suffix_mask
+        """Per grouped row: first own position (P), W, mask 0 / -inf [rows, 1, 1, W]."""
+        self._suffix_index: Optional[torch.Tensor] = None
 
     @classmethod
     def plan(
@@ -463,40 +470,74 @@ class SharedPrefixAttention:
                     group_of[r] = gi
         if not prefix:
             return None
-        segments, keys, r0 = [], 0, 0
+        groups, alone, keys, r0 = [], [], 0, 0
         for r in range(1, b + 1):
             if r < b and group_of[r] == group_of[r0]:
                 continue
             p = prefix.get(group_of[r0], 0) if r - r0 > 1 else 0  # a lone member reads its prefix in place
             end = max(positions[r0:r]) + 1
-            own = torch.arange(p, end)[None, :] <= torch.tensor(positions[r0:r])[:, None]
-            mask = torch.zeros(own.shape, dtype=dtype).masked_fill_(~own, float("-inf"))[:, None, None, :]
-            segments.append((r0, r, p, end, mask))
+            if p:
+                groups.append((r0, r, p))
+            else:
+                alone.append((r0, r, end, _length_mask(range(0, end), positions[r0:r], dtype)))
             keys += p + (r - r0) * (end - p)
             r0 = r
-        if b * (max(positions) + 1) < SHARED_ATTENTION_GAIN * keys:
+        if b * (max(positions) + 1) < SHARED_ATTENTION_GAIN * keys or not groups:
             return None
-        return cls(segments)
+        rows = [r for r0, r1, _ in groups for r in range(r0, r1)]
+        starts = [p for r0, r1, p in groups for _ in range(r0, r1)]
+        width = max(positions[r] + 1 - p for r, p in zip(rows, starts))
+        own = [positions[r] for r in rows]
+        mask = _length_mask(range(width), [pos - p for pos, p in zip(own, starts)], dtype)
+        grouped = None if len(rows) == b else torch.tensor(rows)
+        return cls(groups, alone, grouped, torch.tensor(starts), width, mask)
+
+    def _suffix_rows(self, k_cache: torch.Tensor) -> torch.Tensor:
+        """Flat row numbers, in a layer's ``[slots + 1, K, max_len, d]`` cache, of every grouped row's suffix keys."""
+        if self._suffix_index is None:
+            _, kh, max_len, _ = k_cache.shape
+            rows = torch.arange(k_cache.shape[0]) if self.grouped_rows is None else self.grouped_rows
+            rows = rows[: len(self.suffix_start)]
+            pos = (self.suffix_start[:, None] + torch.arange(self.suffix_len)[None, :]).clamp(max=max_len - 1)
+            flat = (rows[:, None, None] * kh + torch.arange(kh)[None, :, None]) * max_len + pos[:, None, :]
+            self._suffix_index = flat.reshape(-1)
+        return self._suffix_index
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d]."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        _, kh, g, d = q.shape
+        b, kh, g, d = q.shape
         out = torch.empty_like(q)
-        for r0, r1, p, end, mask in self.segments:
-            qs, ks, vs = q[r0:r1], k_cache[r0:r1, :, p:end], v_cache[r0:r1, :, p:end]
-            if p == 0:
-                out[r0:r1] = decode_attention(qs, ks, vs, mask)
-                continue
+        for r0, r1, end, mask in self.alone:
+            out[r0:r1] = decode_attention(q[r0:r1], k_cache[r0:r1, :, :end], v_cache[r0:r1, :, :end], mask)
+        o_pre, lse_pre = [], []
+        for r0, r1, p in self.groups:
             m = r1 - r0
-            o_own, lse_own = flash(qs, ks, vs, attn_mask=mask)
-            o_pre, lse_pre = flash(
-                qs.transpose(0, 1).reshape(1, kh, m * g, d), k_cache[r0 : r0 + 1, :, :p], v_cache[r0 : r0 + 1, :, :p]
+            o, lse = flash(
+                q[r0:r1].transpose(0, 1).reshape(1, kh, m * g, d),
+                k_cache[r0 : r0 + 1, :, :p],
+                v_cache[r0 : r0 + 1, :, :p],
             )
-            o_pre = o_pre.view(kh, m, g, d).transpose(0, 1)
-            lse_pre = lse_pre.view(kh, m, g).transpose(0, 1)
-            top = torch.maximum(lse_own, lse_pre)
-            w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
-            mixed = o_own.mul_(w_own[..., None]).add_(o_pre * w_pre[..., None])
-            torch.div(mixed, (w_own + w_pre)[..., None], out=out[r0:r1])
+            o_pre.append(o.view(kh, m, g, d).transpose(0, 1))
+            lse_pre.append(lse.view(kh, m, g).transpose(0, 1))
+        o_pre, lse_pre = torch.cat(o_pre), torch.cat(lse_pre)
+        qg = q if self.grouped_rows is None else q[self.grouped_rows]
+        index, shape = self._suffix_rows(k_cache), (qg.shape[0], kh, self.suffix_len, d)
+        k_own = k_cache.view(-1, d).index_select(0, index).view(shape)
+        v_own = v_cache.view(-1, d).index_select(0, index).view(shape)
+        scores = torch.matmul(qg * d**-0.5, k_own.transpose(-1, -2)).add_(self.suffix_mask)
+        top = torch.maximum(scores.amax(dim=-1), lse_pre)
+        weights = scores.sub_(top[..., None]).exp_()
+        w_pre = lse_pre.sub_(top).exp_()
+        mixed = torch.matmul(weights, v_own).add_(o_pre.mul_(w_pre[..., None]))
+        mixed = mixed.div_(weights.sum(dim=-1).add_(w_pre)[..., None])
+        if self.grouped_rows is None:
+            return mixed
+        out[self.grouped_rows] = mixed
         return out
+
+
+def _length_mask(keys: range, last: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [rows, 1, 1, len(keys)]: 0 where key position <= the row's ``last``, else -inf."""
+    visible = torch.tensor(keys)[None, :] <= torch.tensor(last)[:, None]
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None, None, :]

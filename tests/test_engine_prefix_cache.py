@@ -167,9 +167,10 @@ def test_random_traffic_with_shared_prefixes_matches_cold_runs(tiny_model_path):
 # ---- shared-prefix decode attention ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("every_row_grouped", [False, True])
-def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grouped):
-    """Groups holding copies of their prefix (and rows of their own, or none): same output as plain SDPA."""
+@pytest.mark.parametrize("every_row_grouped, dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
+def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grouped, dtype):
+    """Groups holding copies of their prefix (and rows of their own, or none): same output as plain SDPA
+    (in bf16: as fp32 SDPA on the same bf16 values, to bf16's rounding)."""
     import torch
     import torch.nn.functional as F
 
@@ -187,14 +188,18 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grou
         for r in grp.rows[1:]:
             k_cache[r, :, : grp.length] = k_cache[grp.rows[0], :, : grp.length]
             v_cache[r, :, : grp.length] = v_cache[grp.rows[0], :, : grp.length]
-    plan = SharedPrefixAttention.plan(positions, groups)
+    dt = getattr(torch, dtype)
+    k_cache, v_cache = k_cache.to(dt), v_cache.to(dt)
+    plan = SharedPrefixAttention.plan(positions, groups, dt)
     assert plan is not None and (plan.grouped_rows is None) == every_row_grouped
-    q = torch.randn(b, kh, g, d)
+    q = torch.randn(b, kh, g, d).to(dt)
     key_len = max(positions) + 1
     visible = torch.arange(key_len)[None, :] <= torch.tensor(positions)[:, None]
     mask = torch.zeros(b, key_len).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    want = F.scaled_dot_product_attention(q, k_cache[:b, :, :key_len], v_cache[:b, :, :key_len], attn_mask=mask)
-    assert torch.allclose(plan.attend(q, k_cache, v_cache), want, atol=1e-6)
+    keys, values = k_cache[:b, :, :key_len].float(), v_cache[:b, :, :key_len].float()
+    want = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask)
+    got = plan.attend(q, k_cache, v_cache)
+    assert got.dtype == dt and torch.allclose(got.float(), want, atol=1e-6 if dtype == "float32" else 2e-2)
     # not worth it: short prefixes against long rows of their own
     assert SharedPrefixAttention.plan(positions, [SharedPrefix([0, 1], 4)]) is None
 

@@ -444,7 +444,15 @@ class SharedPrefixAttention:
     :meth:`plan` returns None unless that is ``SHARED_ATTENTION_GAIN`` times fewer.
     """
 
-    def __init__(self, groups, alone, grouped_rows, suffix_start, suffix_len, suffix_mask):
+    def __init__(
+        self,
+        groups: list[tuple[int, int, int]],
+        alone: list[tuple[int, int, int, torch.Tensor]],
+        grouped_rows: Optional[torch.Tensor],
+        suffix_start: torch.Tensor,
+        suffix_len: int,
+        suffix_mask: torch.Tensor,
+    ):
         self.groups = groups
         """(first row, end row, shared prefix length P) per group segment, in row order."""
         self.alone = alone
@@ -452,7 +460,7 @@ class SharedPrefixAttention:
         self.grouped_rows = grouped_rows
         """Rows in a group segment, in order (None: every row)."""
         self.suffix_start, self.suffix_len, self.suffix_mask = suffix_start, suffix_len, suffix_mask
-        """Per grouped row: first own position (P), W, mask 0 / -inf [rows, 1, 1, W]."""
+        """Per grouped row: first own position (P); W; mask 0 / -inf [rows, 1, 1, W] (fp32: the suffix is computed in fp32)."""
         self._suffix_index: Optional[torch.Tensor] = None
 
     @classmethod
@@ -479,7 +487,7 @@ class SharedPrefixAttention:
             if p:
                 groups.append((r0, r, p))
             else:
-                alone.append((r0, r, end, _length_mask(range(0, end), positions[r0:r], dtype)))
+                alone.append((r0, r, end, _length_mask(range(end), positions[r0:r], dtype)))
             keys += p + (r - r0) * (end - p)
             r0 = r
         if b * (max(positions) + 1) < SHARED_ATTENTION_GAIN * keys or not groups:
@@ -488,7 +496,7 @@ class SharedPrefixAttention:
         starts = [p for r0, r1, p in groups for _ in range(r0, r1)]
         width = max(positions[r] + 1 - p for r, p in zip(rows, starts))
         own = [positions[r] for r in rows]
-        mask = _length_mask(range(width), [pos - p for pos, p in zip(own, starts)], dtype)
+        mask = _length_mask(range(width), [pos - p for pos, p in zip(own, starts)], torch.float32)
         grouped = None if len(rows) == b else torch.tensor(rows)
         return cls(groups, alone, grouped, torch.tensor(starts), width, mask)
 
@@ -496,20 +504,19 @@ class SharedPrefixAttention:
         """Flat row numbers, in a layer's ``[slots + 1, K, max_len, d]`` cache, of every grouped row's suffix keys."""
         if self._suffix_index is None:
             _, kh, max_len, _ = k_cache.shape
-            rows = torch.arange(k_cache.shape[0]) if self.grouped_rows is None else self.grouped_rows
-            rows = rows[: len(self.suffix_start)]
+            rows = torch.arange(len(self.suffix_start)) if self.grouped_rows is None else self.grouped_rows
             pos = (self.suffix_start[:, None] + torch.arange(self.suffix_len)[None, :]).clamp(max=max_len - 1)
             flat = (rows[:, None, None] * kh + torch.arange(kh)[None, :, None]) * max_len + pos[:, None, :]
             self._suffix_index = flat.reshape(-1)
         return self._suffix_index
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d]."""
+        """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d].
+
+        The suffix and the merge run in fp32 (no-ops in fp32; in bf16 the scores would round).
+        """
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        b, kh, g, d = q.shape
-        out = torch.empty_like(q)
-        for r0, r1, end, mask in self.alone:
-            out[r0:r1] = decode_attention(q[r0:r1], k_cache[r0:r1, :, :end], v_cache[r0:r1, :, :end], mask)
+        _, kh, g, d = q.shape
         o_pre, lse_pre = [], []
         for r0, r1, p in self.groups:
             m = r1 - r0
@@ -520,20 +527,23 @@ class SharedPrefixAttention:
             )
             o_pre.append(o.view(kh, m, g, d).transpose(0, 1))
             lse_pre.append(lse.view(kh, m, g).transpose(0, 1))
-        o_pre, lse_pre = torch.cat(o_pre), torch.cat(lse_pre)
+        o_pre, lse_pre = torch.cat(o_pre).float(), torch.cat(lse_pre).float()
         qg = q if self.grouped_rows is None else q[self.grouped_rows]
         index, shape = self._suffix_rows(k_cache), (qg.shape[0], kh, self.suffix_len, d)
-        k_own = k_cache.view(-1, d).index_select(0, index).view(shape)
-        v_own = v_cache.view(-1, d).index_select(0, index).view(shape)
-        scores = torch.matmul(qg * d**-0.5, k_own.transpose(-1, -2)).add_(self.suffix_mask)
+        k_own = k_cache.view(-1, d).index_select(0, index).view(shape).float()
+        v_own = v_cache.view(-1, d).index_select(0, index).view(shape).float()
+        scores = torch.matmul(qg.float() * d**-0.5, k_own.transpose(-1, -2)).add_(self.suffix_mask)
         top = torch.maximum(scores.amax(dim=-1), lse_pre)
         weights = scores.sub_(top[..., None]).exp_()
         w_pre = lse_pre.sub_(top).exp_()
         mixed = torch.matmul(weights, v_own).add_(o_pre.mul_(w_pre[..., None]))
-        mixed = mixed.div_(weights.sum(dim=-1).add_(w_pre)[..., None])
-        if self.grouped_rows is None:
+        mixed = mixed.div_(weights.sum(dim=-1).add_(w_pre)[..., None]).to(q.dtype)
+        if self.grouped_rows is None:  # every row is in a group
             return mixed
+        out = torch.empty_like(q)
         out[self.grouped_rows] = mixed
+        for r0, r1, end, mask in self.alone:
+            out[r0:r1] = decode_attention(q[r0:r1], k_cache[r0:r1, :, :end], v_cache[r0:r1, :, :end], mask)
         return out
 
 

@@ -19,7 +19,8 @@ Every server is up for the whole run, and each repeat runs the servers in rotate
 random prompts (so no repeat hits a cache filled by an earlier one), each side starting once the
 CPUs are quiet (``wait_for_quiet_cpu``): ratios come from runs taken minutes apart on the same
 machine. Figure: generated tokens/s (a) and wall time (b),
-median of ``--repeats``; the spread (min–max over repeats) is in each row.
+median of ``--repeats``; the spread (min–max over repeats) is in each row, every repeat's value (and
+the prompt tokens (b) sent) under ``per_repeat`` in the JSON line.
 """
 
 from __future__ import annotations
@@ -250,7 +251,20 @@ def main() -> None:
         f"vLLM: {'measured' if with_vllm else 'not measured (no venv)'}. Noise: the "
         f"spreads (min–max over {a.repeats} repeats)."
     )
-    emit("engine_rl_shapes", rows, headline=0, notes=notes, started=started, repeats=a.repeats)
+    per_repeat = {  # in repeat order (the spreads are wide: this shows what moved with what)
+        **{f"(a) {c} clients tok/s, {n}": [sig(x) for x in tps[n, c]] for n, c in tps},
+        **{f"(b) seconds, {n}": [sig(x) for x in wall[n]] for n in wall},
+        "(b) prompt tokens sent": prompt_tokens,
+    }
+    emit(
+        "engine_rl_shapes",
+        rows,
+        headline=0,
+        notes=notes,
+        started=started,
+        repeats=a.repeats,
+        extra={"per_repeat": per_repeat},
+    )
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grou
             v_cache[r, :, : grp.length] = v_cache[grp.rows[0], :, : grp.length]
     dt = getattr(torch, dtype)
     k_cache, v_cache = k_cache.to(dt), v_cache.to(dt)
-    plan = SharedPrefixAttention.plan(positions, groups, dt)
+    plan = SharedPrefixAttention.plan(positions, groups, kh, max_len, dt)
     assert plan is not None and (plan.grouped_rows is None) == every_row_grouped
     q = torch.randn(b, kh, g, d).to(dt)
     key_len = max(positions) + 1
@@ -201,7 +201,7 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grou
     got = plan.attend(q, k_cache, v_cache)
     assert got.dtype == dt and torch.allclose(got.float(), want, atol=1e-6 if dtype == "float32" else 2e-2)
     # not worth it: short prefixes against long rows of their own
-    assert SharedPrefixAttention.plan(positions, [SharedPrefix([0, 1], 4)]) is None
+    assert SharedPrefixAttention.plan(positions, [SharedPrefix([0, 1], 4)], kh, max_len) is None
 
 
 def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_model_path, monkeypatch):

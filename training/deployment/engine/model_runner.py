@@ -414,7 +414,7 @@ class LeanModelRunner:
         compact = slots == list(range(len(slots)))
         shared = None
         if compact and shared_prefixes and self.device.type == "cpu":
-            shared = SharedPrefixAttention.plan(positions, shared_prefixes, self.dtype)
+            shared = SharedPrefixAttention.plan(positions, shared_prefixes, self.num_kv_heads, self.max_len, self.dtype)
         t = torch.tensor(tokens, device=self.device)
         p = torch.tensor(positions, device=self.device)
         s = torch.tensor(slots, device=self.device)
@@ -449,8 +449,7 @@ class SharedPrefixAttention:
         groups: list[tuple[int, int, int]],
         alone: list[tuple[int, int, int, torch.Tensor]],
         grouped_rows: Optional[torch.Tensor],
-        suffix_start: torch.Tensor,
-        suffix_len: int,
+        suffix_rows: torch.Tensor,
         suffix_mask: torch.Tensor,
     ):
         self.groups = groups
@@ -459,13 +458,20 @@ class SharedPrefixAttention:
         """(first row, end row, keys end, mask 0 / -inf [rows, 1, 1, end]) per segment of rows of their own."""
         self.grouped_rows = grouped_rows
         """Rows in a group segment, in order (None: every row)."""
-        self.suffix_start, self.suffix_len, self.suffix_mask = suffix_start, suffix_len, suffix_mask
-        """Per grouped row: first own position (P); W; mask 0 / -inf [rows, 1, 1, W] (fp32: the suffix is computed in fp32)."""
-        self._suffix_index: Optional[torch.Tensor] = None
+        self.suffix_rows = suffix_rows
+        """Flat rows of a layer's ``[slots + 1, K, max_len, d]`` cache viewed as ``[-1, d]``: each grouped row's
+        own keys, ``[rows, K, W]`` flattened (W = the longest own part; past ``max_len`` clamped, and masked)."""
+        self.suffix_mask = suffix_mask
+        """0 / -inf [rows, 1, 1, W]: which of the W gathered keys a grouped row attends (fp32: the suffix is computed in fp32)."""
 
     @classmethod
     def plan(
-        cls, positions: list[int], shared: Sequence[SharedPrefix], dtype: torch.dtype = torch.float32
+        cls,
+        positions: list[int],
+        shared: Sequence[SharedPrefix],
+        num_kv_heads: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
     ) -> Optional["SharedPrefixAttention"]:
         """Segments for a compact batch (row i in slot i); None when plain attention reads about as much."""
         b = len(positions)
@@ -495,20 +501,12 @@ class SharedPrefixAttention:
         rows = [r for r0, r1, _ in groups for r in range(r0, r1)]
         starts = [p for r0, r1, p in groups for _ in range(r0, r1)]
         width = max(positions[r] + 1 - p for r, p in zip(rows, starts))
-        own = [positions[r] for r in rows]
-        mask = _length_mask(range(width), [pos - p for pos, p in zip(own, starts)], torch.float32)
+        mask = _length_mask(range(width), [positions[r] - p for r, p in zip(rows, starts)], torch.float32)
+        pos = (torch.tensor(starts)[:, None] + torch.arange(width)[None, :]).clamp(max=max_len - 1)
+        heads = torch.tensor(rows)[:, None] * num_kv_heads + torch.arange(num_kv_heads)[None, :]
+        suffix_rows = (heads[:, :, None] * max_len + pos[:, None, :]).reshape(-1)
         grouped = None if len(rows) == b else torch.tensor(rows)
-        return cls(groups, alone, grouped, torch.tensor(starts), width, mask)
-
-    def _suffix_rows(self, k_cache: torch.Tensor) -> torch.Tensor:
-        """Flat row numbers, in a layer's ``[slots + 1, K, max_len, d]`` cache, of every grouped row's suffix keys."""
-        if self._suffix_index is None:
-            _, kh, max_len, _ = k_cache.shape
-            rows = torch.arange(len(self.suffix_start)) if self.grouped_rows is None else self.grouped_rows
-            pos = (self.suffix_start[:, None] + torch.arange(self.suffix_len)[None, :]).clamp(max=max_len - 1)
-            flat = (rows[:, None, None] * kh + torch.arange(kh)[None, :, None]) * max_len + pos[:, None, :]
-            self._suffix_index = flat.reshape(-1)
-        return self._suffix_index
+        return cls(groups, alone, grouped, suffix_rows, mask)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d].
@@ -529,9 +527,9 @@ class SharedPrefixAttention:
             lse_pre.append(lse.view(kh, m, g).transpose(0, 1))
         o_pre, lse_pre = torch.cat(o_pre).float(), torch.cat(lse_pre).float()
         qg = q if self.grouped_rows is None else q[self.grouped_rows]
-        index, shape = self._suffix_rows(k_cache), (qg.shape[0], kh, self.suffix_len, d)
-        k_own = k_cache.view(-1, d).index_select(0, index).view(shape).float()
-        v_own = v_cache.view(-1, d).index_select(0, index).view(shape).float()
+        shape = (qg.shape[0], kh, self.suffix_mask.shape[-1], d)
+        k_own = k_cache.view(-1, d).index_select(0, self.suffix_rows).view(shape).float()
+        v_own = v_cache.view(-1, d).index_select(0, self.suffix_rows).view(shape).float()
         scores = torch.matmul(qg.float() * d**-0.5, k_own.transpose(-1, -2)).add_(self.suffix_mask)
         top = torch.maximum(scores.amax(dim=-1), lse_pre)
         weights = scores.sub_(top[..., None]).exp_()

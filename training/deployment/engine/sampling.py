@@ -202,7 +202,7 @@ def _draw_blocked(probs: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     sums = [probs[:, :full].view(rows, -1, DRAW_BLOCK).sum(dim=-1)] if full else []
     if full < vocab:
         sums.append(probs[:, full:].sum(dim=-1, keepdim=True))
-    cum = torch.cat(sums, dim=1).cumsum(dim=-1) if len(sums) > 1 else sums[0].cumsum(dim=-1)
+    cum = torch.cat(sums, dim=1).cumsum(dim=-1)
     target = u_B[:, None] * cum[:, -1:]
     block = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[1] - 1)
     before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)

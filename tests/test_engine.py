@@ -25,6 +25,15 @@ def make_engine(path: str, **kw) -> AsyncEngine:
     return AsyncEngine(EngineConfig(model=path, **kw))
 
 
+def require_native() -> None:
+    """Skip unless the native decode step builds here (it needs a C compiler; CI machines have gcc)."""
+    from training.deployment.engine.native import native_available
+
+    reason = native_available(torch.device("cpu"), torch.float32)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def run_engine(path: str, body, **kw):
     """Start an engine on ``path``, await ``body(engine)``, shut it down; returns body's value."""
 
@@ -349,10 +358,11 @@ def test_pause_holds_requests_and_resume_releases_them(tiny_model_path):
 
 def test_shutdown_aborts_pending_and_cancel_frees_slot(tiny_model_path):
     async def body():
-        eng = make_engine(tiny_model_path, max_batch_size=2)
+        eng = make_engine(tiny_model_path, max_batch_size=2, max_model_len=4096)
         await eng.start()
-        task = asyncio.create_task(eng.generate(PROMPTS[0], greedy(200)))
-        await asyncio.sleep(0.05)
+        task = asyncio.create_task(eng.generate(PROMPTS[0], greedy(4000)))  # long enough to be running when cancelled
+        while eng.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

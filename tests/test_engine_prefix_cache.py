@@ -9,7 +9,7 @@ import pytest
 
 from training.deployment.engine import SamplingParams
 from training.deployment.engine.weights import load_safetensors
-from tests.test_engine import greedy, run_engine
+from tests.test_engine import greedy, require_native, run_engine
 
 PROMPT = [7, 300, 12, 45, 99, 101, 5, 6, 250, 251, 252, 40, 41, 42, 43, 8, 9, 10, 11, 13, 14, 15, 16, 17]
 
@@ -18,13 +18,13 @@ def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
 
 
-def cold(path: str, requests: list[tuple[list[int], SamplingParams]]):
+def cold(path: str, requests: list[tuple[list[int], SamplingParams]], **kw):
     """Each request alone, prefix caching off: the reference every cached run must reproduce."""
 
     async def body(eng):
         return [await eng.generate(p, sp) for p, sp in requests]
 
-    return run_engine(path, body, enable_prefix_caching=False)
+    return run_engine(path, body, enable_prefix_caching=False, **kw)
 
 
 def assert_same_outputs(warm, ref, atol=1e-5):
@@ -204,17 +204,25 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grou
     assert SharedPrefixAttention.plan(positions, [SharedPrefix([0, 1], 4)], kh, max_len) is None
 
 
-def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_model_path, monkeypatch):
-    """A GRPO group with a long prompt: decode takes the shared-prefix path for all members; outputs as cold."""
+@pytest.mark.parametrize("decode_kernel", ["torch", "native"])
+def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_model_path, monkeypatch, decode_kernel):
+    """A GRPO group with a long prompt: decode reads the prompt once for all members; outputs as cold.
+
+    torch: the step takes ``SharedPrefixAttention``; native: the C step gets one attention segment
+    holding every member, over a shared prefix.
+    """
     import training.deployment.engine.engine as engine_module
+    import training.deployment.engine.native as native_module
     from training.deployment.engine.model_runner import SharedPrefixAttention
 
+    if decode_kernel == "native":
+        require_native()
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(150)]
     requests = [(prompt, sampled(seed=10, max_tokens=40))]
     requests += [(prompt, sampled(seed=11 + i, max_tokens=10)) for i in range(3)] + [(prompt, greedy(10))] * 2
     largest, used = [0], [0]
-    plan, groups_of = SharedPrefixAttention.plan, engine_module.shared_prefixes
+    plan, groups_of, segments = SharedPrefixAttention.plan, engine_module.shared_prefixes, native_module.segments
 
     def spy_groups(running):
         out = groups_of(running)
@@ -226,8 +234,15 @@ def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_mo
         used[0] += made is not None
         return made
 
+    def spy_segments(positions, shared):
+        starts, rows, prefixes = segments(positions, shared)
+        sizes = [b - a for a, b, p in zip(starts, starts[1:], prefixes) if p > 0]
+        used[0] += max(sizes, default=0) == len(requests)
+        return starts, rows, prefixes
+
     monkeypatch.setattr(engine_module, "shared_prefixes", spy_groups)
     monkeypatch.setattr(SharedPrefixAttention, "plan", staticmethod(spy_plan))
+    monkeypatch.setattr(native_module, "segments", spy_segments)
 
     async def body(eng):
         stream = eng.generate_stream(*requests[0])
@@ -237,8 +252,8 @@ def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_mo
             if delta.result is not None:
                 return [delta.result, *rest]
 
-    results = run_engine(tiny_model_path, body, max_batch_size=8)
+    results = run_engine(tiny_model_path, body, max_batch_size=8, decode_kernel=decode_kernel)
     assert largest[0] == len(requests)  # followers and later copies share the leader's origin
     assert used[0] > 0
     monkeypatch.undo()
-    assert_same_outputs(results, cold(tiny_model_path, requests))
+    assert_same_outputs(results, cold(tiny_model_path, requests, decode_kernel=decode_kernel))

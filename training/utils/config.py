@@ -15,6 +15,7 @@ from training.utils.device import DEVICES, DTYPES, is_device_name, resolve_devic
 ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 INFLIGHT_UPDATE_KV = ("keep", "recompute")
+DECODE_KERNELS = ("auto", "native", "torch")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -162,6 +163,9 @@ class EngineConfig:
     inflight_update_kv: str = "keep"
     """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
     ``recompute`` it under the new weights before the next decode step."""
+    decode_kernel: str = "auto"
+    """The lean forward's decode step on CPU in fp32: ``native`` (C, compiled on first use with gcc; see
+    training/deployment/engine/README.md), ``torch`` (torch ops), or ``auto`` (native where it builds, else torch)."""
 
     def __post_init__(self):
         _check(
@@ -185,6 +189,11 @@ class EngineConfig:
             self.inflight_update_kv in INFLIGHT_UPDATE_KV,
             "inflight_update_kv",
             f"{self.inflight_update_kv!r} is not one of {INFLIGHT_UPDATE_KV}",
+        )
+        _check(
+            self.decode_kernel in DECODE_KERNELS,
+            "decode_kernel",
+            f"{self.decode_kernel!r} is not one of {DECODE_KERNELS}",
         )
         self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
 

@@ -100,7 +100,13 @@ class LLMEngine:
         num_slots = config.max_batch_size + config.prefix_cache_slots
         if config.use_lean_forward and reason is None:
             self.runner = LeanModelRunner(
-                config.model, self.hf_config, num_slots, config.max_model_len, self.dtype, self.device
+                config.model,
+                self.hf_config,
+                num_slots,
+                config.max_model_len,
+                self.dtype,
+                self.device,
+                config.decode_kernel,
             )
             if self.device.type == "cuda" and config.cuda_graph_batch_sizes:
                 from training.deployment.engine.cuda_graphs import CudaGraphDecoder

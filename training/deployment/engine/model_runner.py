@@ -27,6 +27,7 @@ MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is in
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -34,7 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from training.deployment.engine.kv_cache import KVCache
+from training.deployment.engine.native import NativeDecoder, NativeUnavailable, native_available
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
+
+log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 LOGITS_CHUNK = 4096
@@ -114,7 +118,16 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class LeanModelRunner:
     """Fused-weight decoder forward over a :class:`KVCache`; ``weight_shapes`` uses checkpoint names."""
 
-    def __init__(self, path: str, config, num_slots: int, max_model_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        path: str,
+        config,
+        num_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        decode_kernel: str = "torch",
+    ):
         reason = lean_supported(config)
         if reason:
             raise ValueError(f"lean forward cannot run this model: {reason}")
@@ -148,6 +161,23 @@ class LeanModelRunner:
         self._logits_buf: torch.Tensor | None = None
         self._logits_rows = num_slots
         self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
+        self.native: Optional[NativeDecoder] = self._native_decoder(decode_kernel)
+        """The decode step in C (native.py), or None: torch ops (``decode_forward``)."""
+
+    def _native_decoder(self, decode_kernel: str) -> Optional[NativeDecoder]:
+        """A NativeDecoder for ``native`` / ``auto`` where it can run; ``native`` raises where it cannot."""
+        if decode_kernel == "torch":
+            return None
+        reason = native_available(self.device, self.dtype)
+        if reason is None:
+            try:
+                return NativeDecoder(self)
+            except NativeUnavailable as exc:
+                reason = str(exc)
+        if decode_kernel == "native":
+            raise ValueError(f"decode_kernel='native' cannot run here: {reason}")
+        log.info("decode step in torch ops: %s", reason)
+        return None
 
     # ----------------------------------------------------------------- weights
     def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -222,7 +252,9 @@ class LeanModelRunner:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Refresh what is derived from ``targets`` (the oneDNN copies); whoever writes ``targets`` calls it."""
+        """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it."""
+        if getattr(self, "native", None) is not None:
+            self.native.pack_weights()
         if not self.onednn:
             return
         with torch.inference_mode():
@@ -411,6 +443,8 @@ class LeanModelRunner:
             out = self.graphs.run(slots, tokens, positions)
             if out is not None:
                 return out
+        if self.native is not None:
+            return self.native.decode(slots, tokens, positions, shared_prefixes)
         compact = slots == list(range(len(slots)))
         shared = None
         if compact and shared_prefixes and self.device.type == "cpu":

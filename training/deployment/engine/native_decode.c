@@ -1,0 +1,488 @@
+/* One decode step of the lean forward (Llama / Qwen2 / Qwen3) on CPU in fp32, in a single call.
+
+   Compiled on first use by native.py (gcc -O3 -march=native -fopenmp) and called through ctypes;
+   native.py states the contract and holds the weights. Everything here is plain C on GCC vector
+   extensions (16 floats), so it builds wherever gcc does; on AVX-512 a vector is one register.
+
+   Per layer:  h = rmsnorm(x)  ->  qkv = h W_qkv^T (+b)  ->  per-head q/k norm (Qwen3), RoPE
+               ->  k, v written at (slot, position)  ->  attention  ->  x += o W_o^T (+b)
+               ->  h = rmsnorm(x)  ->  a = silu(g) * u, [g u] = h W_gu^T (+b)  ->  x += a W_down^T (+b)
+   then logits = rmsnorm(x) W_head^T.
+
+   Matmuls: weights packed in panels of NB output columns, [N/NB][K][NB] (pack_weight), so a panel
+   is one contiguous run that a thread streams once per step; while it works on one panel it asks
+   for the next one (a software prefetch into L2), which is what keeps cold weights flowing: a
+   decode step reads every weight once, from memory, not from cache.
+
+   Attention: one task per (segment, kv head). A segment is a set of rows that hold bitwise copies
+   of one prefix K/V at positions [0, P) (a GRPO group: its prefix is read once for all its rows'
+   queries) or a single row (P = 0). Online softmax (running max and sum) over blocks of keys:
+   first the shared prefix for every query of the segment, then each row's own keys [P, len). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+#define NB 32          /* output columns per weight panel (two vectors) */
+#define MR_MAX 12      /* rows of a matmul block: 2 * MR_MAX accumulators stay in registers */
+#define KEY_BLOCK 32   /* keys per online-softmax block (scalar path; the vector path takes 16) */
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_len, num_slots;
+    float eps;
+    const float *const *in_norm, *const *post_norm;                              /* [layers] -> [hidden] */
+    const float *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w;  /* packed (pack_weight) */
+    const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;  /* padded to panels, or NULL */
+    const float *const *q_norm, *const *k_norm;                                  /* [head_dim] (Qwen3), or NULL */
+    float *k_cache, *v_cache;       /* [layers][num_slots + 1][kv_heads][max_len][head_dim] */
+    const float *embed;             /* [vocab][hidden], plain */
+    const float *final_norm;        /* [hidden] */
+    const float *lm_head;           /* packed */
+    const float *cos, *sin_signed;  /* [max_len][head_dim]: x*cos + roll(x, d/2)*sin_signed is RoPE */
+} Model;
+
+/* ------------------------------------------------------------------ helpers */
+
+static inline int panels_of(int n) { return (n + NB - 1) / NB; }
+
+/* e^x for x <= 88 (Cephes' single-precision polynomial, ~1 ulp); written to vectorise in simd loops. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    union { int32_t i; float f; } s;
+    s.i = ((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 v16_splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16 v16_select(vi16 mask, v16 a, v16 b) { return (v16)((mask & (vi16)a) | (~mask & (vi16)b)); }
+
+/* exp_f32 on 16 lanes */
+static inline v16 v16_exp(v16 x) {
+    const v16 lo = v16_splat(-87.0f), hi = v16_splat(88.0f), magic = v16_splat(12582912.0f); /* 1.5 * 2^23 */
+    x = v16_select(x < lo, lo, x);
+    x = v16_select(x > hi, hi, x);
+    v16 n = (x * 1.44269504088896341f + magic) - magic; /* round to nearest */
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 z = r * r;
+    v16 p = v16_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return p * (v16)e;
+}
+
+static inline float v16_max_lane(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float v16_sum_lanes(v16 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+/* out[t] = sum of the lanes of p[t], for 16 vectors (a butterfly of 30 two-input shuffles). */
+static inline v16 v16_sum16(const v16 *p) {
+    v16 s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; i++)
+        s1[i] = __builtin_shuffle(p[i], p[i + 8], (vi16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                __builtin_shuffle(p[i], p[i + 8], (vi16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        s2[i] = __builtin_shuffle(s1[i], s1[i + 4], (vi16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+                __builtin_shuffle(s1[i], s1[i + 4], (vi16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        s3[i] = __builtin_shuffle(s2[i], s2[i + 2], (vi16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+                __builtin_shuffle(s2[i], s2[i + 2], (vi16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    return __builtin_shuffle(s3[0], s3[1], (vi16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+           __builtin_shuffle(s3[0], s3[1], (vi16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of n */
+static void rmsnorm(float *out, const float *x, const float *w, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * n;
+        float *o = out + (size_t)r * n;
+        float inv = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+#pragma omp simd
+        for (int j = 0; j < n; j++) o[j] = xr[j] * inv * w[j];
+    }
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+/* Rows [0, MR) of a, one panel: c[r][0:nvalid] = a[r] . panel (+ bias) (+ res[r]) */
+#define PANEL_KERNEL(MR)                                                                          \
+    {                                                                                             \
+        v16 acc0[MR], acc1[MR];                                                                   \
+        for (int r = 0; r < MR; r++) {                                                            \
+            acc0[r] = (v16){0};                                                                   \
+            acc1[r] = (v16){0};                                                                   \
+        }                                                                                         \
+        int due = 0;                                                                              \
+        for (int k = 0; k < K; k++) {                                                             \
+            for (due += pf_lines; due >= K; due -= K, pf += 16) __builtin_prefetch(pf, 0, 2);     \
+            v16 w0 = *(const v16 *)(w + (size_t)k * NB);                                          \
+            v16 w1 = *(const v16 *)(w + (size_t)k * NB + 16);                                     \
+            for (int r = 0; r < MR; r++) {                                                        \
+                float av = a[(size_t)r * lda + k];                                                \
+                acc0[r] += av * w0;                                                               \
+                acc1[r] += av * w1;                                                               \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < MR; r++) {                                                            \
+            v16 o0 = acc0[r], o1 = acc1[r];                                                       \
+            if (bias) {                                                                           \
+                o0 += *(const v16 *)bias;                                                         \
+                o1 += *(const v16 *)(bias + 16);                                                  \
+            }                                                                                     \
+            float *cr = c + (size_t)r * ldc;                                                      \
+            const float *rr = res ? res + (size_t)r * ldc : NULL;                                 \
+            if (nvalid == NB) {                                                                   \
+                if (rr) {                                                                         \
+                    o0 += *(const v16 *)rr;                                                       \
+                    o1 += *(const v16 *)(rr + 16);                                                \
+                }                                                                                 \
+                *(v16 *)cr = o0;                                                                  \
+                *(v16 *)(cr + 16) = o1;                                                           \
+            } else {                                                                              \
+                float tmp[NB];                                                                    \
+                *(v16 *)tmp = o0;                                                                 \
+                *(v16 *)(tmp + 16) = o1;                                                          \
+                for (int j = 0; j < nvalid; j++) cr[j] = tmp[j] + (rr ? rr[j] : 0.0f);            \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+static void panel_rows(int mr, int K, const float *a, int lda, const float *w, const float *pf, int pf_lines,
+                       float *c, int ldc, const float *bias, const float *res, int nvalid) {
+    switch (mr) {
+        case 1: PANEL_KERNEL(1) break;
+        case 2: PANEL_KERNEL(2) break;
+        case 3: PANEL_KERNEL(3) break;
+        case 4: PANEL_KERNEL(4) break;
+        case 5: PANEL_KERNEL(5) break;
+        case 6: PANEL_KERNEL(6) break;
+        case 7: PANEL_KERNEL(7) break;
+        case 8: PANEL_KERNEL(8) break;
+        case 9: PANEL_KERNEL(9) break;
+        case 10: PANEL_KERNEL(10) break;
+        case 11: PANEL_KERNEL(11) break;
+        case 12: PANEL_KERNEL(12) break;
+    }
+}
+
+/* c[M][N] = a[M][K] w^T (+ bias) (+ res), w packed; res may be c itself (in-place residual add).
+   While a thread works on panel p it prefetches panel p + PREFETCH_AHEAD into L2, spread evenly over
+   the row blocks of panel p (a burst in the first block alone left memory idle in the others). */
+#define PREFETCH_AHEAD 1
+#define ROW_CHUNK (8 * MR_MAX)
+void matmul(int M, int N, int K, const float *a, const float *w, const float *bias, const float *res, float *c) {
+    const int panels = panels_of(N);
+    const size_t panel = (size_t)K * NB;
+    const int lines = (int)(panel / 16);
+#pragma omp parallel
+    for (int m_lo = 0; m_lo < M; m_lo += ROW_CHUNK) { /* rows of a in chunks that stay in L2 */
+        const int m_hi = M - m_lo < ROW_CHUNK ? M : m_lo + ROW_CHUNK;
+        const int blocks = (m_hi - m_lo + MR_MAX - 1) / MR_MAX, per_block = lines / blocks;
+#pragma omp for schedule(static) nowait
+        for (int p = 0; p < panels; p++) {
+            const float *wp = w + (size_t)p * panel;
+            const int ahead = p + PREFETCH_AHEAD < panels;
+            const int nvalid = N - p * NB < NB ? N - p * NB : NB;
+            for (int bi = 0; bi < blocks; bi++) {
+                int m0 = m_lo + bi * MR_MAX, mr = m_hi - m0 < MR_MAX ? m_hi - m0 : MR_MAX;
+                const float *pf = wp + PREFETCH_AHEAD * panel + (size_t)bi * per_block * 16;
+                int pf_lines = !ahead ? 0 : (bi == blocks - 1 ? lines - bi * per_block : per_block);
+                panel_rows(mr, K, a + (size_t)m0 * K, K, wp, pf, pf_lines, c + (size_t)m0 * N + p * NB, N,
+                           bias ? bias + p * NB : NULL, res ? res + (size_t)m0 * N + p * NB : NULL, nvalid);
+            }
+        }
+    }
+}
+
+/* w [N][K] row-major into panels [ceil(N/NB)][K][NB] (columns past N are 0). */
+void pack_weight(int N, int K, const float *w, float *packed) {
+    int panels = panels_of(N);
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < NB; j++) {
+                int n = p * NB + j;
+                packed[((size_t)p * K + k) * NB + j] = n < N ? w[(size_t)n * K + k] : 0.0f;
+            }
+}
+
+size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K * NB; }
+
+/* ------------------------------------------------------------------ attention */
+
+#define QUERY_CHUNK 3 /* queries whose accumulators stay in registers through a key block */
+
+/* attend_keys for head_dim = 16 * DV: a block of 16 keys gives each query one vector of 16 scores
+   (partial products summed by v16_sum16), the softmax runs on that vector, and p.V accumulates with
+   the outputs of QUERY_CHUNK queries in registers. */
+static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
+                                                                const float *keys, const float *vals, int t0, int t1,
+                                                                float *m, float *l, float *acc, float *scores) {
+    const int d = 16 * DV;
+    for (int b0 = t0; b0 < t1; b0 += 16) {
+        const int nb = t1 - b0 < 16 ? t1 - b0 : 16;
+        const float *kb = keys + (size_t)b0 * d, *vb = vals + (size_t)b0 * d;
+        vi16 valid = (vi16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < nb;
+        for (int i = 0; i < nq; i++) {
+            v16 qv[8], part[16];
+            for (int c = 0; c < DV; c++) qv[c] = *(const v16 *)(q + (size_t)i * d + 16 * c);
+            for (int t = 0; t < 16; t++) {
+                v16 sum = (v16){0};
+                if (t < nb)
+                    for (int c = 0; c < DV; c++) sum += qv[c] * *(const v16 *)(kb + (size_t)t * d + 16 * c);
+                part[t] = sum;
+            }
+            v16 sc = v16_select(valid, v16_sum16(part), v16_splat(-INFINITY));
+            float top = v16_max_lane(sc);
+            top = top > m[i] ? top : m[i];
+            float corr = m[i] == -INFINITY ? 0.0f : exp_f32(m[i] - top);
+            v16 pr = v16_select(valid, v16_exp(sc - top), (v16){0});
+            l[i] = l[i] * corr + v16_sum_lanes(pr);
+            m[i] = top;
+            *(v16 *)(scores + 16 * i) = pr;
+            if (corr != 1.0f)
+                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= corr;
+        }
+        for (int i0 = 0; i0 < nq; i0 += QUERY_CHUNK) {
+            const int nc = nq - i0 < QUERY_CHUNK ? nq - i0 : QUERY_CHUNK;
+            v16 o[QUERY_CHUNK][8];
+            for (int i = 0; i < nc; i++)
+                for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)(i0 + i) * d + 16 * c);
+            for (int t = 0; t < nb; t++) {
+                v16 vt[8];
+                for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * d + 16 * c);
+                for (int i = 0; i < nc; i++) {
+                    float pt = scores[16 * (i0 + i) + t];
+                    for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
+                }
+            }
+            for (int i = 0; i < nc; i++)
+                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)(i0 + i) * d + 16 * c) = o[i][c];
+        }
+    }
+}
+
+/* Online-softmax state of one query: running max m, sum l, unnormalised output acc[d]. */
+static void attend_keys_scalar(const float *q, int nq, int d, const float *keys, const float *vals, int t0, int t1,
+                               float *m, float *l, float *acc, float *scores) {
+    for (int b0 = t0; b0 < t1; b0 += KEY_BLOCK) {
+        int nb = t1 - b0 < KEY_BLOCK ? t1 - b0 : KEY_BLOCK;
+        for (int t = 0; t < nb; t++) {
+            const float *kt = keys + (size_t)(b0 + t) * d;
+            for (int i = 0; i < nq; i++) scores[i * KEY_BLOCK + t] = dot(q + (size_t)i * d, kt, d);
+        }
+        for (int i = 0; i < nq; i++) {
+            float *s = scores + i * KEY_BLOCK;
+            float top = m[i];
+            for (int t = 0; t < nb; t++) top = s[t] > top ? s[t] : top;
+            float *o = acc + (size_t)i * d;
+            if (top > m[i]) {
+                float corr = m[i] == -INFINITY ? 0.0f : exp_f32(m[i] - top);
+                l[i] *= corr;
+#pragma omp simd
+                for (int j = 0; j < d; j++) o[j] *= corr;
+                m[i] = top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < nb; t++) {
+                s[t] = exp_f32(s[t] - top);
+                sum += s[t];
+            }
+            l[i] += sum;
+            for (int t = 0; t < nb; t++) {
+                const float *vt = vals + (size_t)(b0 + t) * d;
+                float pt = s[t];
+#pragma omp simd
+                for (int j = 0; j < d; j++) o[j] += pt * vt[j];
+            }
+        }
+    }
+}
+
+/* Fold keys [t0, t1) into the online-softmax state (m, l, acc) of nq queries q [nq][d]; scores: scratch. */
+static void attend_keys(const float *q, int nq, int d, const float *keys, const float *vals, int t0, int t1,
+                        float *m, float *l, float *acc, float *scores) {
+    switch (d % 16 ? 0 : d / 16) {
+        case 1: attend_keys_v(1, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 2: attend_keys_v(2, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 3: attend_keys_v(3, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 4: attend_keys_v(4, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 5: attend_keys_v(5, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 6: attend_keys_v(6, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 7: attend_keys_v(7, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        case 8: attend_keys_v(8, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
+        default: attend_keys_scalar(q, nq, d, keys, vals, t0, t1, m, l, acc, scores);
+    }
+}
+
+/* attn[row][head*d] for every row: q in qkv (already scaled by 1/sqrt(d)), K/V of this layer in the cache. */
+static int attention(const Model *m, int layer, const float *qkv, const int64_t *positions, const int64_t *slots,
+                      int num_segments, const int32_t *seg_start, const int32_t *seg_rows, const int32_t *seg_prefix,
+                      float *attn) {
+    const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, G = H / KH;
+    const int qkv_n = (H + 2 * KH) * d;
+    const size_t slot_stride = (size_t)KH * m->max_len * d, head_stride = (size_t)m->max_len * d;
+    const size_t layer_off = (size_t)layer * (m->num_slots + 1) * slot_stride;
+    const float *kc = m->k_cache + layer_off, *vc = m->v_cache + layer_off;
+    int max_rows = 1;
+    for (int s = 0; s < num_segments; s++)
+        if (seg_start[s + 1] - seg_start[s] > max_rows) max_rows = seg_start[s + 1] - seg_start[s];
+    const int max_q = max_rows * G;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* q [max_q][d], acc [max_q][d], scores [max_q][KEY_BLOCK], running max [max_q], sum [max_q] */
+        float *q = malloc(sizeof(float) * (size_t)max_q * (2 * d + KEY_BLOCK + 2));
+        float *acc = q + (size_t)max_q * d, *scores = acc + (size_t)max_q * d;
+        float *mx = scores + (size_t)max_q * KEY_BLOCK, *l = mx + max_q;
+        if (!q) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_segments * KH; task++) {
+            if (!q) continue;
+            int s = task / KH, h = task % KH;
+            const int32_t *rows = seg_rows + seg_start[s];
+            int nrows = seg_start[s + 1] - seg_start[s], nq = nrows * G, P = seg_prefix[s];
+            for (int r = 0; r < nrows; r++)
+                memcpy(q + (size_t)r * G * d, qkv + (size_t)rows[r] * qkv_n + (size_t)h * G * d, sizeof(float) * G * d);
+            for (int i = 0; i < nq; i++) {
+                mx[i] = -INFINITY;
+                l[i] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)nq * d);
+            if (P > 0) {
+                size_t base = (size_t)slots[rows[0]] * slot_stride + h * head_stride;
+                attend_keys(q, nq, d, kc + base, vc + base, 0, P, mx, l, acc, scores);
+            }
+            for (int r = 0; r < nrows; r++) {
+                size_t base = (size_t)slots[rows[r]] * slot_stride + h * head_stride;
+                attend_keys(q + (size_t)r * G * d, G, d, kc + base, vc + base, P, (int)positions[rows[r]] + 1,
+                            mx + r * G, l + r * G, acc + (size_t)r * G * d, scores);
+            }
+            for (int r = 0; r < nrows; r++) {
+                float *o = attn + (size_t)rows[r] * H * d + (size_t)h * G * d;
+                for (int g = 0; g < G; g++) {
+                    float inv = 1.0f / l[r * G + g];
+                    const float *a = acc + (size_t)(r * G + g) * d;
+#pragma omp simd
+                    for (int j = 0; j < d; j++) o[g * d + j] = a[j] * inv;
+                }
+            }
+        }
+        free(q);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------ the step */
+
+/* Per-head RMSNorm (Qwen3, optional), RoPE on q and k heads, q scaled by 1/sqrt(d); k, v into the cache. */
+static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const int64_t *positions,
+                          const int64_t *slots) {
+    const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, half = d / 2;
+    const int qkv_n = (H + 2 * KH) * d;
+    const size_t slot_stride = (size_t)KH * m->max_len * d, head_stride = (size_t)m->max_len * d;
+    const size_t layer_off = (size_t)layer * (m->num_slots + 1) * slot_stride;
+    const float *qn = m->q_norm ? m->q_norm[layer] : NULL, *kn = m->k_norm ? m->k_norm[layer] : NULL;
+    const float scale = 1.0f / sqrtf((float)d);
+    float tmp[1024];
+    for (int b = 0; b < B; b++) {
+        float *row = qkv + (size_t)b * qkv_n;
+        const float *cs = m->cos + (size_t)positions[b] * d, *sn = m->sin_signed + (size_t)positions[b] * d;
+        for (int h = 0; h < H + KH; h++) {
+            float *x = row + (size_t)h * d;
+            const float *nw = h < H ? qn : kn;
+            if (nw) rmsnorm(x, x, nw, 1, d, m->eps);
+            memcpy(tmp, x, sizeof(float) * d);
+            for (int j = 0; j < d; j++) x[j] = tmp[j] * cs[j] + tmp[j < half ? j + half : j - half] * sn[j];
+            if (h < H) {
+#pragma omp simd
+                for (int j = 0; j < d; j++) x[j] *= scale;
+            } else {
+                size_t at = layer_off + (size_t)slots[b] * slot_stride + (h - H) * head_stride + (size_t)positions[b] * d;
+                memcpy(m->k_cache + at, x, sizeof(float) * d);
+                memcpy(m->v_cache + at, row + (size_t)(H + KH + h - H) * d, sizeof(float) * d);
+            }
+        }
+    }
+}
+
+/* Decode one token per row; logits [B][vocab]. Segments: see the file comment (every row in exactly one).
+   Returns 0, or -1 if a work buffer could not be allocated or head_dim is out of range. */
+int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *slots,
+                int num_segments, const int32_t *seg_start, const int32_t *seg_rows, const int32_t *seg_prefix,
+                float *logits) {
+    const int hid = m->hidden, d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, I = m->inter;
+    const int qkv_n = (H + 2 * KH) * d;
+    if (d > 1024) return -1;
+    size_t per_row = (size_t)2 * hid + qkv_n + H * d + 2 * I + I;
+    float *work = malloc(sizeof(float) * per_row * B);
+    if (!work) return -1;
+    float *x = work, *h = x + (size_t)B * hid, *qkv = h + (size_t)B * hid, *attn = qkv + (size_t)B * qkv_n;
+    float *gu = attn + (size_t)B * H * d, *act = gu + (size_t)B * 2 * I;
+    for (int b = 0; b < B; b++) memcpy(x + (size_t)b * hid, m->embed + (size_t)tokens[b] * hid, sizeof(float) * hid);
+    for (int layer = 0; layer < m->num_layers; layer++) {
+        rmsnorm(h, x, m->in_norm[layer], B, hid, m->eps);
+        matmul(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv);
+        qk_rope_store(m, layer, qkv, B, positions, slots);
+        if (attention(m, layer, qkv, positions, slots, num_segments, seg_start, seg_rows, seg_prefix, attn)) {
+            free(work);
+            return -1;
+        }
+        matmul(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x);
+        rmsnorm(h, x, m->post_norm[layer], B, hid, m->eps);
+        matmul(B, 2 * I, hid, h, m->gate_up_w[layer], m->gate_up_b ? m->gate_up_b[layer] : NULL, NULL, gu);
+        for (int b = 0; b < B; b++) {
+            const float *g = gu + (size_t)b * 2 * I, *u = g + I;
+            float *a = act + (size_t)b * I;
+#pragma omp simd
+            for (int j = 0; j < I; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * u[j];
+        }
+        matmul(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x);
+    }
+    rmsnorm(h, x, m->final_norm, B, hid, m->eps);
+    matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
+    free(work);
+    return 0;
+}

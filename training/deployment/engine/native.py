@@ -31,12 +31,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from training.deployment.engine.model_runner import LeanModelRunner, SharedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +144,13 @@ def _i64(values: Sequence[int]) -> torch.Tensor:
 
 
 class NativeDecoder:
-    """The decode step of a :class:`LeanModelRunner` in C; it shares the runner's weights' values and K/V cache.
+    """The decode step of a ``LeanModelRunner`` (``runner``) in C; it shares the runner's weights' values and K/V cache.
 
     Holds its own packed copy of the matmul weights (``pack_weights``, called from the runner's
     ``weights_changed``), and views of the runner's norms, embedding, RoPE tables and cache.
     """
 
-    def __init__(self, runner: "LeanModelRunner"):
+    def __init__(self, runner):
         if runner.head_dim > 1024:
             raise NativeUnavailable(f"head_dim {runner.head_dim} > 1024")
         self.lib = load_library()
@@ -230,7 +227,7 @@ class NativeDecoder:
         slots: list[int],
         tokens: list[int],
         positions: list[int],
-        shared_prefixes: Sequence["SharedPrefix"] = (),
+        shared_prefixes: Sequence = (),
     ) -> torch.Tensor:
         """Logits [B, V] (a buffer reused by the next call); same arguments as ``LeanModelRunner.decode``."""
         b = len(slots)
@@ -260,10 +257,10 @@ class NativeDecoder:
         return out
 
 
-def segments(
-    positions: Sequence[int], shared_prefixes: Sequence["SharedPrefix"]
-) -> tuple[list[int], list[int], list[int]]:
+def segments(positions: Sequence[int], shared_prefixes: Sequence) -> tuple[list[int], list[int], list[int]]:
     """Attention segments of a decode batch: (start offsets, rows, shared prefix length per segment).
+
+    ``shared_prefixes``: the engine's ``SharedPrefix`` groups (``rows``, ``length``), as for ``decode``.
 
     A group of two or more rows with a shared prefix becomes segments of at most ``SEGMENT_ROWS``
     rows that read the prefix ``[0, P)`` once (P never covers a row's current token); every other

@@ -95,8 +95,13 @@ def test_relayed_upstream_stream_reaches_the_agent_chunk_by_chunk_and_is_recorde
                 return resp
 
             proxy._relay = counting_relay
-            chunks, text = await stream_chat(proxy, "r1", MESSAGES, max_tokens=6, seed=21, logprobs=True)
-            truth = await direct(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "seed": 21})
+            # 64 tokens: enough steps that the server's stream cannot hand them all over as one chunk
+            chunks, text = await stream_chat(
+                proxy, "r1", MESSAGES, max_tokens=64, seed=21, logprobs=True, extra_body={"ignore_eos": True}
+            )
+            truth = await direct(
+                server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 64, "seed": 21, "ignore_eos": True}
+            )
             return chunks, text, truth, sum(relayed), proxy.close_session("r1")
 
     chunks, text, truth, streamed, session = asyncio.run(go())

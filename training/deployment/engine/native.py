@@ -139,6 +139,43 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] (fp32) in the matmul's panel layout (``[ceil(N/32)][K][32]``, columns past N zero), flat."""
+    lib = load_library()
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(lib.packed_size(n, k), dtype=torch.float32)
+    lib.pack_weight(n, k, w.data_ptr(), out.data_ptr())
+    return out
+
+
+def linear(
+    a: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``a @ w.T (+ bias) (+ residual)`` for ``packed = pack_weight(w)`` (``w`` has ``n`` rows); fp32 on CPU.
+
+    ``bias`` is padded to whole panels here; ``residual`` [M, n] is added in the same pass and may be
+    the output buffer itself (it is then updated in place and returned).
+    """
+    a = a.contiguous()
+    m, k = a.shape
+    out = residual if residual is not None else torch.empty(m, n, dtype=torch.float32)
+    bias = _pad(bias)
+    load_library().matmul(m, n, k, a.data_ptr(), packed.data_ptr(), _ptr(bias), _ptr(residual), out.data_ptr())
+    return out
+
+
+def _pad(b: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias padded with zeros to whole panels of 32 (the matmul adds it a panel at a time)."""
+    if b is None:
+        return None
+    return torch.cat([b, b.new_zeros(-b.numel() % 32)]).contiguous()
+
+
 def _i64(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
@@ -161,19 +198,6 @@ class NativeDecoder:
         self.pack_weights()
         self._logits = torch.empty(0)
 
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        n, k = w.shape
-        out = torch.empty(self.lib.packed_size(n, k), dtype=torch.float32)
-        self.lib.pack_weight(n, k, w.contiguous().data_ptr(), out.data_ptr())
-        return out
-
-    @staticmethod
-    def _pad(b: torch.Tensor | None) -> torch.Tensor | None:
-        """A bias padded with zeros to whole panels of 32 (the matmul adds it a panel at a time)."""
-        if b is None:
-            return None
-        return torch.cat([b, b.new_zeros(-b.numel() % 32)]).contiguous()
-
     @torch.inference_mode()
     def pack_weights(self) -> None:
         """Pack the runner's current matmul weights and rebuild the struct the C side reads."""
@@ -187,9 +211,9 @@ class NativeDecoder:
             keep.extend(t for t in tensors if t is not None)
             return (ctypes.c_void_p * len(tensors))(*[_ptr(t) for t in tensors])
 
-        packed = {name: [self._pack(L[name + "_w"]) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
-        biases = {name: [self._pad(L.get(name + "_b")) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
-        self.lm_head = self._pack(r.lm_head)
+        packed = {name: [pack_weight(L[name + "_w"]) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
+        biases = {name: [_pad(L.get(name + "_b")) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
+        self.lm_head = pack_weight(r.lm_head)
         m = _Model()
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = r.num_layers, r.hidden, r.num_heads, r.num_kv_heads
         m.head_dim, m.inter, m.vocab, m.max_len = r.head_dim, layers[0]["down_w"].shape[1], r.vocab_size, r.max_len

@@ -1,0 +1,222 @@
+"""The native (C) decode step: same logits and K/V as the torch step, its matmul, its build and its fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
+from tests.test_engine import greedy, require_native, run_engine, tiny_qwen2_path  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("native")
+
+
+@pytest.fixture
+def native():
+    require_native()
+
+
+@pytest.fixture(scope="module")
+def odd_llama_path(tmp_path_factory, tiny_model_path) -> str:
+    """A Llama with biases on every projection, head_dim 24 (not a multiple of 16: the scalar attention) and
+    projection widths that are not multiples of 32 (partial weight panels), untied head."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("odd-llama")
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=24,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def runners(path: str, slots: int = 12, max_len: int = 96) -> tuple[LeanModelRunner, LeanModelRunner]:
+    """A torch-step and a native-step runner over the same weights."""
+    cfg = AutoConfig.from_pretrained(path)
+    make = lambda kernel: LeanModelRunner(path, cfg, slots, max_len, torch.float32, torch.device("cpu"), kernel)  # noqa: E731
+    torch_runner, native_runner = make("torch"), make("native")
+    assert torch_runner.native is None and native_runner.native is not None
+    return torch_runner, native_runner
+
+
+def fill(runner: LeanModelRunner, prompts: dict[int, list[int]]) -> None:
+    for slot, ids in prompts.items():
+        runner.prefill([PrefillItem(slot, ids, 0)])
+
+
+@pytest.mark.parametrize("model", ["tiny_model_path", "tiny_qwen2_path", "odd_llama_path"])
+def test_native_step_gives_the_torch_steps_logits_and_kv_in_any_slot_order(model, request):
+    """Qwen3 (q/k norms, head_dim 16), Qwen2 (qkv bias, untied head), the odd Llama (biases, head_dim 24, partial
+    panels): rows in slots out of order and with gaps; logits and the K/V written at each row's position."""
+    path = request.getfixturevalue(model)
+    a, b = runners(path)
+    rng = random.Random(0)
+    prompts = {s: [rng.randrange(3, 400) for _ in range(rng.randint(5, 70))] for s in (9, 0, 4, 7, 2)}
+    for r in (a, b):
+        fill(r, prompts)
+    slots = list(prompts)
+    positions = [len(prompts[s]) for s in slots]
+    tokens = [rng.randrange(3, 400) for _ in slots]
+    for _ in range(3):  # a few steps: each reads the K/V the previous one wrote
+        want, got = a.decode(slots, tokens, positions), b.decode(slots, tokens, positions)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+        for s, p in zip(slots, positions):
+            for cache in ("k_all", "v_all"):
+                mine, theirs = getattr(b.cache, cache)[:, s, :, p], getattr(a.cache, cache)[:, s, :, p]
+                assert torch.allclose(mine, theirs, atol=1e-5)
+        tokens = want.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+
+
+def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result(tiny_model_path):
+    """Rows holding copies of one prompt's K/V (a group larger than a segment, in scattered rows, plus a
+    second group and rows of their own): with the groups declared, the native step reads each prefix once
+    per segment; the logits equal the same step without groups and the torch step's."""
+    from training.deployment.engine.native import SEGMENT_ROWS, segments
+
+    a, b = runners(tiny_model_path, slots=16)
+    rng = random.Random(1)
+    shared, other = [rng.randrange(3, 400) for _ in range(60)], [rng.randrange(3, 400) for _ in range(33)]
+    group1 = [0, 2, 3, 5, 6, 8, 9, 11, 12, 14]  # 10 rows > SEGMENT_ROWS: split into two segments
+    group2 = [1, 13]
+    prompts = {}
+    for s in group1:
+        prompts[s] = shared + [rng.randrange(3, 400) for _ in range(rng.randint(0, 9))]
+    for s in group2:
+        prompts[s] = other + [rng.randrange(3, 400) for _ in range(rng.randint(1, 5))]
+    for s in (4, 7, 10, 15):
+        prompts[s] = [rng.randrange(3, 400) for _ in range(rng.randint(3, 50))]
+    for r in (a, b):
+        fill(r, {group1[0]: shared, group2[0]: other})  # computed once, then copied, as the scheduler does
+        for s in group1[1:]:
+            r.copy_kv(group1[0], s, len(shared))
+        r.copy_kv(group2[0], group2[1], len(other))
+        for s, ids in prompts.items():  # each row's own tokens after the copied prefix
+            start = len(shared) if s in group1 else len(other) if s in group2 else 0
+            if len(ids) > start:
+                r.prefill([PrefillItem(s, ids[start:], start)])
+    slots = sorted(prompts)
+    positions = [len(prompts[s]) for s in slots]
+    tokens = [rng.randrange(3, 400) for _ in slots]
+    row = {s: i for i, s in enumerate(slots)}
+    groups = [SharedPrefix([row[s] for s in group1], len(shared)), SharedPrefix([row[s] for s in group2], len(other))]
+    starts, rows, prefixes = segments(positions, groups)
+    sizes = sorted(e - s for s, e, p in zip(starts, starts[1:], prefixes) if p > 0)
+    assert sizes == [2, len(group1) - SEGMENT_ROWS, SEGMENT_ROWS] and sorted(rows) == list(range(len(slots)))
+    plain = b.decode(slots, tokens, positions).clone()
+    grouped = b.decode(slots, tokens, positions, groups).clone()
+    want = a.decode(slots, tokens, positions)
+    assert torch.allclose(grouped, plain, atol=1e-5) and torch.allclose(grouped, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 97, 200])
+def test_native_matmul_matches_torch_with_bias_and_in_place_residual(m):
+    from training.deployment.engine.native import linear, pack_weight
+
+    g = torch.Generator().manual_seed(m)
+    for n, k in [(1, 7), (31, 64), (32, 5), (33, 64), (100, 130)]:
+        a, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        packed = pack_weight(w)
+        assert torch.allclose(linear(a, packed, n), a @ w.T, atol=1e-4)
+        res = torch.randn(m, n, generator=g)
+        want = a @ w.T + bias + res
+        got = linear(a, packed, n, bias, residual=res)
+        assert got.data_ptr() == res.data_ptr() and torch.allclose(got, want, atol=1e-4)
+
+
+def test_engine_on_the_native_step_samples_what_the_torch_step_samples(tiny_model_path):
+    """Seeded sampling and greedy, under churn (more requests than slots, prefix reuse): the same tokens,
+    logprobs within 1e-5."""
+    from tests.test_engine_prefix_cache import sampled
+
+    rng = random.Random(5)
+    base = [rng.randrange(3, 400) for _ in range(20)]
+    requests = [
+        (base + [rng.randrange(3, 400) for _ in range(rng.randint(0, 30))], sampled(seed=i, max_tokens=24))
+        for i in range(10)
+    ]
+    requests += [(base, greedy(20)) for _ in range(3)]
+
+    async def body(eng):
+        return await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests])
+
+    native = run_engine(tiny_model_path, body, max_batch_size=6, decode_kernel="native")
+    ref = run_engine(tiny_model_path, body, max_batch_size=6, decode_kernel="torch")
+    for x, y in zip(native, ref):
+        assert x.output_token_ids == y.output_token_ids
+        assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+
+
+def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, monkeypatch):
+    import training.deployment.engine.native as native
+
+    monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
+    native.load_library.cache_clear()
+    try:
+        native.load_library()
+        [built] = list((tmp_path / "native").glob("native_decode-*.so"))
+        stamp = built.stat().st_mtime_ns
+        native.load_library.cache_clear()
+        native.load_library()
+        assert [p.name for p in (tmp_path / "native").iterdir()] == [built.name]  # no temp file left behind
+        assert built.stat().st_mtime_ns == stamp  # loaded, not compiled again
+    finally:
+        native.load_library.cache_clear()
+
+
+def test_without_a_working_compiler_auto_falls_back_and_native_names_why(tmp_path, monkeypatch, tiny_model_path):
+    """``CC=false`` (a compiler that fails, for real): ``auto`` keeps the torch step, ``native`` refuses with the reason."""
+    import training.deployment.engine.native as native
+
+    monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    native.load_library.cache_clear()
+    try:
+        reason = native.native_available(torch.device("cpu"), torch.float32)
+        assert reason is not None and "compiling native_decode.c failed" in reason
+        cfg = AutoConfig.from_pretrained(tiny_model_path)
+        make = lambda kernel: LeanModelRunner(  # noqa: E731
+            tiny_model_path, cfg, 2, 32, torch.float32, torch.device("cpu"), kernel
+        )
+        assert make("auto").native is None
+        with pytest.raises(ValueError, match="decode_kernel='native' cannot run here: compiling"):
+            make("native")
+        monkeypatch.setenv("CC", "no-such-compiler-here")
+        native.load_library.cache_clear()
+        assert "no C compiler" in native.native_available(torch.device("cpu"), torch.float32)
+        assert "fp32 only" in native.native_available(torch.device("cpu"), torch.bfloat16)
+    finally:
+        native.load_library.cache_clear()
+
+
+def test_native_step_runs_on_torchs_openmp_pool():
+    """The library binds to the libgomp torch loaded (one OpenMP runtime, one pool, torch's thread count)."""
+    from training.deployment.engine.native import load_library
+
+    load_library()
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
+    assert len(gomp) == 1, gomp

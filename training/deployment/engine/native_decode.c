@@ -94,16 +94,23 @@ static inline v16 v16_exp(v16 x) {
     return p * (v16)e;
 }
 
+static inline v16 v16_max(v16 a, v16 b) { return v16_select(a > b, a, b); }
+
+/* the largest lane / the sum of the lanes (a shuffle tree: every lane ends up holding the result) */
 static inline float v16_max_lane(v16 x) {
-    float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
-    return m;
+    x = v16_max(x, __builtin_shuffle(x, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = v16_max(x, __builtin_shuffle(x, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = v16_max(x, __builtin_shuffle(x, (vi16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = v16_max(x, __builtin_shuffle(x, (vi16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return x[0];
 }
 
 static inline float v16_sum_lanes(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
+    x += __builtin_shuffle(x, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
 }
 
 /* out[t] = sum of the lanes of p[t], for 16 vectors (a butterfly of 30 two-input shuffles). */
@@ -248,54 +255,86 @@ size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K * NB; }
 
 /* ------------------------------------------------------------------ attention */
 
-#define QUERY_CHUNK 3 /* queries whose accumulators stay in registers through a key block */
+#define QUERY_CHUNK 4 /* most queries whose p.V accumulators stay in registers through a key block */
 
-/* attend_keys for head_dim = 16 * DV: a block of 16 keys gives each query one vector of 16 scores
-   (partial products summed by v16_sum16), the softmax runs on that vector, and p.V accumulates with
-   the outputs of QUERY_CHUNK queries in registers. */
+/* Scores of one query (head_dim 16 * DV) against a block of 16 keys kb [16][d]: one vector, lane t = key t. */
+static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const float *kb) {
+    v16 qv[8], part[16];
+    for (int c = 0; c < DV; c++) qv[c] = *(const v16 *)(qi + 16 * c);
+    for (int t = 0; t < 16; t++) {
+        v16 sum = qv[0] * *(const v16 *)(kb + (size_t)t * 16 * DV);
+        for (int c = 1; c < DV; c++) sum += qv[c] * *(const v16 *)(kb + (size_t)t * 16 * DV + 16 * c);
+        part[t] = sum;
+    }
+    return v16_sum16(part);
+}
+
+/* acc[i] += sum over t < nb of p[i][t] * v[t], for NC queries (p rows 16 apart), accumulators in registers. */
+static inline __attribute__((always_inline)) void block_pv(const int DV, const int NC, const float *p,
+                                                           const float *vb, int nb, float *acc, const float *pf_k,
+                                                           const float *pf_v, int pf_n) {
+    v16 o[QUERY_CHUNK][8];
+    for (int i = 0; i < NC; i++)
+        for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
+    for (int t = 0; t < nb; t++) {
+        if (t < pf_n) /* the next block's key and value rows, one each per key of this block */
+            for (int c = 0; c < DV; c++) {
+                __builtin_prefetch(pf_k + (size_t)t * 16 * DV + 16 * c, 0, 3);
+                __builtin_prefetch(pf_v + (size_t)t * 16 * DV + 16 * c, 0, 3);
+            }
+        v16 vt[8];
+        for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * 16 * DV + 16 * c);
+        for (int i = 0; i < NC; i++) {
+            const float pt = p[16 * i + t];
+            for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
+        }
+    }
+    for (int i = 0; i < NC; i++)
+        for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * 16 * DV + 16 * c) = o[i][c];
+}
+
+/* attend_keys for head_dim = 16 * DV: each block of 16 keys gives a query one vector of 16 scores
+   (v16_sum16 of its partial products), the softmax runs on that vector, and p.V accumulates with
+   up to QUERY_CHUNK queries' outputs in registers. A last block of fewer than 16 keys is copied into
+   a zero-padded buffer first (no read past the cache, no garbage in the scores). */
 static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
                                                                 const float *keys, const float *vals, int t0, int t1,
                                                                 float *m, float *l, float *acc, float *scores) {
     const int d = 16 * DV;
+    float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
     for (int b0 = t0; b0 < t1; b0 += 16) {
         const int nb = t1 - b0 < 16 ? t1 - b0 : 16;
         const float *kb = keys + (size_t)b0 * d, *vb = vals + (size_t)b0 * d;
-        vi16 valid = (vi16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < nb;
-        for (int i = 0; i < nq; i++) {
-            v16 qv[8], part[16];
-            for (int c = 0; c < DV; c++) qv[c] = *(const v16 *)(q + (size_t)i * d + 16 * c);
-            for (int t = 0; t < 16; t++) {
-                v16 sum = (v16){0};
-                if (t < nb)
-                    for (int c = 0; c < DV; c++) sum += qv[c] * *(const v16 *)(kb + (size_t)t * d + 16 * c);
-                part[t] = sum;
-            }
-            v16 sc = v16_select(valid, v16_sum16(part), v16_splat(-INFINITY));
-            float top = v16_max_lane(sc);
-            top = top > m[i] ? top : m[i];
-            float corr = m[i] == -INFINITY ? 0.0f : exp_f32(m[i] - top);
-            v16 pr = v16_select(valid, v16_exp(sc - top), (v16){0});
-            l[i] = l[i] * corr + v16_sum_lanes(pr);
-            m[i] = top;
-            *(v16 *)(scores + 16 * i) = pr;
-            if (corr != 1.0f)
-                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= corr;
+        if (nb < 16) {
+            memcpy(pad_k, kb, sizeof(float) * nb * d);
+            memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
+            kb = pad_k;
         }
-        for (int i0 = 0; i0 < nq; i0 += QUERY_CHUNK) {
-            const int nc = nq - i0 < QUERY_CHUNK ? nq - i0 : QUERY_CHUNK;
-            v16 o[QUERY_CHUNK][8];
-            for (int i = 0; i < nc; i++)
-                for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)(i0 + i) * d + 16 * c);
-            for (int t = 0; t < nb; t++) {
-                v16 vt[8];
-                for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * d + 16 * c);
-                for (int i = 0; i < nc; i++) {
-                    float pt = scores[16 * (i0 + i) + t];
-                    for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
-                }
+        const vi16 valid = (vi16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < nb;
+        for (int i = 0; i < nq; i++) {
+            v16 sc = v16_select(valid, block_scores(DV, q + (size_t)i * d, kb), v16_splat(-INFINITY));
+            float top = v16_max_lane(sc);
+            if (top > m[i]) {
+                float corr = m[i] == -INFINITY ? 0.0f : exp_f32(m[i] - top);
+                l[i] *= corr;
+                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= corr;
+                m[i] = top;
             }
-            for (int i = 0; i < nc; i++)
-                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)(i0 + i) * d + 16 * c) = o[i][c];
+            v16 pr = v16_select(valid, v16_exp(sc - m[i]), (v16){0});
+            l[i] += v16_sum_lanes(pr);
+            *(v16 *)(scores + 16 * i) = pr;
+        }
+        /* while the first queries' p.V runs, the next block's keys and values are asked for */
+        int pf_n = t1 - b0 - 16 < 16 ? t1 - b0 - 16 : 16;
+        const float *pk = kb + (size_t)16 * d, *pv = vb + (size_t)16 * d;
+        if (pf_n <= 0 || kb == pad_k) pf_n = 0;
+        int i0 = 0;
+        for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
+            block_pv(DV, QUERY_CHUNK, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n);
+        switch (nq - i0) {
+            case 1: block_pv(DV, 1, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
+            case 2: block_pv(DV, 2, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
+            case 3: block_pv(DV, 3, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
         }
     }
 }
@@ -338,9 +377,107 @@ static void attend_keys_scalar(const float *q, int nq, int d, const float *keys,
     }
 }
 
+#define WIDE_MIN 8    /* queries from which a shared prefix is attended with the queries across the lanes */
+#define WIDE_KEYS 48  /* keys per block of the wide path (4 matmul row blocks) */
+
+/* acc[i] += sum over t < nt of p[t][i] * v[t] for NC queries, p key-major ([t][32]), accumulators in registers. */
+static inline __attribute__((always_inline)) void wide_pv(const int DV, const int NC, const float *p, const float *vb,
+                                                          int nt, float *acc, const float *pf_k, const float *pf_v,
+                                                          int pf_n) {
+    v16 o[QUERY_CHUNK][8];
+    for (int i = 0; i < NC; i++)
+        for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
+    for (int t = 0; t < nt; t++) {
+        if (t < pf_n) /* the next block's key and value rows, one each per key of this block */
+            for (int c = 0; c < DV; c++) {
+                __builtin_prefetch(pf_k + (size_t)t * 16 * DV + 16 * c, 0, 3);
+                __builtin_prefetch(pf_v + (size_t)t * 16 * DV + 16 * c, 0, 3);
+            }
+        v16 vt[8];
+        for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * 16 * DV + 16 * c);
+        for (int i = 0; i < NC; i++) {
+            const float pt = p[32 * t + i];
+            for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
+        }
+    }
+    for (int i = 0; i < NC; i++)
+        for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * 16 * DV + 16 * c) = o[i][c];
+}
+
+/* attend_keys for 8..32 queries over keys [0, t1) that they all share (a GRPO group's prefix), head_dim
+   16 * DV: the queries go across the lanes instead of the keys. Scores of a block of keys are a small
+   matmul (keys as rows, the queries packed as one 32-column panel: the weight matmul's kernel), so the
+   softmax's max, exp and sum run lane-wise over keys with no shuffles, and p.V is as in the narrow path. */
+static inline __attribute__((always_inline)) void attend_keys_wide(const int DV, const float *q, int nq,
+                                                                   const float *keys, const float *vals, int t1,
+                                                                   float *m, float *l, float *acc) {
+    const int d = 16 * DV;
+    float qp[16 * 8 * 32] __attribute__((aligned(64))), sc[WIDE_KEYS * 32] __attribute__((aligned(64)));
+    for (int j = 0; j < d; j++)
+        for (int i = 0; i < 32; i++) qp[32 * j + i] = i < nq ? q[(size_t)i * d + j] : 0.0f;
+    v16 mv[2], lv[2];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 16; i++) {
+            int k = 16 * h + i;
+            mv[h][i] = k < nq ? m[k] : -INFINITY;
+            lv[h][i] = k < nq ? l[k] : 0.0f;
+        }
+    for (int b0 = 0; b0 < t1; b0 += WIDE_KEYS) {
+        const int nt = t1 - b0 < WIDE_KEYS ? t1 - b0 : WIDE_KEYS;
+        for (int r0 = 0; r0 < nt; r0 += MR_MAX)
+            panel_rows(nt - r0 < MR_MAX ? nt - r0 : MR_MAX, d, keys + (size_t)(b0 + r0) * d, d, qp, NULL, 0,
+                       sc + 32 * r0, 32, NULL, NULL, 32);
+        v16 corr[2];
+        for (int h = 0; h < 2; h++) {
+            v16 top = mv[h];
+            for (int t = 0; t < nt; t++) top = v16_max(top, *(const v16 *)(sc + 32 * t + 16 * h));
+            /* a lane whose running max was -inf has nothing to rescale (its sum and output are 0) */
+            corr[h] = v16_select(mv[h] == v16_splat(-INFINITY), (v16){0}, v16_exp(mv[h] - top));
+            v16 sum = (v16){0};
+            for (int t = 0; t < nt; t++) {
+                v16 pt = v16_exp(*(const v16 *)(sc + 32 * t + 16 * h) - top);
+                *(v16 *)(sc + 32 * t + 16 * h) = pt;
+                sum += pt;
+            }
+            lv[h] = lv[h] * corr[h] + sum;
+            mv[h] = top;
+        }
+        for (int i = 0; i < nq; i++) {
+            const float ci = corr[i / 16][i % 16];
+            if (ci != 1.0f)
+                for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= ci;
+        }
+        const float *vb = vals + (size_t)b0 * d, *pk = keys + (size_t)(b0 + nt) * d, *pv = vb + (size_t)nt * d;
+        int pf_n = t1 - b0 - nt < nt ? t1 - b0 - nt : nt, i0 = 0;
+        for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
+            wide_pv(DV, QUERY_CHUNK, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n);
+        switch (nq - i0) {
+            case 1: wide_pv(DV, 1, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
+            case 2: wide_pv(DV, 2, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
+            case 3: wide_pv(DV, 3, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        m[i] = mv[i / 16][i % 16];
+        l[i] = lv[i / 16][i % 16];
+    }
+}
+
 /* Fold keys [t0, t1) into the online-softmax state (m, l, acc) of nq queries q [nq][d]; scores: scratch. */
 static void attend_keys(const float *q, int nq, int d, const float *keys, const float *vals, int t0, int t1,
                         float *m, float *l, float *acc, float *scores) {
+    if (t0 == 0 && nq >= WIDE_MIN && nq <= 32 && d % 16 == 0 && d <= 128) {
+        switch (d / 16) {
+            case 1: attend_keys_wide(1, q, nq, keys, vals, t1, m, l, acc); return;
+            case 2: attend_keys_wide(2, q, nq, keys, vals, t1, m, l, acc); return;
+            case 3: attend_keys_wide(3, q, nq, keys, vals, t1, m, l, acc); return;
+            case 4: attend_keys_wide(4, q, nq, keys, vals, t1, m, l, acc); return;
+            case 5: attend_keys_wide(5, q, nq, keys, vals, t1, m, l, acc); return;
+            case 6: attend_keys_wide(6, q, nq, keys, vals, t1, m, l, acc); return;
+            case 7: attend_keys_wide(7, q, nq, keys, vals, t1, m, l, acc); return;
+            case 8: attend_keys_wide(8, q, nq, keys, vals, t1, m, l, acc); return;
+        }
+    }
     switch (d % 16 ? 0 : d / 16) {
         case 1: attend_keys_v(1, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
         case 2: attend_keys_v(2, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;

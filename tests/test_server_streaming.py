@@ -254,11 +254,20 @@ def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(server, s
                 if now["running"] == 1 and now["tokens_generated"] > before["tokens_generated"] + 3:
                     break
                 await asyncio.sleep(0.01)
+            # held where it is (however fast the engine), so what follows measures the abort, not a race
+            (await s.post(server.base_url + "/pause")).release()
             if stream:
                 resp.close()
             else:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # a paused engine still applies aborts
+                async with s.get(server.base_url + "/stats") as r:
+                    if (await r.json())["requests_aborted"] > before["requests_aborted"]:
+                        break
+                await asyncio.sleep(0.01)
+            (await s.post(server.base_url + "/resume")).release()
             return now
 
     during = asyncio.run(go())
@@ -345,6 +354,7 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
                     if (await r.json())["running"] == 1:
                         break
                 await asyncio.sleep(0.01)
+            (await s.post(server.base_url + "/pause")).release()  # held mid-generation, however fast the engine
             push = {
                 "path": f"{tiny_model_path}/model.safetensors",
                 "weight_version": version + 1,
@@ -354,6 +364,7 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
                 await s.post(
                     server.base_url + "/update_weights_from_disk", json=push, timeout=aiohttp.ClientTimeout(total=0.1)
                 )
+            (await s.post(server.base_url + "/resume")).release()
             (await gen).release()
             deadline = time.monotonic() + 60
             while True:

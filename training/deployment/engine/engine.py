@@ -212,8 +212,9 @@ class LLMEngine:
         self._sample_and_postprocess(seqs, logits)
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        native = getattr(self.runner, "native", None) is not None  # the C sampler goes with the C step
         try:
-            out = sample(logits, seqs)
+            out = sample(logits, seqs, native)
         except Exception:  # a bug tied to some row: sample each row alone so only that row fails
             log.exception("batched sampling failed; retrying row by row")
             out = SampleOutput([], [], [], [])

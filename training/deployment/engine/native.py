@@ -87,29 +87,42 @@ def _library_path(compiler: str) -> Path:
     return cache_dir() / "native" / f"native_decode-{key}.so"
 
 
-@functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL:
-    """The compiled library (built on first use, then cached on disk); raises NativeUnavailable."""
+    """The compiled library (built on first use, then cached on disk); raises NativeUnavailable.
+
+    The outcome is kept for the process, a failure too (no compiler run per call);
+    ``load_library.cache_clear()`` forgets it.
+    """
+    built = _build_and_load()
+    if isinstance(built, NativeUnavailable):
+        raise built
+    return built
+
+
+@functools.lru_cache(maxsize=1)
+def _build_and_load() -> ctypes.CDLL | NativeUnavailable:
     compiler = os.environ.get("CC") or "gcc"
     if shutil.which(compiler) is None:
-        raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
+        return NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
     try:
         path = _library_path(compiler)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
-            cmd = [compiler, *CFLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                os.unlink(tmp)
-                raise NativeUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)  # atomic: a concurrent server either sees the whole file or none
-        import torch  # noqa: F401  (its libgomp must be loaded first, so the library binds to it)
-
-        lib = ctypes.CDLL(str(path))
+            try:
+                cmd = [compiler, *CFLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+                log.info("compiling %s (once per source and CPU)", SOURCE.name)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    return NativeUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+                os.replace(tmp, path)  # atomic: a concurrent server either sees the whole file or none
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))  # torch (imported above) loaded its libgomp first: the library binds to it
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"native decode step unavailable: {exc}") from exc
+        return NativeUnavailable(f"native decode step unavailable: {exc}")
     i32, i64p, i32p = ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
     lib.decode_step.argtypes = [ctypes.POINTER(_Model), i32, i64p, i64p, i64p, i32, i32p, i32p, i32p, P]
     lib.decode_step.restype = ctypes.c_int
@@ -119,7 +132,12 @@ def load_library() -> ctypes.CDLL:
     lib.pack_weight.restype = None
     lib.packed_size.argtypes = [i32, i32]
     lib.packed_size.restype = ctypes.c_size_t
+    lib.sample_plain.argtypes = [i32, i32, P, P, P, P, P, P]
+    lib.sample_plain.restype = None
     return lib
+
+
+load_library.cache_clear = _build_and_load.cache_clear
 
 
 def native_available(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -167,6 +185,21 @@ def linear(
     bias = _pad(bias)
     load_library().matmul(m, n, k, a.data_ptr(), packed.data_ptr(), _ptr(bias), _ptr(residual), out.data_ptr())
     return out
+
+
+def sample_plain(
+    logits_B_V: torch.Tensor, temps_B: torch.Tensor, u_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, reported logprob, ok) per row of fp32 CPU logits, sampled at temperature alone (T > 0).
+
+    sampling.py's plain-row draw (inverse CDF over blocks of 256) and logprob (``log_softmax(z / T)``)
+    in two reads of each row; ok is False for a row with no finite mass (NaN or +inf logits).
+    """
+    logits_B_V, temps_B, u_B = logits_B_V.contiguous(), temps_B.float().contiguous(), u_B.float().contiguous()
+    b, v = logits_B_V.shape
+    tokens, logprobs, ok = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(b, dtype=torch.int32)
+    load_library().sample_plain(b, v, *(t.data_ptr() for t in (logits_B_V, temps_B, u_B, tokens, logprobs, ok)))
+    return tokens, logprobs, ok.bool()
 
 
 def _pad(b: torch.Tensor | None) -> torch.Tensor | None:

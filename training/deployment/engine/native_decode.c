@@ -49,9 +49,11 @@ typedef struct {
 
 static inline int panels_of(int n) { return (n + NB - 1) / NB; }
 
-/* e^x for x <= 88 (Cephes' single-precision polynomial, ~1 ulp); written to vectorise in simd loops. */
+/* e^x for x <= 88 (Cephes' single-precision polynomial, ~1 ulp), 0 below -87 (where fp32 leaves its
+   normal range); written to vectorise in simd loops. */
 static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    if (x < -87.0f) return 0.0f;
+    x = x > 88.0f ? 88.0f : x;
     float n = rintf(x * 1.44269504088896341f);
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
@@ -77,7 +79,8 @@ static inline v16 v16_select(vi16 mask, v16 a, v16 b) { return (v16)((mask & (vi
 /* exp_f32 on 16 lanes */
 static inline v16 v16_exp(v16 x) {
     const v16 lo = v16_splat(-87.0f), hi = v16_splat(88.0f), magic = v16_splat(12582912.0f); /* 1.5 * 2^23 */
-    x = v16_select(x < lo, lo, x);
+    const vi16 under = x < lo;
+    x = v16_select(under, lo, x);
     x = v16_select(x > hi, hi, x);
     v16 n = (x * 1.44269504088896341f + magic) - magic; /* round to nearest */
     v16 r = x - n * 0.693359375f;
@@ -91,7 +94,7 @@ static inline v16 v16_exp(v16 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * z + r + 1.0f;
     vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return p * (v16)e;
+    return v16_select(under, (v16){0}, p * (v16)e);
 }
 
 static inline v16 v16_max(v16 a, v16 b) { return v16_select(a > b, a, b); }
@@ -622,4 +625,78 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
     matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
     free(work);
     return 0;
+}
+
+/* ------------------------------------------------------------------ sampling */
+
+#define DRAW_BLOCK 256 /* tokens per block of the inverse-CDF draw (sampling.py's DRAW_BLOCK) */
+
+/* Plain sampling (temperature only) of B rows of logits [B][V]: x = z / T, e = exp(x - max x);
+   token = the first index whose running sum of e exceeds u * sum(e) (found block by block, then
+   inside the block; a rounding that finds none takes the block's most likely token), logprob =
+   x[token] - max x - log(sum e): sampling.py's plain-row draw and reported logprob, one read of the
+   row for the max and one for the sums. ok[b] = 0 when row b has no finite mass (NaN / inf logits). */
+void sample_plain(int B, int V, const float *logits, const float *temps, const float *u, int64_t *tokens,
+                  float *logprobs, int32_t *ok) {
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < B; b++) {
+        const float *z = logits + (size_t)b * V;
+        const float t = temps[b];
+        const int unit = t == 1.0f; /* x = z exactly, as the torch path, which divides only when some T is not 1 */
+        const int nblocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+        float sums[(V + DRAW_BLOCK - 1) / DRAW_BLOCK];
+        float top = -INFINITY;
+        int finite = 1;
+        for (int i = 0; i < V; i++) {
+            float x = unit ? z[i] : z[i] / t;
+            if (!(x < INFINITY)) finite = 0; /* NaN or +inf */
+            top = x > top ? x : top;
+        }
+        float total = 0.0f;
+        for (int k = 0; k < nblocks && finite && top > -INFINITY; k++) {
+            const int lo = k * DRAW_BLOCK, hi = lo + DRAW_BLOCK < V ? lo + DRAW_BLOCK : V;
+            float s = 0.0f;
+            if (hi - lo == DRAW_BLOCK) {
+                v16 acc = (v16){0};
+                for (int i = lo; i < hi; i += 16) {
+                    v16 x = *(const v16 *)(z + i);
+                    if (!unit) x = x / t;
+                    acc += v16_exp(x - top);
+                }
+                s = v16_sum_lanes(acc);
+            } else {
+                for (int i = lo; i < hi; i++) s += exp_f32((unit ? z[i] : z[i] / t) - top);
+            }
+            sums[k] = s;
+            total += s;
+        }
+        if (!finite || !(total > 0.0f) || !(total < INFINITY)) {
+            ok[b] = 0;
+            tokens[b] = 0;
+            logprobs[b] = 0.0f;
+            continue;
+        }
+        const float target = u[b] * total;
+        float before = 0.0f;
+        int k = 0;
+        for (; k < nblocks - 1 && before + sums[k] <= target; k++) before += sums[k];
+        while (k > 0 && sums[k] == 0.0f) before -= sums[--k]; /* a rounding past the mass: the last block with some */
+        const int lo = k * DRAW_BLOCK, hi = lo + DRAW_BLOCK < V ? lo + DRAW_BLOCK : V;
+        int token = -1, best = lo;
+        float cum = before, best_x = -INFINITY;
+        for (int i = lo; i < hi; i++) {
+            float x = unit ? z[i] : z[i] / t;
+            if (x > best_x) {
+                best_x = x;
+                best = i;
+            }
+            float p = exp_f32(x - top);
+            cum += p;
+            if (token < 0 && cum > target && p > 0.0f) token = i;
+        }
+        if (token < 0) token = best;
+        tokens[b] = token;
+        logprobs[b] = (unit ? z[token] : z[token] / t) - top - logf(total);
+        ok[b] = 1;
+    }
 }

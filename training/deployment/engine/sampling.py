@@ -63,11 +63,17 @@ class SampleOutput:
 
 
 @torch.inference_mode()
-def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
-    """Sample one token for each sequence from its row of logits (one host sync for the batch)."""
+def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence], native: bool = False) -> SampleOutput:
+    """Sample one token for each sequence from its row of logits (one host sync for the batch).
+
+    ``native``: a batch of plain rows on CPU (temperature >= SHIFT_BELOW_T and nothing else: the RL
+    case) is drawn by the C sampler of native.py, the same draw and logprob in two reads of each row.
+    """
     device = logits_B_V.device
     logits = logits_B_V.float()
     params = [s.params for s in seqs]
+    if native and device.type == "cpu" and all(_plain(p) for p in params):
+        return _sample_plain_native(logits, seqs)
     temps = [p.temperature for p in params]
     scale = _Scaler(temps, device)
     logp = torch.log_softmax(scale(logits), dim=-1)  # the reported distribution
@@ -114,6 +120,26 @@ def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
         else:
             out.top_logprobs.append(None)
     return out
+
+
+def _plain(p) -> bool:
+    """Temperature alone (no processing, truncation or alternatives), in the range the C sampler takes as is."""
+    return SHIFT_BELOW_T <= p.temperature < float("inf") and not (p.needs_processing or p.truncates or p.top_logprobs)
+
+
+def _sample_plain_native(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
+    from training.deployment.engine.native import sample_plain
+
+    u_B = torch.cat([torch.rand(1, generator=s.generator) for s in seqs])
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+    tokens, logprobs, ok = sample_plain(logits, temps, u_B)
+    failed = None if ok.all() else "no finite logit to sample from (non-finite model output, or every token masked)"
+    return SampleOutput(
+        tokens.tolist(),
+        logprobs.clamp(min=_LOWEST).tolist(),
+        [None] * len(seqs),
+        [None if good else failed for good in ok.tolist()],
+    )
 
 
 class _Scaler:

@@ -645,11 +645,21 @@ void sample_plain(int B, int V, const float *logits, const float *temps, const f
         const int unit = t == 1.0f; /* x = z exactly, as the torch path, which divides only when some T is not 1 */
         const int nblocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
         float sums[(V + DRAW_BLOCK - 1) / DRAW_BLOCK];
-        float top = -INFINITY;
+        v16 vtop = v16_splat(-INFINITY);
+        vi16 bad = (vi16){0};
+        int i = 0;
+        for (; i + 16 <= V; i += 16) {
+            v16 x = *(const v16 *)(z + i);
+            if (!unit) x = x / t;
+            bad |= ~(x < INFINITY); /* NaN or +inf */
+            vtop = v16_max(vtop, x);
+        }
+        float top = v16_max_lane(vtop);
         int finite = 1;
-        for (int i = 0; i < V; i++) {
+        for (int j = 0; j < 16; j++) finite &= !bad[j];
+        for (; i < V; i++) {
             float x = unit ? z[i] : z[i] / t;
-            if (!(x < INFINITY)) finite = 0; /* NaN or +inf */
+            if (!(x < INFINITY)) finite = 0;
             top = x > top ? x : top;
         }
         float total = 0.0f;

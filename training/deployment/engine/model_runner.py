@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from training.deployment.engine.kv_cache import KVCache
-from training.deployment.engine.native import NativeDecoder, NativeUnavailable, native_available
+from training.deployment.engine.native import NativeDecoder, NativeUnavailable, native_available, silu_mul
+from training.deployment.engine.native import rms_norm as native_rms_norm
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,8 @@ class LeanModelRunner:
 
     # ----------------------------------------------------------------- forward pieces
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:
+            return native_rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +314,8 @@ class LeanModelRunner:
     def _mlp_and_residual(self, L: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = self._linear_add(L, "o", x, attn)
         gu = self._linear(L, "gate_up", self._norm(x, L["post_norm"]))
+        if self.native is not None:
+            return self._linear_add(L, "down", x, silu_mul(gu))
         g, u = gu.chunk(2, dim=-1)
         return self._linear_add(L, "down", x, F.silu(g, inplace=True).mul_(u))
 
@@ -351,15 +356,23 @@ class LeanModelRunner:
         for n in lens:
             bounds.append(bounds[-1] + n)
         h_q = self.num_heads
+        if self.native is not None:
+            token_slots = torch.cat([torch.full((n,), it.slot, dtype=torch.int64) for it, n in zip(items, lens)])
         for li, L in enumerate(self.layers):
             qkv = self._linear(L, "qkv", self._norm(x, L["in_norm"]))
-            qk, v = self._qk_rope(L, qkv, cos, sin), self._value(qkv)
             kc, vc = self.cache.k[li], self.cache.v[li]
+            if self.native is not None:  # norms, RoPE and every token's K/V write in one C pass
+                self.native.rope_store(li, qkv, positions, token_slots)
+                qk = qkv.view(len(positions), -1, self.head_dim)
+            else:
+                qk, v = self._qk_rope(L, qkv, cos, sin), self._value(qkv)
+                for it, a, b in zip(items, bounds[:-1], bounds[1:]):
+                    s, p = it.slot, it.start_pos
+                    kc[s, :, p : p + b - a] = qk[a:b, h_q:].transpose(0, 1)
+                    vc[s, :, p : p + b - a] = v[a:b].transpose(0, 1)
             outs = []
             for it, a, b in zip(items, bounds[:-1], bounds[1:]):
                 s, p, n = it.slot, it.start_pos, b - a
-                kc[s, :, p : p + n] = qk[a:b, h_q:].transpose(0, 1)
-                vc[s, :, p : p + n] = v[a:b].transpose(0, 1)
                 qi = qk[a:b, :h_q].transpose(0, 1).unsqueeze(0)
                 ki, vi = kc[s : s + 1, :, : p + n], vc[s : s + 1, :, : p + n]
                 if p == 0:

@@ -134,6 +134,12 @@ def _build_and_load() -> ctypes.CDLL | NativeUnavailable:
     lib.packed_size.restype = ctypes.c_size_t
     lib.sample_plain.argtypes = [i32, i32, P, P, P, P, P, P]
     lib.sample_plain.restype = None
+    lib.rope_store.argtypes = [ctypes.POINTER(_Model), i32, P, i32, P, P]
+    lib.rope_store.restype = None
+    lib.rmsnorm_rows.argtypes = [P, P, P, i32, i32, ctypes.c_float]
+    lib.rmsnorm_rows.restype = None
+    lib.silu_mul.argtypes = [P, P, i32, i32]
+    lib.silu_mul.restype = None
     return lib
 
 
@@ -200,6 +206,23 @@ def sample_plain(
     tokens, logprobs, ok = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(b, dtype=torch.int32)
     load_library().sample_plain(b, v, *(t.data_ptr() for t in (logits_B_V, temps_B, u_B, tokens, logprobs, ok)))
     return tokens, logprobs, ok.bool()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * w`` over the last axis of a contiguous fp32 ``x`` [rows, n]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    load_library().rmsnorm_rows(out.data_ptr(), x.data_ptr(), w.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for ``gate_up = [g u]`` [rows, 2 I] (contiguous fp32); returns [rows, I]."""
+    gate_up = gate_up.contiguous()
+    m, two_i = gate_up.shape
+    out = torch.empty(m, two_i // 2)
+    load_library().silu_mul(out.data_ptr(), gate_up.data_ptr(), m, two_i // 2)
+    return out
 
 
 def _pad(b: torch.Tensor | None) -> torch.Tensor | None:
@@ -277,6 +300,15 @@ class NativeDecoder:
             keep.append(t)
             setattr(m, name, t.data_ptr())
         self.model, self._keep = m, keep
+
+    def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Prefill: per-head norms (Qwen3) and RoPE on the q and k heads of ``qkv`` [N, (H + 2K) d] in place, and
+        each token's k and v written into the cache at (``slots[i]``, ``positions[i]``) (int64 [N] each)."""
+        assert qkv.is_contiguous() and positions.dtype == slots.dtype == torch.int64
+        positions, slots = positions.contiguous(), slots.contiguous()
+        self.lib.rope_store(
+            ctypes.byref(self.model), layer, qkv.data_ptr(), qkv.shape[0], positions.data_ptr(), slots.data_ptr()
+        )
 
     @torch.inference_mode()
     def decode(

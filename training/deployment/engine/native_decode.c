@@ -557,17 +557,19 @@ static int attention(const Model *m, int layer, const float *qkv, const int64_t 
 
 /* ------------------------------------------------------------------ the step */
 
-/* Per-head RMSNorm (Qwen3, optional), RoPE on q and k heads, q scaled by 1/sqrt(d); k, v into the cache. */
+/* Per-head RMSNorm (Qwen3, optional), RoPE on the q and k heads of each row of qkv (in place), q scaled by
+   1/sqrt(d) if scale_q; each row's k and v written into the cache at (slots[b], positions[b]). */
 static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const int64_t *positions,
-                          const int64_t *slots) {
+                          const int64_t *slots, int scale_q) {
     const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, half = d / 2;
     const int qkv_n = (H + 2 * KH) * d;
     const size_t slot_stride = (size_t)KH * m->max_len * d, head_stride = (size_t)m->max_len * d;
     const size_t layer_off = (size_t)layer * (m->num_slots + 1) * slot_stride;
     const float *qn = m->q_norm ? m->q_norm[layer] : NULL, *kn = m->k_norm ? m->k_norm[layer] : NULL;
-    const float scale = 1.0f / sqrtf((float)d);
-    float tmp[1024];
+    const float scale = scale_q ? 1.0f / sqrtf((float)d) : 1.0f;
+#pragma omp parallel for schedule(static) if (B >= 64)
     for (int b = 0; b < B; b++) {
+        float tmp[1024];
         float *row = qkv + (size_t)b * qkv_n;
         const float *cs = m->cos + (size_t)positions[b] * d, *sn = m->sin_signed + (size_t)positions[b] * d;
         for (int h = 0; h < H + KH; h++) {
@@ -577,14 +579,40 @@ static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const in
             memcpy(tmp, x, sizeof(float) * d);
             for (int j = 0; j < d; j++) x[j] = tmp[j] * cs[j] + tmp[j < half ? j + half : j - half] * sn[j];
             if (h < H) {
+                if (scale_q)
 #pragma omp simd
-                for (int j = 0; j < d; j++) x[j] *= scale;
+                    for (int j = 0; j < d; j++) x[j] *= scale;
             } else {
                 size_t at = layer_off + (size_t)slots[b] * slot_stride + (h - H) * head_stride + (size_t)positions[b] * d;
                 memcpy(m->k_cache + at, x, sizeof(float) * d);
                 memcpy(m->v_cache + at, row + (size_t)(H + KH + h - H) * d, sizeof(float) * d);
             }
         }
+    }
+}
+
+/* ------------------------------------------------------------------ prefill pieces
+   The prefill keeps oneDNN's matmuls (faster at hundreds of rows) and torch's causal attention;
+   these replace its elementwise passes. */
+
+/* qk_rope_store for the new tokens of a prefill (q left unscaled: SDPA scales it). */
+void rope_store(const Model *m, int layer, float *qkv, int M, const int64_t *positions, const int64_t *slots) {
+    qk_rope_store(m, layer, qkv, M, positions, slots, 0);
+}
+
+void rmsnorm_rows(float *out, const float *x, const float *w, int rows, int n, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; r++) rmsnorm(out + (size_t)r * n, x + (size_t)r * n, w, 1, n, eps);
+}
+
+/* out[M][I] = silu(gu[:, :I]) * gu[:, I:] */
+void silu_mul(float *out, const float *gu, int M, int I) {
+#pragma omp parallel for schedule(static) if (M >= 64)
+    for (int r = 0; r < M; r++) {
+        const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+        float *a = out + (size_t)r * I;
+#pragma omp simd
+        for (int j = 0; j < I; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * u[j];
     }
 }
 
@@ -605,7 +633,7 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
     for (int layer = 0; layer < m->num_layers; layer++) {
         rmsnorm(h, x, m->in_norm[layer], B, hid, m->eps);
         matmul(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv);
-        qk_rope_store(m, layer, qkv, B, positions, slots);
+        qk_rope_store(m, layer, qkv, B, positions, slots, 1);
         if (attention(m, layer, qkv, positions, slots, num_segments, seg_start, seg_rows, seg_prefix, attn)) {
             free(work);
             return -1;
@@ -613,12 +641,7 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
         matmul(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x);
         rmsnorm(h, x, m->post_norm[layer], B, hid, m->eps);
         matmul(B, 2 * I, hid, h, m->gate_up_w[layer], m->gate_up_b ? m->gate_up_b[layer] : NULL, NULL, gu);
-        for (int b = 0; b < B; b++) {
-            const float *g = gu + (size_t)b * 2 * I, *u = g + I;
-            float *a = act + (size_t)b * I;
-#pragma omp simd
-            for (int j = 0; j < I; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * u[j];
-        }
+        silu_mul(act, gu, B, I);
         matmul(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x);
     }
     rmsnorm(h, x, m->final_norm, B, hid, m->eps);

@@ -1,11 +1,15 @@
-"""Profile one decode step of the embedded engine's lean forward (``torch.profiler``, CPU).
+"""Profile decode steps of the embedded engine's lean forward on CPU: where a step's time goes.
 
-    python -m benchmarks.profile_decode [--model smollm2] [--batch 32] [--context 160] [--steps 20] [--dtype bfloat16]
+    python -m benchmarks.profile_decode [--model smollm2] [--kernel native|torch] [--batch 32] [--context 160]
+        [--group 0] [--steps 20] [--dtype bfloat16]
 
-Fills ``--batch`` slots with ``--context`` positions of K/V (random prompts, prefilled), then
-profiles ``--steps`` decode steps plus their sampling and prints the op table sorted by self CPU
-time. What this showed is written in training/deployment/engine/README.md ("Where a decode step
-goes"). A diagnosis tool, not a figure: it emits no JSON line and run_all does not run it.
+Fills ``--batch`` slots with ``--context`` positions of K/V (random prompts, prefilled; with
+``--group G`` the rows come in groups of G that share their prompt, as a GRPO group's members do),
+then times ``--steps`` decode steps plus their sampling. ``--kernel native`` (the default on CPU in
+fp32) runs the C step of native.py built with its phase timers and prints the milliseconds per
+step of each phase; ``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
+What this showed is written in training/deployment/engine/README.md. A diagnosis tool, not a
+figure: it emits no JSON line and run_all does not run it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from transformers import AutoConfig
 
 from benchmarks.common import model_path
 from training.deployment.engine.config import SamplingParams
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem
+from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
 from training.deployment.engine.sampling import sample
 from training.deployment.engine.sequence import Sequence
 
@@ -27,38 +31,64 @@ from training.deployment.engine.sequence import Sequence
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--kernel", default="native", choices=["native", "torch"])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=160)
+    p.add_argument("--group", type=int, default=0, help="rows per group sharing a prompt (0: every row its own)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
     path = model_path(a.model)
     config = AutoConfig.from_pretrained(path)
-    runner = LeanModelRunner(
-        path, config, a.batch, a.context + a.steps + 8, getattr(torch, a.dtype), torch.device("cpu")
-    )
+    dtype, native = getattr(torch, a.dtype), a.kernel == "native"
+    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), "torch")
+    if native:
+        from training.deployment.engine.native import NativeDecoder
+
+        runner.native = NativeDecoder(runner, profile=True)
     rng = random.Random(0)
-    for s in range(a.batch):
-        runner.prefill([PrefillItem(s, [rng.randrange(3, 500) for _ in range(a.context)], 0)])
+    groups = []
+    if a.group > 1:
+        for first in range(0, a.batch, a.group):
+            rows = list(range(first, min(first + a.group, a.batch)))
+            runner.prefill([PrefillItem(first, [rng.randrange(3, 500) for _ in range(a.context)], 0)])
+            for s in rows[1:]:
+                runner.copy_kv(first, s, a.context)
+            groups.append(SharedPrefix(rows, a.context))
+    else:
+        for s in range(a.batch):
+            runner.prefill([PrefillItem(s, [rng.randrange(3, 500) for _ in range(a.context)], 0)])
     slots, tokens = list(range(a.batch)), [rng.randrange(3, 500) for _ in range(a.batch)]
     params = SamplingParams(max_tokens=a.steps + 8, temperature=1.0)
     seqs = [Sequence([1] * a.context, params, torch.Generator().manual_seed(i), frozenset()) for i in range(a.batch)]
+    sampling = [0.0]
 
     def step(i: int) -> None:
-        logits = runner.decode(slots, tokens, [a.context + i] * a.batch)
-        sample(logits, seqs)
+        logits = runner.decode(slots, tokens, [a.context + i] * a.batch, groups)
+        t0 = time.perf_counter()
+        sample(logits, seqs, native)
+        sampling[0] += time.perf_counter() - t0
 
     for i in range(3):
         step(i)
+    if native:
+        runner.native.phase_seconds(reset=True)
+    sampling[0] = 0.0
     t0 = time.perf_counter()
     for i in range(a.steps):
         step(i)
     per_step = (time.perf_counter() - t0) / a.steps
     print(
-        f"unprofiled: {per_step * 1e3:.1f} ms/step, {a.batch / per_step:.0f} tok/s (batch {a.batch}, "
-        f"context {a.context}, {a.dtype}, {torch.get_num_threads()} threads)"
+        f"{a.kernel} step: {per_step * 1e3:.1f} ms/step, {a.batch / per_step:.0f} tok/s (batch {a.batch}, "
+        f"context {a.context}, groups of {a.group or 1}, {a.dtype}, {torch.get_num_threads()} threads)"
     )
+    if native:
+        phases = {**runner.native.phase_seconds(), "sampling (C)": sampling[0]}
+        print("| phase | ms / step | share |\n| --- | --- | --- |")
+        for name, seconds in phases.items():
+            print(f"| {name} | {seconds / a.steps * 1e3:.1f} | {seconds / a.steps / per_step:.0%} |")
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(a.steps):
             step(i)

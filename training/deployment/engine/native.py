@@ -77,41 +77,45 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     from training.models.build_tiny import cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "native" / f"native_decode-{key}.so"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_identity()]).encode())
+    return cache_dir() / "native" / f"native_decode-{key.hexdigest()[:16]}.so"
 
 
-def load_library() -> ctypes.CDLL:
+def load_library(profile: bool = False) -> ctypes.CDLL:
     """The compiled library (built on first use, then cached on disk); raises NativeUnavailable.
 
     The outcome is kept for the process, a failure too (no compiler run per call);
-    ``load_library.cache_clear()`` forgets it.
+    ``load_library.cache_clear()`` forgets it. ``profile``: the build whose ``decode_step`` times
+    its phases (``PHASES``; benchmarks/profile_decode.py reads them).
     """
-    built = _build_and_load()
+    built = _build_and_load(profile)
     if isinstance(built, NativeUnavailable):
         raise built
     return built
 
 
-@functools.lru_cache(maxsize=1)
-def _build_and_load() -> ctypes.CDLL | NativeUnavailable:
+PHASES = ("embedding and norms", "layer matmuls", "RoPE and K/V writes", "attention", "SiLU gate", "LM head")
+"""What the profile build's ``native_phase_seconds`` counts, in order."""
+
+
+@functools.lru_cache(maxsize=2)
+def _build_and_load(profile: bool) -> ctypes.CDLL | NativeUnavailable:
     compiler = os.environ.get("CC") or "gcc"
     if shutil.which(compiler) is None:
         return NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
+    flags = CFLAGS + (("-DNATIVE_PROFILE",) if profile else ())
     try:
-        path = _library_path(compiler)
+        path = _library_path(compiler, flags)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             try:
-                cmd = [compiler, *CFLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+                cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
                 log.info("compiling %s (once per source and CPU)", SOURCE.name)
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if done.returncode != 0:
@@ -243,10 +247,11 @@ class NativeDecoder:
     ``weights_changed``), and views of the runner's norms, embedding, RoPE tables and cache.
     """
 
-    def __init__(self, runner):
+    def __init__(self, runner, profile: bool = False):
         if runner.head_dim > 1024:
             raise NativeUnavailable(f"head_dim {runner.head_dim} > 1024")
-        self.lib = load_library()
+        self.lib = load_library(profile)
+        self.profile = profile
         self.runner = runner
         self._keep: list = []  # every tensor whose address the C side holds
         self.packed: dict[tuple[int, str], torch.Tensor] = {}
@@ -300,6 +305,16 @@ class NativeDecoder:
             keep.append(t)
             setattr(m, name, t.data_ptr())
         self.model, self._keep = m, keep
+
+    def phase_seconds(self, reset: bool = True) -> dict[str, float]:
+        """Seconds per phase (``PHASES``) summed over the decode steps so far; profile build only."""
+        if not self.profile:
+            raise RuntimeError("phase_seconds needs NativeDecoder(runner, profile=True)")
+        seconds = (ctypes.c_double * len(PHASES)).in_dll(self.lib, "native_phase_seconds")
+        out = dict(zip(PHASES, seconds))
+        if reset:
+            ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
+        return out
 
     def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Prefill: per-head norms (Qwen3) and RoPE on the q and k heads of ``qkv`` [N, (H + 2K) d] in place, and

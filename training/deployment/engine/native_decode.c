@@ -27,6 +27,22 @@
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
+/* Built with -DNATIVE_PROFILE (native.py's profile build, benchmarks/profile_decode.py --kernel native):
+   decode_step adds the wall time of each phase to native_phase_seconds (native.PHASES names them). */
+#ifdef NATIVE_PROFILE
+double native_phase_seconds[6];
+#define PHASE_START double phase_t0 = omp_get_wtime();
+#define PHASE(i)                                    \
+    {                                               \
+        double phase_now = omp_get_wtime();         \
+        native_phase_seconds[i] += phase_now - phase_t0; \
+        phase_t0 = phase_now;                       \
+    }
+#else
+#define PHASE_START
+#define PHASE(i)
+#endif
+
 #define NB 32          /* output columns per weight panel (two vectors) */
 #define MR_MAX 12      /* rows of a matmul block: 2 * MR_MAX accumulators stay in registers */
 #define KEY_BLOCK 32   /* keys per online-softmax block (scalar path; the vector path takes 16) */
@@ -629,23 +645,35 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
     if (!work) return -1;
     float *x = work, *h = x + (size_t)B * hid, *qkv = h + (size_t)B * hid, *attn = qkv + (size_t)B * qkv_n;
     float *gu = attn + (size_t)B * H * d, *act = gu + (size_t)B * 2 * I;
+    PHASE_START
     for (int b = 0; b < B; b++) memcpy(x + (size_t)b * hid, m->embed + (size_t)tokens[b] * hid, sizeof(float) * hid);
     for (int layer = 0; layer < m->num_layers; layer++) {
         rmsnorm(h, x, m->in_norm[layer], B, hid, m->eps);
+        PHASE(0)
         matmul(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv);
+        PHASE(1)
         qk_rope_store(m, layer, qkv, B, positions, slots, 1);
+        PHASE(2)
         if (attention(m, layer, qkv, positions, slots, num_segments, seg_start, seg_rows, seg_prefix, attn)) {
             free(work);
             return -1;
         }
+        PHASE(3)
         matmul(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x);
+        PHASE(1)
         rmsnorm(h, x, m->post_norm[layer], B, hid, m->eps);
+        PHASE(0)
         matmul(B, 2 * I, hid, h, m->gate_up_w[layer], m->gate_up_b ? m->gate_up_b[layer] : NULL, NULL, gu);
+        PHASE(1)
         silu_mul(act, gu, B, I);
+        PHASE(4)
         matmul(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x);
+        PHASE(1)
     }
     rmsnorm(h, x, m->final_norm, B, hid, m->eps);
+    PHASE(0)
     matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
+    PHASE(5)
     free(work);
     return 0;
 }

@@ -6,7 +6,8 @@
 vocabulary, fp32 random logits, rows with 64 prompt and 128 output tokens of history), every row
 using the same fields. The variants are timed interleaved (one call of each per round, after one
 untimed round); figure = median ms per call; ratio = variant / plain ``temperature=1`` in the same
-run. The model's own decode step is not included: this isolates what the sampling fields add.
+run. The model's own decode step is not included: this isolates what the sampling fields add. The
+last variant is plain temperature sampling by the C sampler the engine uses with its native step.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ VARIANTS = {
     "logit_bias (8 tokens)": {"logit_bias": {t: 2.0 for t in range(8)}},
     "min_tokens (not yet reached)": {"min_tokens": 1000},
     "top_logprobs=5": {"top_logprobs": 5},
+    "temperature=1, C sampler (the native step's)": {},
 }
+NATIVE = {"temperature=1, C sampler (the native step's)"}
+"""Variants drawn by native.py's C sampler (``sample(..., native=True)``: plain rows only), when it builds here."""
 
 
 def main() -> None:
     args = base_parser(__doc__).parse_args()
     from training.deployment.engine.config import SamplingParams
+    from training.deployment.engine.native import native_available
     from training.deployment.engine.sampling import sample
     from training.deployment.engine.sequence import Sequence
+
+    native_ok = native_available(torch.device("cpu"), torch.float32) is None
+    variants = {name: fields for name, fields in VARIANTS.items() if native_ok or name not in NATIVE}
 
     started = time.perf_counter()
     batch, vocab = (8, 4096) if args.quick else (32, 49152)
@@ -47,7 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     logits = torch.randn(batch, vocab) * 3
     seqs = {}
-    for name, fields in VARIANTS.items():
+    for name, fields in variants.items():
         params = SamplingParams(max_tokens=2000, **fields)
         rows = []
         for i in range(batch):
@@ -55,14 +63,14 @@ def main() -> None:
                 [rng.randrange(vocab) for _ in range(64)], params, torch.Generator().manual_seed(i), frozenset({0, 1})
             )
             for _ in range(128):
-                seq.append(rng.randrange(vocab), 0.0)
+                seq.append(rng.randrange(vocab), 0.0, 0)
             rows.append(seq)
         seqs[name] = rows
-    times = {name: [] for name in VARIANTS}
+    times = {name: [] for name in variants}
     for r in range(max(args.repeats, 3) + 1):
         for name, rows in seqs.items():
             t0 = time.perf_counter()
-            sample(logits, rows)
+            sample(logits, rows, name in NATIVE)
             if r:  # the first round warms up
                 times[name].append((time.perf_counter() - t0) * 1e3)
     base_name = next(iter(VARIANTS))

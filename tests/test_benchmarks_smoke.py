@@ -1,6 +1,7 @@
 """Smoke test of the benchmark harness (benchmarks are not tests; this only checks the harness works).
 
-Runs the cheapest figure with ``--quick`` and checks its one JSON line; renders a report.
+Runs the cheapest figures with ``--quick`` and checks their one JSON line; renders a report; profiles a few
+decode steps of the tiny model.
 """
 
 import json
@@ -8,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio():
+@pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost"])
+def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engine_throughput", "--quick"],
+        [sys.executable, "-m", f"benchmarks.{figure}", "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -24,7 +28,7 @@ def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio():
     json_lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     assert len(json_lines) == 1
     result = json.loads(json_lines[0])
-    assert result["figure"] == "engine_throughput"
+    assert result["figure"] == figure
     assert isinstance(result["ratio"], float) and result["ratio"] > 0
     assert {"cores", "gpu", "torch"} <= set(result["machine"])
     assert result["repeats"] >= 3
@@ -258,3 +262,23 @@ def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model
     assert all(r["baseline"] == ours for r in result["rows"])  # no TRL run: ours is the baseline
     assert result["notes"].startswith("Shared machine. tiny, 1 steps per run")
     assert "`python -m benchmarks.end_to_end --quick --sides ours --set completions_per_prompt=2" in result["notes"]
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_profile_decode_prints_where_a_step_goes(kernel):
+    from tests.test_engine import require_native
+
+    if kernel == "native":
+        require_native()
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_decode", "--model", "tiny", "--kernel", kernel]
+        + ["--batch", "4", "--context", "24", "--group", "2", "--steps", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{kernel} step:" in out.stdout
+    assert ("| attention |" in out.stdout) == (kernel == "native")

@@ -252,3 +252,21 @@ def test_native_sampler_draws_what_the_torch_sampler_draws_and_fails_only_broken
     assert [t for i, t in enumerate(out.token_ids) if i not in (3, 40)] == [
         t for i, t in enumerate(ref.token_ids) if i not in (3, 40)
     ]
+
+
+def test_the_profile_build_times_every_phase_of_a_step(tiny_model_path):
+    """``NativeDecoder(profile=True)`` (benchmarks/profile_decode.py): seconds per phase, reset on read."""
+    from training.deployment.engine.native import PHASES, NativeDecoder
+
+    torch_runner, runner = runners(tiny_model_path)
+    timed = NativeDecoder(runner, profile=True)
+    fill(runner, {0: [5, 6, 7], 1: [8, 9]})
+    want = runner.native.decode([0, 1], [3, 4], [3, 2]).clone()
+    got = timed.decode([0, 1], [3, 4], [3, 2])
+    assert torch.allclose(got, want, atol=1e-6)  # the same step, timed
+    phases = timed.phase_seconds()
+    assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values())
+    assert phases["layer matmuls"] > 0 and phases["attention"] > 0
+    assert sum(timed.phase_seconds().values()) == 0  # read and reset
+    with pytest.raises(RuntimeError, match="profile=True"):
+        runner.native.phase_seconds()

@@ -16,9 +16,14 @@ Two entry points, both return fp32 logits:
   that hold copies of one prefix (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
+On CPU in fp32 the decode step runs in C by default (``decode_kernel``: ``NativeDecoder``,
+native.py), and so do the prefill's norms, RoPE, K/V writes and SiLU gate; ``decode_forward`` below
+is the torch step (``decode_kernel="torch"``, bf16, CUDA, or no C compiler).
+
 On CPU in fp32 (and in bf16 where the CPU has native bf16) the five matmuls (qkv, o, gate_up,
-down, LM head) run as oneDNN linears on weights reordered once into oneDNN's blocked layout
-(``weights_changed``, called after every weight change). In fp32 they are 1.3–3.5× faster than
+down, LM head) of the torch step and of every prefill run as oneDNN linears on weights reordered
+once into oneDNN's blocked layout (``weights_changed``, called after every weight change). In fp32
+they are 1.3–3.5× faster than
 ``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch size on the AMD EPYC this was measured
 on. The reordered copies double the weights' memory. The fp32 sums run in another order than
 MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is in BENCHMARKS.md

@@ -17,7 +17,13 @@
    Attention: one task per (segment, kv head). A segment is a set of rows that hold bitwise copies
    of one prefix K/V at positions [0, P) (a GRPO group: its prefix is read once for all its rows'
    queries) or a single row (P = 0). Online softmax (running max and sum) over blocks of keys:
-   first the shared prefix for every query of the segment, then each row's own keys [P, len). */
+   first the shared prefix for every query of the segment, then each row's own keys [P, len).
+   A few queries take a block of 16 keys as one vector of scores each (attend_keys_v); 8 to 32
+   queries over a prefix go across the lanes instead (attend_keys_wide); a head_dim that is not a
+   multiple of 16 takes the scalar loops (attend_keys_scalar).
+
+   Also here: the plain-row sampler (sample_plain) and the prefill's elementwise passes (rope_store,
+   rmsnorm_rows, silu_mul); the prefill's matmuls and attention stay torch's. */
 
 #include <math.h>
 #include <stdint.h>

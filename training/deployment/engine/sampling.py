@@ -38,6 +38,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from training.deployment.engine.native import sample_plain
 from training.deployment.engine.sequence import Sequence
 
 SHIFT_BELOW_T = 1e-4
@@ -128,8 +129,6 @@ def _plain(p) -> bool:
 
 
 def _sample_plain_native(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:
-    from training.deployment.engine.native import sample_plain
-
     u_B = torch.cat([torch.rand(1, generator=s.generator) for s in seqs])
     temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
     tokens, logprobs, ok = sample_plain(logits, temps, u_B)

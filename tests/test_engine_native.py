@@ -270,3 +270,20 @@ def test_the_profile_build_times_every_phase_of_a_step(tiny_model_path):
     assert sum(timed.phase_seconds().values()) == 0  # read and reset
     with pytest.raises(RuntimeError, match="profile=True"):
         runner.native.phase_seconds()
+
+
+def test_a_weight_update_is_repacked_in_place_and_decoded_with(tiny_qwen2_path):  # noqa: F811 (the fixture)
+    """``load_weights`` (every weight update ends there or in ``weights_changed``) repacks into the same buffers:
+    the next native step decodes with the new weights (biases too), and no second copy of the weights is made."""
+    from training.deployment.engine.weights import load_safetensors
+
+    a, b = runners(tiny_qwen2_path)
+    before = {name: [t.data_ptr() for t in bufs] for name, bufs in b.native.packed.items()}
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_safetensors(tiny_qwen2_path).items()}
+    for r in (a, b):
+        r.load_weights(new)
+        fill(r, {3: [11, 12, 13, 14], 5: [20, 21]})
+    want, got = a.decode([3, 5], [7, 8], [4, 2]), b.decode([3, 5], [7, 8], [4, 2])
+    assert torch.allclose(got, want, atol=1e-4)
+    assert {name: [t.data_ptr() for t in bufs] for name, bufs in b.native.packed.items()} == before

@@ -43,6 +43,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 """gcc's: the 16-float vectors are one register on AVX-512 (two on AVX2); the loops it vectorises itself use 512 bits too."""
+MATMULS = ("qkv", "o", "gate_up", "down")
+"""A layer's fused matmuls, by the runner's weight names (``L[name + "_w"]``, ``L[name + "_b"]``)."""
 SEGMENT_ROWS = 8
 """Most rows of one attention segment: a bigger GRPO group is split, so its tasks spread over the threads."""
 
@@ -171,12 +173,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [N, K] (fp32) in the matmul's panel layout (``[ceil(N/32)][K][32]``, columns past N zero), flat."""
+def pack_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``w`` [N, K] (fp32) in the matmul's panel layout (``[ceil(N/32)][K][32]``, columns past N zero), flat;
+    into ``out`` (a buffer of that size, rewritten in place) when given."""
     lib = load_library()
     n, k = w.shape
     w = w.contiguous()
-    out = torch.empty(lib.packed_size(n, k), dtype=torch.float32)
+    size = lib.packed_size(n, k)
+    if out is None:
+        out = torch.empty(size, dtype=torch.float32)
+    elif out.numel() != size or not out.is_contiguous():
+        raise ValueError(f"pack_weight: out holds {out.numel()} floats, the panels of a {n}x{k} weight {size}")
     lib.pack_weight(n, k, w.data_ptr(), out.data_ptr())
     return out
 
@@ -257,15 +264,27 @@ class NativeDecoder:
         self.lib = load_library(profile)
         self.profile = profile
         self.runner = runner
-        self._keep: list = []  # every tensor whose address the C side holds
-        self.packed: dict[tuple[int, str], torch.Tensor] = {}
-        self.lm_head: torch.Tensor | None = None
-        self.pack_weights()
+        layers = runner.layers
+        self.packed = {name: [pack_weight(L[name + "_w"]) for L in layers] for name in MATMULS}
+        """Per matmul name, per layer: the packed weight (rewritten in place by ``pack_weights``)."""
+        self.biases = {name: [_pad(L.get(name + "_b")) for L in layers] for name in MATMULS}
+        self.lm_head = pack_weight(runner.lm_head)
+        self.model, self._keep = self._struct()
         self._logits = torch.empty(0)
 
     @torch.inference_mode()
     def pack_weights(self) -> None:
-        """Pack the runner's current matmul weights and rebuild the struct the C side reads."""
+        """Repack the runner's current matmul weights and biases into this decoder's buffers, in place
+        (the runner's ``weights_changed`` calls it after every weight update; no second copy is made)."""
+        for name in MATMULS:
+            for L, packed, bias in zip(self.runner.layers, self.packed[name], self.biases[name]):
+                pack_weight(L[name + "_w"], out=packed)
+                if bias is not None:
+                    bias[: L[name + "_b"].numel()].copy_(L[name + "_b"])
+        pack_weight(self.runner.lm_head, out=self.lm_head)
+
+    def _struct(self) -> tuple[_Model, list]:
+        """The ``Model`` struct the C side reads, and every object whose address it holds."""
         r = self.runner
         layers = r.layers
         keep: list = []
@@ -276,9 +295,6 @@ class NativeDecoder:
             keep.extend(t for t in tensors if t is not None)
             return (ctypes.c_void_p * len(tensors))(*[_ptr(t) for t in tensors])
 
-        packed = {name: [pack_weight(L[name + "_w"]) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
-        biases = {name: [_pad(L.get(name + "_b")) for L in layers] for name in ("qkv", "o", "gate_up", "down")}
-        self.lm_head = pack_weight(r.lm_head)
         m = _Model()
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = r.num_layers, r.hidden, r.num_heads, r.num_kv_heads
         m.head_dim, m.inter, m.vocab, m.max_len = r.head_dim, layers[0]["down_w"].shape[1], r.vocab_size, r.max_len
@@ -288,8 +304,8 @@ class NativeDecoder:
             "post_norm": [L["post_norm"] for L in layers],
             "q_norm": [L.get("q_norm") for L in layers],
             "k_norm": [L.get("k_norm") for L in layers],
-            **{f"{name}_w": packed[name] for name in packed},
-            **{f"{name}_b": biases[name] for name in biases},
+            **{f"{name}_w": self.packed[name] for name in MATMULS},
+            **{f"{name}_b": self.biases[name] for name in MATMULS},
         }
         for name, tensors in tables.items():
             arr = table(tensors)
@@ -308,7 +324,7 @@ class NativeDecoder:
                 raise NativeUnavailable(f"{name} is not contiguous")
             keep.append(t)
             setattr(m, name, t.data_ptr())
-        self.model, self._keep = m, keep
+        return m, keep
 
     def phase_seconds(self, reset: bool = True) -> dict[str, float]:
         """Seconds per phase (``PHASES``) summed over the decode steps so far; profile build only."""

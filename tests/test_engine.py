@@ -362,6 +362,7 @@ def test_shutdown_aborts_pending_and_cancel_frees_slot(tiny_model_path):
         await eng.start()
         task = asyncio.create_task(eng.generate(PROMPTS[0], greedy(4000)))  # long enough to be running when cancelled
         while eng.stats()["running"] == 0:
+            assert not task.done(), "the request ended before it was seen running"  # fail, never spin
             await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -67,8 +67,10 @@ def _run_spanning(path: str, new_tensors, kv_mode: str):
         task = asyncio.create_task(eng.generate(PROMPT, greedy(LENGTH)))
         while eng.stats()["tokens_generated"] < 30:
             await asyncio.sleep(0.001)
+        await eng.pause()  # held mid-sequence however fast the engine is; an in-flight update still lands
         await eng.update_weights(new_tensors, weight_version=1, wait_for_inflight=False)
         running_at_swap = not task.done()
+        await eng.resume()
         same_prompt = await eng.generate(PROMPT, greedy(10))
         return await task, same_prompt, running_at_swap
 

@@ -493,7 +493,7 @@ def test_in_flight_update_over_http_labels_every_token_with_its_version(server, 
             body = {
                 "model": "tiny",
                 "prompt": PROMPT,
-                "max_tokens": 200,
+                "max_tokens": MAX_MODEL_LEN - len(PROMPT),  # the longest it can be: a fast engine still runs it
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "return_token_ids": True,
@@ -502,7 +502,7 @@ def test_in_flight_update_over_http_labels_every_token_with_its_version(server, 
             long = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
             while (await (await s.get(server.base_url + "/stats")).json())["running"] == 0:
                 assert not long.done(), "the request ended before it was seen running"  # fail, never spin
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.001)
             await s.post(server.base_url + "/pause")  # hold it mid-sequence: the push lands between two steps
             await push_weights(
                 server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY, wait_for_inflight=False
@@ -515,9 +515,10 @@ def test_in_flight_update_over_http_labels_every_token_with_its_version(server, 
     out = asyncio.run(go())
     ch = out["choices"][0]
     versions = ch["token_weight_versions"]
-    assert len(versions) == len(ch["token_ids"]) == 200
+    n = MAX_MODEL_LEN - len(PROMPT)
+    assert len(versions) == len(ch["token_ids"]) == n
     k = versions.index(v + 1)
-    assert 0 < k and versions == [v] * k + [v + 1] * (200 - k)
+    assert 0 < k and versions == [v] * k + [v + 1] * (n - k)
     assert ch["weight_version"] == out["weight_version"] == v  # the oldest among its tokens
 
 

@@ -258,21 +258,26 @@ def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(server, s
                     assert not task.done(), "the request ended before it was seen running"  # fail, never spin
                     await asyncio.sleep(0.001)
             (await s.post(server.base_url + "/pause")).release()
-            async with s.get(server.base_url + "/stats") as r:
-                paused = await r.json()
-            if stream:
-                resp.close()
-            else:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:  # a paused engine still applies aborts
+            try:
                 async with s.get(server.base_url + "/stats") as r:
-                    if (await r.json())["requests_aborted"] > before["requests_aborted"]:
-                        break
-                await asyncio.sleep(0.01)
-            (await s.post(server.base_url + "/resume")).release()
-            return paused
+                    paused = await r.json()
+                if stream:
+                    resp.close()
+                else:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                # a fresh session: aiohttp 3.9's client can hang a session's next request after one was cancelled
+                async with aiohttp.ClientSession() as fresh:
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:  # a paused engine still applies aborts
+                        async with fresh.get(server.base_url + "/stats") as r:
+                            if (await r.json())["requests_aborted"] > before["requests_aborted"]:
+                                break
+                        await asyncio.sleep(0.01)
+            finally:  # never leave the module's server paused
+                async with aiohttp.ClientSession() as fresh:
+                    (await fresh.post(server.base_url + "/resume")).release()
+        return paused
 
     paused = asyncio.run(go())
     after = _wait_idle(server)
@@ -367,12 +372,18 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
                 "weight_version": version + 1,
                 "wait_for_inflight": True,
             }  # waits for the running generation: the client gives up first
-            with pytest.raises(asyncio.TimeoutError):
-                await s.post(
-                    server.base_url + "/update_weights_from_disk", json=push, timeout=aiohttp.ClientTimeout(total=0.1)
-                )
-            (await s.post(server.base_url + "/resume")).release()
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await s.post(
+                        server.base_url + "/update_weights_from_disk",
+                        json=push,
+                        timeout=aiohttp.ClientTimeout(total=0.1),
+                    )
+            finally:  # a fresh session: aiohttp 3.9's client can hang a session's next request after a timeout
+                async with aiohttp.ClientSession() as fresh:
+                    (await fresh.post(server.base_url + "/resume")).release()
             (await gen).release()
+        async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 60
             while True:
                 async with s.get(server.base_url + "/weight_version") as r:

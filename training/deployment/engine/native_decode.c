@@ -294,14 +294,16 @@ static inline __attribute__((always_inline)) v16 block_scores(const int DV, cons
     return v16_sum16(part);
 }
 
-/* acc[i] += sum over t < nb of p[i][t] * v[t], for NC queries (p rows 16 apart), accumulators in registers. */
-static inline __attribute__((always_inline)) void block_pv(const int DV, const int NC, const float *p,
-                                                           const float *vb, int nb, float *acc, const float *pf_k,
-                                                           const float *pf_v, int pf_n) {
+/* acc[i] += sum over t < nt of p[i * qs + t * ks] * v[t] for NC queries, the accumulators in registers;
+   the key and value rows of the first pf_n keys after this block are prefetched on the way. */
+static inline __attribute__((always_inline)) void pv_chunk(const int DV, const int NC, const float *p, const int qs,
+                                                           const int ks, const float *vb, int nt, float *acc,
+                                                           const float *pf_k, int pf_n) {
+    const float *pf_v = vb + (size_t)nt * 16 * DV;
     v16 o[QUERY_CHUNK][8];
     for (int i = 0; i < NC; i++)
         for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
-    for (int t = 0; t < nb; t++) {
+    for (int t = 0; t < nt; t++) {
         if (t < pf_n) /* the next block's key and value rows, one each per key of this block */
             for (int c = 0; c < DV; c++) {
                 __builtin_prefetch(pf_k + (size_t)t * 16 * DV + 16 * c, 0, 3);
@@ -310,12 +312,26 @@ static inline __attribute__((always_inline)) void block_pv(const int DV, const i
         v16 vt[8];
         for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * 16 * DV + 16 * c);
         for (int i = 0; i < NC; i++) {
-            const float pt = p[16 * i + t];
+            const float pt = p[i * qs + t * ks];
             for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
         }
     }
     for (int i = 0; i < NC; i++)
         for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * 16 * DV + 16 * c) = o[i][c];
+}
+
+/* pv_chunk over all nq queries, QUERY_CHUNK at a time (the first chunk prefetches the next block). */
+static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, const float *p, const int qs,
+                                                         const int ks, const float *vb, int nt, float *acc,
+                                                         const float *pf_k, int pf_n) {
+    int i0 = 0;
+    for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
+        pv_chunk(DV, QUERY_CHUNK, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n);
+    switch (nq - i0) {
+        case 1: pv_chunk(DV, 1, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
+        case 2: pv_chunk(DV, 2, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
+        case 3: pv_chunk(DV, 3, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
+    }
 }
 
 /* attend_keys for head_dim = 16 * DV: each block of 16 keys gives a query one vector of 16 scores
@@ -350,17 +366,8 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
             *(v16 *)(scores + 16 * i) = pr;
         }
         /* while the first queries' p.V runs, the next block's keys and values are asked for */
-        int pf_n = t1 - b0 - 16 < 16 ? t1 - b0 - 16 : 16;
-        const float *pk = kb + (size_t)16 * d, *pv = vb + (size_t)16 * d;
-        if (pf_n <= 0 || kb == pad_k) pf_n = 0;
-        int i0 = 0;
-        for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
-            block_pv(DV, QUERY_CHUNK, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n);
-        switch (nq - i0) {
-            case 1: block_pv(DV, 1, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-            case 2: block_pv(DV, 2, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-            case 3: block_pv(DV, 3, scores + 16 * i0, vb, nb, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-        }
+        const int pf_n = kb == pad_k ? 0 : (t1 - b0 - 16 < 16 ? t1 - b0 - 16 : 16);
+        pv_all(DV, nq, scores, 16, 1, vb, nb, acc, kb + (size_t)16 * d, pf_n);
     }
 }
 
@@ -405,30 +412,6 @@ static void attend_keys_scalar(const float *q, int nq, int d, const float *keys,
 #define WIDE_MIN 8    /* queries from which a shared prefix is attended with the queries across the lanes */
 #define WIDE_KEYS 48  /* keys per block of the wide path (4 matmul row blocks) */
 
-/* acc[i] += sum over t < nt of p[t][i] * v[t] for NC queries, p key-major ([t][32]), accumulators in registers. */
-static inline __attribute__((always_inline)) void wide_pv(const int DV, const int NC, const float *p, const float *vb,
-                                                          int nt, float *acc, const float *pf_k, const float *pf_v,
-                                                          int pf_n) {
-    v16 o[QUERY_CHUNK][8];
-    for (int i = 0; i < NC; i++)
-        for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
-    for (int t = 0; t < nt; t++) {
-        if (t < pf_n) /* the next block's key and value rows, one each per key of this block */
-            for (int c = 0; c < DV; c++) {
-                __builtin_prefetch(pf_k + (size_t)t * 16 * DV + 16 * c, 0, 3);
-                __builtin_prefetch(pf_v + (size_t)t * 16 * DV + 16 * c, 0, 3);
-            }
-        v16 vt[8];
-        for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * 16 * DV + 16 * c);
-        for (int i = 0; i < NC; i++) {
-            const float pt = p[32 * t + i];
-            for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
-        }
-    }
-    for (int i = 0; i < NC; i++)
-        for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * 16 * DV + 16 * c) = o[i][c];
-}
-
 /* attend_keys for 8..32 queries over keys [0, t1) that they all share (a GRPO group's prefix), head_dim
    16 * DV: the queries go across the lanes instead of the keys. Scores of a block of keys are a small
    matmul (keys as rows, the queries packed as one 32-column panel: the weight matmul's kernel), so the
@@ -472,15 +455,8 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
             if (ci != 1.0f)
                 for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= ci;
         }
-        const float *vb = vals + (size_t)b0 * d, *pk = keys + (size_t)(b0 + nt) * d, *pv = vb + (size_t)nt * d;
-        int pf_n = t1 - b0 - nt < nt ? t1 - b0 - nt : nt, i0 = 0;
-        for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
-            wide_pv(DV, QUERY_CHUNK, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n);
-        switch (nq - i0) {
-            case 1: wide_pv(DV, 1, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-            case 2: wide_pv(DV, 2, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-            case 3: wide_pv(DV, 3, sc + i0, vb, nt, acc + (size_t)i0 * d, pk, pv, pf_n); break;
-        }
+        const int pf_n = t1 - b0 - nt < nt ? t1 - b0 - nt : nt;
+        pv_all(DV, nq, sc, 1, 32, vals + (size_t)b0 * d, nt, acc, keys + (size_t)(b0 + nt) * d, pf_n);
     }
     for (int i = 0; i < nq; i++) {
         m[i] = mv[i / 16][i % 16];

@@ -74,7 +74,12 @@ def tiny_qwen2_path(tmp_path_factory, tiny_model_path) -> str:
         rope_theta=1000.0,
         eos_token_id=tok.eos_token_id,
     )
-    torch.manual_seed(1)
+    return save_random_model(cfg, tok, out, seed=1)
+
+
+def save_random_model(cfg, tok, out, seed: int) -> str:
+    """A random-init model of ``cfg`` with its biases randomised too (init leaves them 0), saved with ``tok``."""
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

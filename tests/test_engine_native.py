@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from tests.test_engine import greedy, require_native, run_engine, tiny_qwen2_path  # noqa: F401 (a fixture)
+from tests.test_engine import greedy, require_native, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -42,15 +42,7 @@ def odd_llama_path(tmp_path_factory, tiny_model_path) -> str:
         max_position_embeddings=512,
         eos_token_id=tok.eos_token_id,
     )
-    torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return save_random_model(cfg, tok, out, seed=2)
 
 
 def runners(path: str, slots: int = 12, max_len: int = 96) -> tuple[LeanModelRunner, LeanModelRunner]:

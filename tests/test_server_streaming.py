@@ -1,12 +1,14 @@
 """Streaming (OpenAI chunks over server-sent events) and client-disconnect cancellation, over real HTTP.
 
-One server subprocess on the tiny model for the module; the ``openai`` SDK is the client.
+One server subprocess on the tiny model for the module; the ``openai`` SDK is the client. The tests
+that need a sequence held mid-generation serve an in-process engine instead (``_HeldEngine``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import aiohttp
@@ -60,15 +62,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-def stats(server) -> dict:
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            async with s.get(server.base_url + "/stats") as r:
-                return await r.json()
-
-    return asyncio.run(go())
 
 
 def extra(obj, name):
@@ -226,66 +219,96 @@ def test_tool_calls_stream_in_the_openai_chat_format(tokenizer, script):
         assert want["finish_reason"] == "tool_calls" and want["message"]["tool_calls"]
 
 
-def _wait_idle(server, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = stats(server)
-        if s["running"] == 0 and s["waiting"] == 0 or time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)
+class _HeldEngine:
+    """Test instrument: an in-process server whose real engine is held mid-generation on cue.
+
+    ``AsyncEngine`` behind ``create_app`` on a loopback port, served as serve.py serves it
+    (handler cancellation on). The engine's step is wrapped: the step after which ``hold_after``
+    new tokens exist blocks until :meth:`pause_when_held` has paused the engine, so the test
+    pauses a running sequence however fast the engine decodes (no race with a client's pause).
+    """
+
+    def __init__(self, tiny_model_path: str, hold_after: int):
+        from training.deployment.engine import AsyncEngine, EngineConfig
+
+        self.eng = AsyncEngine(
+            EngineConfig(model=tiny_model_path, max_batch_size=4, max_model_len=512, device="cpu", dtype="float32")
+        )
+        self.hold_after = hold_after
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    async def __aenter__(self) -> "_HeldEngine":
+        from aiohttp import web
+
+        from training.deployment.server import create_app
+
+        self.runner = web.AppRunner(create_app(self.eng), handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        host, port = self.runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}"
+        inner = self.eng.engine
+        step, start = inner.step, inner.counters["tokens_generated"]
+
+        def held_step():
+            out = step()
+            if not self.release.is_set() and inner.counters["tokens_generated"] - start >= self.hold_after:
+                self.reached.set()
+                self.release.wait(30)
+            return out
+
+        inner.step = held_step
+        return self
+
+    async def pause_when_held(self) -> dict:
+        """Wait for the held step, pause the engine (no step runs after the held one), return its stats."""
+        assert await asyncio.to_thread(self.reached.wait, 30), "generation never reached the hold"
+        pausing = asyncio.ensure_future(self.eng.pause())
+        await asyncio.sleep(0)  # pause() marks the engine paused before it waits for the held step
+        self.release.set()
+        await pausing
+        return self.eng.stats()
+
+    async def __aexit__(self, *exc) -> None:
+        self.release.set()
+        await self.runner.cleanup()  # shuts the engine down
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(server, stream):
-    """The engine is paused mid-generation (however fast it is), the client goes away, the abort lands while
-    paused; after resuming, the sequence generates nothing more and its slot is free."""
-    max_tokens = MAX_MODEL_LEN - len(PROMPT)
-    before = _wait_idle(server)
+def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(tiny_model_path, stream):
+    """The engine is held mid-generation, the client goes away, the abort lands while paused; after
+    resuming, the sequence generates nothing more and its slot is free."""
+    max_tokens = 400
 
     async def go():
-        async with aiohttp.ClientSession() as s:
+        async with _HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
+            before = held.eng.stats()
             body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
-            task = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
+            task = asyncio.ensure_future(s.post(held.base_url + "/v1/completions", json=body))
+            paused = await held.pause_when_held()
             if stream:
                 resp = await task
-                lines = [await resp.content.readline() for _ in range(6)]
-                assert [line.startswith(b"data: ") for line in lines] == [True, False] * 3
+                first = await asyncio.wait_for(resp.content.readline(), 20)  # the tokens before the hold
+                assert first.startswith(b"data: ") and json.loads(first[6:])["choices"]
+                resp.close()
             else:
-                while True:  # generation is under way
-                    async with s.get(server.base_url + "/stats") as r:
-                        if (await r.json())["running"] == 1:
-                            break
-                    assert not task.done(), "the request ended before it was seen running"  # fail, never spin
-                    await asyncio.sleep(0.001)
-            (await s.post(server.base_url + "/pause")).release()
-            try:
-                async with s.get(server.base_url + "/stats") as r:
-                    paused = await r.json()
-                if stream:
-                    resp.close()
-                else:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                # a fresh session: aiohttp 3.9's client can hang a session's next request after one was cancelled
-                async with aiohttp.ClientSession() as fresh:
-                    deadline = time.monotonic() + 20
-                    while time.monotonic() < deadline:  # a paused engine still applies aborts
-                        async with fresh.get(server.base_url + "/stats") as r:
-                            if (await r.json())["requests_aborted"] > before["requests_aborted"]:
-                                break
-                        await asyncio.sleep(0.01)
-            finally:  # never leave the module's server paused
-                async with aiohttp.ClientSession() as fresh:
-                    (await fresh.post(server.base_url + "/resume")).release()
-        return paused
+                assert not task.done()
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            deadline = time.monotonic() + 20
+            while held.eng.stats()["requests_aborted"] == before["requests_aborted"]:  # a paused engine aborts
+                assert time.monotonic() < deadline, "the disconnect was never noticed"
+                await asyncio.sleep(0.01)
+            await held.eng.resume()
+            while held.eng.stats()["running"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return before, paused, held.eng.stats()
 
-    paused = asyncio.run(go())
-    after = _wait_idle(server)
+    before, paused, after = asyncio.run(go())
     assert paused["running"] == 1  # still generating when the client left
     assert after["running"] == 0 and after["free_slots"] == before["free_slots"]
     assert after["requests_aborted"] == before["requests_aborted"] + 1
-    # nothing generated after the disconnect (one step may have been under way when the pause was asked)
-    assert after["tokens_generated"] - paused["tokens_generated"] <= 1, (paused, after)
+    assert after["tokens_generated"] == paused["tokens_generated"]  # nothing generated after the disconnect
     assert after["tokens_generated"] - before["tokens_generated"] < max_tokens
 
 
@@ -351,22 +374,15 @@ def test_an_abort_lands_within_one_engine_step(tiny_model_path, how):
     assert stats["requests_aborted"] == 1 and stats["free_slots"] == 4
 
 
-def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path):
+def test_a_weight_push_whose_client_gives_up_still_lands(tiny_model_path):
     """Handler cancellation applies to generation only: a control request runs to its end."""
 
     async def go():
-        async with aiohttp.ClientSession() as s:
-            async with s.get(server.base_url + "/weight_version") as r:
-                version = (await r.json())["weight_version"]
-            body = {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - len(PROMPT), "ignore_eos": True}
-            gen = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
-            while True:  # the generation is running
-                async with s.get(server.base_url + "/stats") as r:
-                    if (await r.json())["running"] == 1:
-                        break
-                assert not gen.done(), "the request ended before it was seen running"  # fail, never spin
-                await asyncio.sleep(0.001)
-            (await s.post(server.base_url + "/pause")).release()  # held mid-generation, however fast the engine
+        async with _HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
+            version = held.eng.weight_version
+            body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+            gen = asyncio.ensure_future(s.post(held.base_url + "/v1/completions", json=body))
+            await held.pause_when_held()  # held mid-generation
             push = {
                 "path": f"{tiny_model_path}/model.safetensors",
                 "weight_version": version + 1,
@@ -375,22 +391,17 @@ def test_a_weight_push_whose_client_gives_up_still_lands(server, tiny_model_path
             try:
                 with pytest.raises(asyncio.TimeoutError):
                     await s.post(
-                        server.base_url + "/update_weights_from_disk",
+                        held.base_url + "/update_weights_from_disk",
                         json=push,
                         timeout=aiohttp.ClientTimeout(total=0.1),
                     )
-            finally:  # a fresh session: aiohttp 3.9's client can hang a session's next request after a timeout
-                async with aiohttp.ClientSession() as fresh:
-                    (await fresh.post(server.base_url + "/resume")).release()
+            finally:
+                await held.eng.resume()
             (await gen).release()
-        async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 60
-            while True:
-                async with s.get(server.base_url + "/weight_version") as r:
-                    now = (await r.json())["weight_version"]
-                if now == version + 1 or time.monotonic() > deadline:
-                    return version, now
+            while held.eng.weight_version != version + 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            return version, held.eng.weight_version
 
     version, now = asyncio.run(go())
     assert now == version + 1

@@ -375,11 +375,15 @@ class DistributedWeightSender:
                 try:
                     sent, peak = await asyncio.to_thread(releasing_openmp_threads(self._broadcast_all), stream, specs)
                 except Exception as e:
-                    failed = await _failed_servers(tasks, grace_s=5.0)
+                    local = isinstance(e, WeightSyncError)  # named_weights broke its specs: no server is at fault
+                    failed = "" if local else await _failed_servers(tasks, grace_s=5.0)
+                    self.close()  # a broken collective cannot be reused (the next push reconnects)
+                    await _failed_servers(tasks, grace_s=5.0)  # servers mid-broadcast fail now: let them settle at -1
                     for t in tasks:
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
-                    self.close()  # a broken collective cannot be reused: the next push reconnects
+                    if local:
+                        raise WeightSyncError(f"broadcast stopped: {e}") from e
                     raise WeightSyncError(f"broadcast failed ({failed or 'no server answered yet'}): {e}") from e
                 t2 = time.perf_counter()
                 answers = await asyncio.gather(*tasks)

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import torch
 
+from tests.held_engine import HeldEngine
 from training.deployment.engine.config import GenerationResult
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
@@ -485,40 +486,34 @@ def test_weight_update_changes_greedy_output_and_version(server, tiny_model_path
     assert v2 == 2 and again == before
 
 
-def test_in_flight_update_over_http_labels_every_token_with_its_version(server, tiny_model_path):
-    v = call(server, "GET", "/weight_version")[1]["weight_version"]
+def test_in_flight_update_over_http_labels_every_token_with_its_version(tiny_model_path):
+    n = 200
 
     async def go():
-        async with aiohttp.ClientSession(headers=AUTH) as s:
+        async with HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
+            v = held.eng.weight_version
             body = {
-                "model": "tiny",
                 "prompt": PROMPT,
-                "max_tokens": MAX_MODEL_LEN - len(PROMPT),  # the longest it can be: a fast engine still runs it
+                "max_tokens": n,
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "return_token_ids": True,
                 "logprobs": 0,
             }
-            long = asyncio.ensure_future(s.post(server.base_url + "/v1/completions", json=body))
-            while (await (await s.get(server.base_url + "/stats")).json())["running"] == 0:
-                assert not long.done(), "the request ended before it was seen running"  # fail, never spin
-                await asyncio.sleep(0.001)
-            await s.post(server.base_url + "/pause")  # hold it mid-sequence: the push lands between two steps
-            await push_weights(
-                server.base_url, _perturbed(tiny_model_path).items(), v + 1, api_key=API_KEY, wait_for_inflight=False
-            )
-            await s.post(server.base_url + "/resume")
+            long = asyncio.ensure_future(s.post(held.base_url + "/v1/completions", json=body))
+            await held.pause_when_held()  # held mid-sequence: the push lands between two steps
+            await push_weights(held.base_url, _perturbed(tiny_model_path).items(), v + 1, wait_for_inflight=False)
+            await held.eng.resume()
             async with await long as r:
                 assert r.status == 200
-                return await r.json()
+                return v, await r.json()
 
-    out = asyncio.run(go())
+    v, out = asyncio.run(go())
     ch = out["choices"][0]
     versions = ch["token_weight_versions"]
-    n = MAX_MODEL_LEN - len(PROMPT)
     assert len(versions) == len(ch["token_ids"]) == n
     k = versions.index(v + 1)
-    assert 0 < k and versions == [v] * k + [v + 1] * (n - k)
+    assert 20 <= k < n and versions == [v] * k + [v + 1] * (n - k)
     assert ch["weight_version"] == out["weight_version"] == v  # the oldest among its tokens
 
 

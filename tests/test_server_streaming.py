@@ -1,20 +1,20 @@
 """Streaming (OpenAI chunks over server-sent events) and client-disconnect cancellation, over real HTTP.
 
 One server subprocess on the tiny model for the module; the ``openai`` SDK is the client. The tests
-that need a sequence held mid-generation serve an in-process engine instead (``_HeldEngine``).
+that need a sequence held mid-generation serve an in-process engine instead (``HeldEngine``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
+from tests.held_engine import HeldEngine
 from training.deployment.engine.config import GenerationDelta, GenerationResult, SamplingParams
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.protocol import ParsedRequest
@@ -219,61 +219,6 @@ def test_tool_calls_stream_in_the_openai_chat_format(tokenizer, script):
         assert want["finish_reason"] == "tool_calls" and want["message"]["tool_calls"]
 
 
-class _HeldEngine:
-    """Test instrument: an in-process server whose real engine is held mid-generation on cue.
-
-    ``AsyncEngine`` behind ``create_app`` on a loopback port, served as serve.py serves it
-    (handler cancellation on). The engine's step is wrapped: the step after which ``hold_after``
-    new tokens exist blocks until :meth:`pause_when_held` has paused the engine, so the test
-    pauses a running sequence however fast the engine decodes (no race with a client's pause).
-    """
-
-    def __init__(self, tiny_model_path: str, hold_after: int):
-        from training.deployment.engine import AsyncEngine, EngineConfig
-
-        self.eng = AsyncEngine(
-            EngineConfig(model=tiny_model_path, max_batch_size=4, max_model_len=512, device="cpu", dtype="float32")
-        )
-        self.hold_after = hold_after
-        self.reached, self.release = threading.Event(), threading.Event()
-
-    async def __aenter__(self) -> "_HeldEngine":
-        from aiohttp import web
-
-        from training.deployment.server import create_app
-
-        self.runner = web.AppRunner(create_app(self.eng), handler_cancellation=True)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        host, port = self.runner.addresses[0][:2]
-        self.base_url = f"http://{host}:{port}"
-        inner = self.eng.engine
-        step, start = inner.step, inner.counters["tokens_generated"]
-
-        def held_step():
-            out = step()
-            if not self.release.is_set() and inner.counters["tokens_generated"] - start >= self.hold_after:
-                self.reached.set()
-                self.release.wait(30)
-            return out
-
-        inner.step = held_step
-        return self
-
-    async def pause_when_held(self) -> dict:
-        """Wait for the held step, pause the engine (no step runs after the held one), return its stats."""
-        assert await asyncio.to_thread(self.reached.wait, 30), "generation never reached the hold"
-        pausing = asyncio.ensure_future(self.eng.pause())
-        await asyncio.sleep(0)  # pause() marks the engine paused before it waits for the held step
-        self.release.set()
-        await pausing
-        return self.eng.stats()
-
-    async def __aexit__(self, *exc) -> None:
-        self.release.set()
-        await self.runner.cleanup()  # shuts the engine down
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(tiny_model_path, stream):
     """The engine is held mid-generation, the client goes away, the abort lands while paused; after
@@ -281,7 +226,7 @@ def test_a_disconnected_client_has_its_sequence_aborted_and_slot_freed(tiny_mode
     max_tokens = 400
 
     async def go():
-        async with _HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
+        async with HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
             before = held.eng.stats()
             body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
             task = asyncio.ensure_future(s.post(held.base_url + "/v1/completions", json=body))
@@ -378,7 +323,7 @@ def test_a_weight_push_whose_client_gives_up_still_lands(tiny_model_path):
     """Handler cancellation applies to generation only: a control request runs to its end."""
 
     async def go():
-        async with _HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
+        async with HeldEngine(tiny_model_path, hold_after=20) as held, aiohttp.ClientSession() as s:
             version = held.eng.weight_version
             body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
             gen = asyncio.ensure_future(s.post(held.base_url + "/v1/completions", json=body))

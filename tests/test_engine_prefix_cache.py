@@ -247,7 +247,12 @@ def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_mo
     async def body(eng):
         stream = eng.generate_stream(*requests[0])
         await stream.__anext__()  # the leader decodes: later members copy its prompt K/V from its running slot
-        rest = await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[1:]])
+        await eng.pause()  # held mid-sequence however loaded the machine, so every member joins it
+        members = asyncio.gather(*[eng.generate(p, sp) for p, sp in requests[1:]])
+        while eng.stats()["waiting"] < len(requests) - 1:
+            await asyncio.sleep(0.005)
+        await eng.resume()
+        rest = await members
         async for delta in stream:
             if delta.result is not None:
                 return [delta.result, *rest]

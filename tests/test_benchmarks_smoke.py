@@ -14,18 +14,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost"])
-def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
+def run_benchmark(name: str, *args: str, timeout: float = 120) -> str:
+    """Run ``python -m benchmarks.<name> <args>`` from the repository root; its stdout, once it exited 0."""
     out = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{figure}", "--quick"],
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    json_lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost"])
+def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
+    stdout = run_benchmark(figure, "--quick")
+    json_lines = [l for l in stdout.splitlines() if l.startswith("{")]
     assert len(json_lines) == 1
     result = json.loads(json_lines[0])
     assert result["figure"] == figure
@@ -220,30 +226,13 @@ def test_end_to_end_figures_are_medians_of_the_steps_after_the_first_and_skip_ac
 
 def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model():
     """--set reaches every run of ours, --variant only its own; the notes carry the command and the --note."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.end_to_end",
-            "--quick",
-            "--sides",
-            "ours",
-            "--set",
-            "completions_per_prompt=2",
-            "--variant",
-            "lr x10",
-            "trainer.learning_rate=1e-4",
-            "--note",
-            "Shared machine.",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    stdout = run_benchmark(
+        "end_to_end",
+        *["--quick", "--sides", "ours", "--set", "completions_per_prompt=2"],
+        *["--variant", "lr x10", "trainer.learning_rate=1e-4", "--note", "Shared machine."],
         timeout=300,
-        check=False,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    result = json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
     assert result["figure"] == "end_to_end"
     runs = result["runs"]
     ours = "ours, example with completions_per_prompt=2"
@@ -270,15 +259,20 @@ def test_profile_decode_prints_where_a_step_goes(kernel):
 
     if kernel == "native":
         require_native()
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.profile_decode", "--model", "tiny", "--kernel", kernel]
-        + ["--batch", "4", "--context", "24", "--group", "2", "--steps", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    stdout = run_benchmark(
+        "profile_decode",
+        "--model",
+        "tiny",
+        "--kernel",
+        kernel,
+        "--batch",
+        "4",
+        "--context",
+        "24",
+        "--group",
+        "2",
+        "--steps",
+        "3",
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"{kernel} step:" in out.stdout
-    assert ("| attention |" in out.stdout) == (kernel == "native")
+    assert f"{kernel} step:" in stdout
+    assert ("| attention |" in stdout) == (kernel == "native")

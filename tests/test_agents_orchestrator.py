@@ -1,4 +1,4 @@
-"""Orchestrator: bounded concurrency, grouping, open-group cap, failures, and the weight-sync lock.
+"""Orchestrator: bounded concurrency, grouping, open-group cap, failures, and the pause gate around a weight sync.
 
 The engine here is a stand-in that sleeps per episode (the orchestrator only schedules; the
 real engine against the server is covered in test_agents_trajectory.py).
@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from training.agents import Orchestrator, WeightSyncLock
+from training.agents import Orchestrator
 from training.agents.trajectory import Episode
+from training.utils.pause_gate import PauseGate
 from training.utils.rl.rollout import RolloutSample
 
 
@@ -83,24 +84,24 @@ def test_group_key_must_be_unique_among_open_groups():
         orchestrator(SleepyEngine(), group_size=0)
 
 
-def test_sync_lock_pauses_new_episodes_and_drains_running_ones():
+def test_gate_pauses_new_episodes_and_drains_running_ones():
     async def go():
-        lock = WeightSyncLock()
+        gate = PauseGate()
         log = []
 
         async def episode(name, hold):
-            async with lock.episode():
+            async with gate.admitted():
                 log.append(f"start {name}")
                 await asyncio.sleep(hold)
                 log.append(f"end {name}")
 
         first = asyncio.create_task(episode("a", 0.1))
         await asyncio.sleep(0.01)
-        async with lock.pause(drain=True):
+        async with gate.pausing(drain=True):
             log.append("sync")  # only after "a" ended
             late = asyncio.create_task(episode("b", 0.0))
             await asyncio.sleep(0.05)
-            assert lock.paused and "start b" not in log
+            assert gate.paused and "start b" not in log
             log.append("sync done")
         await asyncio.gather(first, late)
         return log
@@ -113,7 +114,7 @@ def test_orchestrator_waits_while_weights_sync():
     orch = orchestrator(engine, group_size=1, max_concurrency=8)
 
     async def go():
-        async with orch.sync_lock.pause():
+        async with orch.gate.pausing():
             it = orch.run([{"id": i} for i in range(3)])
             task = asyncio.ensure_future(it.__anext__())
             await asyncio.sleep(0.05)

@@ -269,20 +269,20 @@ def test_pause_holds_new_calls_and_drain_waits_for_in_flight(server):
     async def go():
         async with ProxyServer([server.base_url]) as proxy:
             c = client_for(proxy, "p-1")
-            proxy.pause()
+            proxy.gate.pause()
             held = asyncio.create_task(c.completions.create(model="m", prompt=[1, 5, 201], max_tokens=2))
             await asyncio.sleep(0.5)
-            assert not held.done() and proxy.in_flight == 0
-            proxy.resume()
+            assert not held.done() and proxy.gate.in_flight == 0
+            proxy.gate.resume()
             await held
             slow = asyncio.create_task(
                 c.completions.create(model="m", prompt=[1, 6, 201], max_tokens=64, extra_body={"ignore_eos": True})
             )
-            while proxy.in_flight == 0 and not slow.done():  # a fast engine may answer before it is seen in flight
+            while proxy.gate.in_flight == 0 and not slow.done():  # a fast engine may answer before it is seen in flight
                 await asyncio.sleep(0.001)
-            await proxy.pause_and_drain(timeout_s=60)
-            assert slow.done() and proxy.in_flight == 0
-            proxy.resume()
+            await proxy.gate.pause_and_drain(timeout_s=60)
+            assert slow.done() and proxy.gate.in_flight == 0
+            proxy.gate.resume()
             return proxy.close_session("p-1")
 
     session = asyncio.run(go())

@@ -10,7 +10,7 @@ from training.agents.environments import (
     TaskEnvironment,
     ToolEnvironment,
 )
-from training.agents.orchestrator import Orchestrator, TrajectoryGroup, WeightSyncLock
+from training.agents.orchestrator import Orchestrator, TrajectoryGroup
 from training.agents.rollout_fn import engine_for_setup, make_agent_rollout_fn
 from training.utils.tool_parsers import (
     HermesToolParser,
@@ -39,7 +39,6 @@ __all__ = [
     "ToolEnvironment",
     "Orchestrator",
     "TrajectoryGroup",
-    "WeightSyncLock",
     "engine_for_setup",
     "make_agent_rollout_fn",
     "HermesToolParser",

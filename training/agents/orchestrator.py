@@ -3,7 +3,7 @@
     orch = Orchestrator(engine, agent_factory, env_factory, group_size=4, max_concurrency=32)
     async for group in orch.run(rows):           # groups in the order they fill
         train_on(group.episodes)
-        async with orch.sync_lock.pause():       # no new episode starts during the weight sync
+        async with orch.gate.pausing(drain=True):  # no new episode starts, running ones finish
             await push_weights(...)
 
 Each row is rolled out ``group_size`` times; finished episodes are bucketed by
@@ -12,6 +12,7 @@ Each row is rolled out ``group_size`` times; finished episodes are bucketed by
 their group (bounds memory); at most ``max_concurrency`` episodes run at once. An episode that
 raises, or runs past ``episode_timeout_s`` (it is cancelled), is counted in ``group.errors``
 (its group is yielded with the episodes that finished), so a hung episode never blocks its group.
+Every episode passes ``orch.gate`` (``training/utils/pause_gate.py``: counted pausers, drain).
 
 With ``training.recipes.async_rl_loop`` use ``make_agent_rollout_fn`` instead: the recipe
 already fans out, groups, gates and syncs weights.
@@ -20,54 +21,12 @@ already fans out, groups, gates and syncs weights.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Iterable, Optional
 
 from training.agents.rollout_fn import AgentFactory, EnvFactory
 from training.agents.trajectory import Episode, TrajectoryEngine
-
-
-class WeightSyncLock:
-    """Pauses new episodes while weights sync: ``async with lock.episode()`` around each episode,
-    ``async with lock.pause(drain=...)`` around the sync (``drain=True`` also waits for running ones)."""
-
-    def __init__(self):
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.in_flight = 0
-        self._pausers = 0
-
-    @property
-    def paused(self) -> bool:
-        return not self._open.is_set()
-
-    @contextlib.asynccontextmanager
-    async def episode(self):
-        await self._open.wait()
-        self.in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def pause(self, drain: bool = False):
-        self._pausers += 1
-        self._open.clear()
-        try:
-            if drain:
-                await self._idle.wait()
-            yield
-        finally:
-            self._pausers -= 1
-            if self._pausers == 0:
-                self._open.set()
+from training.utils.pause_gate import PauseGate
 
 
 @dataclass
@@ -118,14 +77,15 @@ class Orchestrator:
         self.max_concurrency = max_concurrency
         self.max_open_groups = max_open_groups
         self.group_key = group_key
-        self.sync_lock = WeightSyncLock()
+        self.gate = PauseGate()
+        """Episodes start only while it is open; pause it around a weight sync (``pausing(drain=True)``)."""
         self.peak_open_groups = 0
         self.peak_running = 0
         self._running = 0
 
     async def _episode(self, row: dict, sem: asyncio.Semaphore) -> Episode:
         async with sem:
-            async with self.sync_lock.episode():
+            async with self.gate.admitted():
                 self._running += 1
                 self.peak_running = max(self.peak_running, self._running)
                 try:

@@ -44,11 +44,6 @@ class RequestError(Exception):
         self.err_type = err_type
 
 
-def error_body(message: str, err_type: str = "invalid_request_error", param: Optional[str] = None) -> dict:
-    """The OpenAI error envelope."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
-
-
 @dataclass
 class ParsedRequest:
     """A validated generation request: prompts as token ids, ``n`` choices each."""

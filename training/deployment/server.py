@@ -36,14 +36,15 @@ from training.deployment.engine.config import (
 from training.deployment.protocol import (
     ParsedRequest,
     RequestError,
-    error_body,
     parse_chat_request,
     parse_completion_request,
 )
 from training.deployment.responses import build_chat_response, build_completion_response
-from training.deployment.streaming import DONE, ChunkStream, sse
+from training.deployment.streaming import ChunkStream
 from training.utils.http import JsonBodyError, bearer_ok, parse_json_body, session_id_of
+from training.utils.openai_errors import error_body, error_response
 from training.utils.openmp import releasing_openmp_threads
+from training.utils.sse import end_sse, open_sse, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,6 @@ def shm_roots() -> list[Path]:
     return [shm.resolve()] if shm.is_dir() else [Path(tempfile.gettempdir()).resolve()]
 
 
-def _json_error(
-    status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None
-) -> web.Response:
-    return web.json_response(error_body(message, err_type, param), status=status)
-
-
 _CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose handler is cancelled (and sequences aborted) when the client disconnects."""
 
@@ -81,7 +76,7 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
     api_key = request.app[SETTINGS_KEY].get("api_key")
     if api_key and request.path not in _OPEN_PATHS:
         if not bearer_ok(request.headers.get("Authorization"), api_key):
-            return _json_error(
+            return error_response(
                 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error"
             )
     try:
@@ -91,21 +86,21 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
         # push cut half-way would leave a joined group unrecorded or a /dev/shm file behind
         return await _run_to_end(handler(request))
     except RequestError as e:
-        return _json_error(e.status, e.message, e.err_type, e.param)
+        return error_response(e.status, e.message, e.err_type, e.param)
     except WeightUpdateError as e:
-        return _json_error(400, f"weight update refused: {e}", "invalid_request_error")
+        return error_response(400, f"weight update refused: {e}", "invalid_request_error")
     except EngineError as e:
-        return _json_error(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+        return error_response(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
     except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
         log.error("request failed in the engine: %s", e)
-        return _json_error(500, f"generation failed: {e}", "internal_error")
+        return error_response(500, f"generation failed: {e}", "internal_error")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
         raise
     except Exception as e:  # a server bug: log it, answer 500, keep serving
         log.exception("unhandled error on %s", request.path)
-        return _json_error(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
 
 
 async def _run_to_end(coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
@@ -204,27 +199,27 @@ async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: boo
         except Exception as e:  # reported in the stream; the other choices are cancelled
             queue.put_nowait((p, i, e))
 
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = await open_sse(request)
     tasks = [asyncio.ensure_future(consume(p, i)) for p in range(len(req.prompts)) for i in range(req.n)]
     try:
         for chunk in chunks.opening():
-            await resp.write(sse(chunk))
+            await resp.write(sse_event(chunk))
         running = len(tasks)
         while running:
             p, i, item = await queue.get()
             if isinstance(item, Exception):
                 log.error("streamed request failed: %s: %s", type(item).__name__, item)
-                await resp.write(sse(error_body(f"generation failed: {type(item).__name__}: {item}", "internal_error")))
+                await resp.write(
+                    sse_event(error_body(f"generation failed: {type(item).__name__}: {item}", "internal_error"))
+                )
                 break
             for chunk in chunks.update(p, i, item):
-                await resp.write(sse(chunk))
+                await resp.write(sse_event(chunk))
             running -= item.result is not None
         else:
             for chunk in chunks.closing():
-                await resp.write(sse(chunk))
-        await resp.write(DONE)
-        await resp.write_eof()
+                await resp.write(sse_event(chunk))
+        await end_sse(resp)
     except ConnectionResetError:  # the client went away: stop its sequences
         log.info("client disconnected from a streamed request")
     finally:
@@ -464,7 +459,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         try:
             await engine.update_weights_streamed(loader, plan.weight_version, wait_for_inflight=plan.wait_for_inflight)
         except PartialWeightUpdateError as e:
-            return _json_error(
+            return error_response(
                 500,
                 f"weight update failed half-way; weights are a mix, weight_version is {engine.weight_version}: {e}",
                 "internal_error",

@@ -1,6 +1,7 @@
 """Streamed responses: engine deltas -> OpenAI chunks, sent as server-sent events.
 
-Wire format (as OpenAI): every event is ``data: <json>\\n\\n``, the last is ``data: [DONE]\\n\\n``.
+Wire format (as OpenAI): every event is ``data: <json>\\n\\n``, the last is ``data: [DONE]\\n\\n``
+(framed by ``training/utils/sse.py``, which the proxy uses too).
 Each chunk carries one choice (``n > 1`` and several prompts interleave by ``index``):
 
 - completions: ``{"object": "text_completion", "choices": [{"index", "text", "logprobs",
@@ -26,7 +27,6 @@ event before ``[DONE]``.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -45,13 +45,7 @@ from training.deployment.responses import (
 
 log = logging.getLogger(__name__)
 
-DONE = b"data: [DONE]\n\n"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def sse(obj: dict) -> bytes:
-    """One server-sent event."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -127,11 +127,11 @@ class ProxyRolloutFn:
     async def before_weight_sync(self) -> None:
         """Hold new agent calls and wait for in-flight ones, so no call straddles two weight versions."""
         if self.proxy is not None:
-            await self.proxy.pause_and_drain()
+            await self.proxy.gate.pause_and_drain()
 
     async def after_weight_sync(self) -> None:
         if self.proxy is not None:
-            self.proxy.resume()
+            self.proxy.gate.resume()
 
     async def ensure_started(self) -> ProxyServer:
         """Start the proxy on the running loop (once per loop); it stops when the loop shuts down."""

@@ -11,7 +11,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from th
 ``/sessions/{id}/v1/...`` for clients that cannot set headers; ``POST /v1/responses`` answers 404
 naming the routes to use (the Responses API is not served); ``GET [/sessions/{id}]/v1/models``;
 ``GET /health``;
-``POST /proxy/pause`` (block new calls, wait for in-flight ones), ``POST /proxy/resume``;
+``POST /proxy/pause`` (add a pauser: new calls wait; answers once none is in flight), ``POST /proxy/resume``
+(remove one: calls flow again when every pauser resumed; see ``training/utils/pause_gate.py``);
 ``GET /sessions/{id}/calls`` (recorded calls and labels, for logs); ``POST /sessions/{id}/reward``
 (or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
 reward the agent posts itself to call k (default its latest call; see ``transitions.py``).
@@ -30,7 +31,6 @@ retried once (generation then stops at the context end with ``finish_reason="len
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -44,14 +44,11 @@ from aiohttp import web
 from training.proxy import anthropic
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
 from training.proxy.streaming import (
-    DONE,
     StreamAccumulator,
     chat_chunks,
     client_body,
     client_chunk,
     completion_chunks,
-    iter_sse,
-    sse_event,
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
@@ -63,21 +60,16 @@ from training.utils.http import (
     session_headers,
     session_id_of,
 )
+from training.utils.openai_errors import error_body, error_response
+from training.utils.pause_gate import PauseGate
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
+from training.utils.sse import end_sse, iter_sse, open_sse, sse_event
 
 logger = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-name"
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 UPSTREAM_STREAM_MODES = ("auto", "on", "off")
-
-
-def _error_body(message: str, err_type: str = "invalid_request_error", param: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
-
-
-def _error(status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None):
-    return web.json_response(_error_body(message, err_type, param), status=status)
 
 
 class ProxyServer:
@@ -124,11 +116,8 @@ class ProxyServer:
         """Upstream base URLs that answered ``stream`` with a 400 (their streams are synthesised)."""
         self.sessions: dict[str, SessionRecord] = {}
         self.closed_ids: set[str] = set()
-        self.in_flight = 0
-        self._admit = asyncio.Event()
-        self._admit.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.gate = PauseGate()
+        """Holds new calls during a weight sync (counted pausers) and drains the calls in flight."""
         self._runner: Optional[web.AppRunner] = None
         self._reaper: Optional[asyncio.Task] = None
 
@@ -193,22 +182,6 @@ class ProxyServer:
         rec.closed = True
         return rec
 
-    # ---- weight sync ------------------------------------------------------------------
-    def pause(self) -> None:
-        """New calls wait (they are not refused) until ``resume``."""
-        self._admit.clear()
-
-    def resume(self) -> None:
-        self._admit.set()
-
-    async def drain(self, timeout_s: Optional[float] = None) -> None:
-        """Wait until no call is in flight (call ``pause`` first, or new ones keep arriving)."""
-        await asyncio.wait_for(self._idle.wait(), timeout_s)
-
-    async def pause_and_drain(self, timeout_s: Optional[float] = None) -> None:
-        self.pause()
-        await self.drain(timeout_s)
-
     # ---- routes -----------------------------------------------------------------------
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -218,31 +191,37 @@ class ProxyServer:
                 request.headers.get("x-api-key", "").encode(), self.api_key.encode()
             )
             if not ok:
-                return _error(401, "missing or wrong API key for the proxy", "authentication_error")
+                return error_response(401, "missing or wrong API key for the proxy", "authentication_error")
         return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "status": "ok",
-                "paused": not self._admit.is_set(),
-                "in_flight": self.in_flight,
+                "paused": self.gate.paused,
+                "pausers": self.gate.pausers,
+                "in_flight": self.gate.in_flight,
                 "sessions": len(self.sessions),
             }
         )
 
     async def _pause_route(self, request: web.Request) -> web.Response:
-        await self.pause_and_drain()
-        return web.json_response({"status": "paused", "in_flight": self.in_flight})
+        """Add a pauser and answer once no call is in flight."""
+        await self.gate.pause_and_drain()
+        return web.json_response({"status": "paused", "pausers": self.gate.pausers, "in_flight": self.gate.in_flight})
 
     async def _resume_route(self, request: web.Request) -> web.Response:
-        self.resume()
-        return web.json_response({"status": "running"})
+        """Remove one pauser: calls flow again only when every pauser resumed (409 when none is left)."""
+        if not self.gate.paused:
+            return error_response(409, "the proxy is not paused (every pause was already resumed)", "conflict_error")
+        self.gate.resume()
+        status = "paused" if self.gate.paused else "running"
+        return web.json_response({"status": status, "pausers": self.gate.pausers})
 
     async def _calls_route(self, request: web.Request) -> web.Response:
         rec = self.sessions.get(request.match_info["sid"])
         if rec is None:
-            return _error(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
+            return error_response(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
         return web.json_response({"session_id": rec.session_id, "calls": [c.summary() for c in rec.calls]})
 
     async def _reward_route(self, request: web.Request) -> web.Response:
@@ -255,14 +234,14 @@ class ProxyServer:
             return err
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return _error(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
+            return error_response(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
         agent = request.headers.get(AGENT_HEADER)
         mine = [c.index for c in session.calls if agent is None or c.agent == agent]
         index = body.get("call", mine[-1] if mine else None)
         if index is None:
-            return _error(400, "no call to reward yet: post a reward after the call it is for", param="call")
+            return error_response(400, "no call to reward yet: post a reward after the call it is for", param="call")
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(session.calls):
-            return _error(
+            return error_response(
                 400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})", param="call"
             )
         session.calls[index].posted_rewards.append(float(reward))
@@ -272,7 +251,7 @@ class ProxyServer:
         try:
             reply = await self.pool.request("GET", self.pool.base_urls[0], "/v1/models")
         except UpstreamError as e:
-            return _error(502, str(e), "upstream_error")
+            return error_response(502, str(e), "upstream_error")
         return web.json_response(reply.body, status=reply.status)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -282,7 +261,7 @@ class ProxyServer:
         return await self._generate(request, "completions")
 
     async def _responses(self, request: web.Request) -> web.Response:
-        return _error(
+        return error_response(
             404,
             "the training proxy does not serve the Responses API (/v1/responses); call "
             "/v1/chat/completions (client.chat.completions.create) or /v1/messages",
@@ -294,36 +273,23 @@ class ProxyServer:
     ) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
         sid = request.match_info.get("sid") or session_id_of(request.headers, body)
         if not sid:
-            return None, _error(
+            return None, error_response(
                 400,
                 f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
                 "header or the 'user' field, or use the base URL /sessions/{id}/v1",
             )
         if sid in self.closed_ids:
-            return None, _error(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
+            return None, error_response(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
         return self.sessions.setdefault(sid, SessionRecord(sid)), None
 
     async def _read_body(self, request: web.Request) -> tuple[Optional[dict], Optional[web.Response]]:
         try:
             body = parse_json_body(await request.read())
         except ValueError as e:
-            return None, _error(400, str(e))
+            return None, error_response(400, str(e))
         if not isinstance(body, dict):
-            return None, _error(400, "the request body must be a JSON object")
+            return None, error_response(400, "the request body must be a JSON object")
         return body, None
-
-    @contextlib.asynccontextmanager
-    async def _admitted(self):
-        """One call in flight: waits while paused, counted until it is answered (streams included)."""
-        await self._admit.wait()
-        self.in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         body, err = await self._read_body(request)
@@ -333,12 +299,12 @@ class ProxyServer:
         if err is not None:
             return err
         if (body.get("n") or 1) != 1:
-            return _error(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
+            return error_response(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
         if not isinstance(body.get("stream", False), bool):
-            return _error(400, "'stream' must be a boolean", "stream")
+            return error_response(400, "'stream' must be a boolean", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
-            return _error(400, "'stream_options' must be an object", "stream_options")
-        async with self._admitted():
+            return error_response(400, "'stream_options' must be an object", "stream_options")
+        async with self.gate.admitted():
             if body.get("stream"):
                 return await self._stream(request, session, endpoint, body)
             out = await self._exchange(request, session, endpoint, body)
@@ -359,7 +325,7 @@ class ProxyServer:
             chat = anthropic.to_chat_request(body)
         except anthropic.AnthropicRequestError as e:
             return web.json_response(anthropic.error_body(str(e)), status=400)
-        async with self._admitted():
+        async with self.gate.admitted():
             out = await self._exchange(request, session, "chat", chat)
         if isinstance(out, web.Response):  # the same error in Anthropic's envelope
             err_body = json.loads(out.body) if out.body else {}
@@ -370,7 +336,7 @@ class ProxyServer:
         message = anthropic.from_chat_response(reply, body.get("model"))
         if not chat["stream"]:
             return web.json_response(message, headers=self._label_headers(record))
-        resp = await self._open_sse(request)
+        resp = await open_sse(request)
         for event, data in anthropic.stream_events(message):
             await resp.write(sse_event(data, event))
         await resp.write_eof()
@@ -415,12 +381,12 @@ class ProxyServer:
                 reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
-            return _error(502, f"upstream failed: {e}", "upstream_error")
+            return error_response(502, f"upstream failed: {e}", "upstream_error")
         if reply.status != 200:
             return web.json_response(reply.body, status=reply.status)
         record = await self._commit(session, reply.body, endpoint, body, request, url, clamped)
         if record is None:
-            return _error(502, session.upstream_errors[-1], "upstream_error")
+            return error_response(502, session.upstream_errors[-1], "upstream_error")
         return reply.body, record
 
     async def _commit(
@@ -445,12 +411,6 @@ class ProxyServer:
             assign(session, record, self.strategy)
         return record
 
-    @staticmethod
-    async def _open_sse(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        return resp
-
     async def _stream(
         self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
     ) -> web.StreamResponse:
@@ -467,11 +427,10 @@ class ProxyServer:
         client = client_body(reply, body, endpoint)
         wants_usage = wanted_fields(body, endpoint).usage
         chunks = chat_chunks(client, wants_usage) if endpoint == "chat" else completion_chunks(client, wants_usage)
-        resp = await self._open_sse(request)
+        resp = await open_sse(request)
         for chunk in chunks:
             await resp.write(sse_event(chunk))
-        await resp.write(DONE)
-        await resp.write_eof()
+        await end_sse(resp)
         return resp
 
     async def _relay(
@@ -505,7 +464,7 @@ class ProxyServer:
                             clamped = True
                             continue
                         return web.json_response(parsed, status=up.status)
-                    resp = await self._open_sse(request)
+                    resp = await open_sse(request)
                     async for chunk in iter_sse(up.content):
                         acc.add(chunk)
                         out = client_chunk(chunk, wants)
@@ -514,17 +473,16 @@ class ProxyServer:
                     break
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
-            return _error(502, f"upstream failed: {e}", "upstream_error")
+            return error_response(502, f"upstream failed: {e}", "upstream_error")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # broke mid-stream
             session.upstream_errors.append(f"upstream stream broke: {type(e).__name__}: {e}")
             if resp is None:
-                return _error(502, session.upstream_errors[-1], "upstream_error")
-            await resp.write(sse_event(_error_body(session.upstream_errors[-1], "upstream_error")))
+                return error_response(502, session.upstream_errors[-1], "upstream_error")
+            await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
             await resp.write_eof()
             return resp
         record = await self._commit(session, acc.reply(), endpoint, body, request, url, clamped)
         if record is None:
-            await resp.write(sse_event(_error_body(session.upstream_errors[-1], "upstream_error")))
-        await resp.write(DONE)
-        await resp.write_eof()
+            await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
+        await end_sse(resp)
         return resp

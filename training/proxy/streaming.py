@@ -15,17 +15,15 @@ The proxy serves it in one of two ways (``ProxyServer(upstream_stream=...)``):
   chunk format: ``choices[].token_ids`` per chunk, ``prompt_token_ids`` on the first, the
   chunk's logprobs), which is recorded exactly like one.
 
-Either way the recorded prompt ids, output ids and logprobs are the upstream's, never text.
+Either way the recorded prompt ids, output ids and logprobs are the upstream's, never text. The
+events are written and read with ``training/utils/sse.py`` (the server's framing too).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
-
-DONE = b"data: [DONE]\n\n"
+from typing import Any, Optional
 
 
 @dataclass
@@ -70,30 +68,6 @@ def client_body(out: dict, body: dict, endpoint: str) -> dict:
     if wants.model is not None:
         out["model"] = wants.model
     return out
-
-
-def sse_event(data: Any, event: Optional[str] = None) -> bytes:
-    """One SSE event: ``[event: NAME\\n]data: JSON\\n\\n``."""
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def iter_sse(lines: AsyncIterator[bytes]) -> AsyncIterator[dict]:
-    """Parsed JSON ``data`` of each event of an SSE byte-line stream, until ``[DONE]`` or the end."""
-    data: list[str] = []
-    async for raw in lines:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-            continue
-        if line or not data:
-            continue  # comments, event names, blank keep-alives
-        payload, data = "\n".join(data), []
-        if payload == "[DONE]":
-            return
-        yield json.loads(payload)
-    if data and "\n".join(data) != "[DONE]":
-        yield json.loads("\n".join(data))
 
 
 # ---------------------------------------------------------------- full reply -> chunks

@@ -277,7 +277,7 @@ class DeployConfig:
     engine_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for a launched ``vllm`` / ``sglang`` server."""
     engine_env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for a launched ``vllm`` / ``sglang`` server (e.g. ``VLLM_CPU_KVCACHE_SPACE``)."""
+    """Extra environment variables for a launched server, any engine (e.g. ``VLLM_CPU_KVCACHE_SPACE``); set last."""
     replica_devices: list[str] = field(default_factory=list)
     """Where launched replicas run: ``cpu``, ``cuda:N`` or ``cuda:N,M`` (several GPUs: vLLM / SGLang tensor
     parallel); replica ``i`` takes entry ``i % len``. Empty: the GPUs the trainer does not use, else

@@ -58,6 +58,8 @@ class EmbeddedDeployment(ServerProcess):
 
     def _command(self) -> list[str]:
         engine_config = dataclasses.replace(self.cfg.engine_config, model=self.model)
+        if self.placement is not None:  # the child sees only its own GPUs: the first is cuda:0
+            engine_config = dataclasses.replace(engine_config, device=self.placement.engine_device)
         cmd = [
             sys.executable,
             "-m",
@@ -76,7 +78,7 @@ class EmbeddedDeployment(ServerProcess):
         return cmd + self.extra_args
 
     def _env(self) -> dict[str, str]:
-        env = super()._env()
+        env = super()._env()  # torchrun's variables removed, its own GPUs visible, engine_env applied
         env.pop("DEPLOYMENT_API_KEY", None)
         if self.api_key:
             env["DEPLOYMENT_API_KEY"] = self.api_key  # via env, not argv: keeps the key out of `ps`

@@ -6,7 +6,8 @@
     group.stop()
 
 Replicas: with ``cfg.base_url`` None the group launches ``cfg.num_replicas`` servers of
-``cfg.engine`` (each supervised: a dead one is restarted with the latest weights; each locked with
+``cfg.engine``, placed by ``plan_placement`` (``placement.py``: each on its own devices, refused
+at construction when the placement cannot work; logged once) (each supervised: a dead one is restarted with the latest weights; each locked with
 ``cfg.api_key``, a random one when none is given); with URLs it
 attaches one server-process object per URL. The sampler balances requests over them with
 session affinity (``sampler.py``).
@@ -39,18 +40,22 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
 from training.deployment.factory import make_deployment, make_sampler
+from training.deployment.placement import Placement, ReplicaPlacement, plan_placement
 from training.deployment.server_process import ServerProcess
 from training.deployment.weight_sync import WeightFolder, WeightSyncError
-from training.utils.config import DeployConfig
+from training.utils.config import DeployConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
 WeightSyncHook = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
 
 
-def replica_config(cfg: DeployConfig, index: int) -> DeployConfig:
+def replica_config(cfg: DeployConfig, index: int, placement: Optional[ReplicaPlacement] = None) -> DeployConfig:
     """``cfg`` for replica ``index``: its engine seed is the group's seed (0 if unset) + ``index``, so two
-    replicas never hand the same generator seeds to their requests."""
+    replicas never hand the same generator seeds to their requests; with ``placement``, its
+    ``replica_devices`` names that replica's own devices (``placement.py``)."""
+    if placement is not None:
+        cfg = dataclasses.replace(cfg, replica_devices=[placement.label])
     if cfg.num_replicas == 1 and index == 0:
         return cfg
     seed = (cfg.engine_config.seed or 0) + index
@@ -68,8 +73,13 @@ class DeploymentGroup:
         log_dir: Optional[str | Path] = None,
         weights_dir: Optional[str | Path] = None,
         replicas: Optional[list[ServerProcess]] = None,
+        trainer: Optional[TrainerConfig] = None,
     ):
         self.model = model
+        self.trainer = trainer
+        """The run's trainer settings, for the placement (None: ``TrainerConfig()``'s devices)."""
+        self.placement: Optional[Placement] = None
+        """Where the trainer and each launched replica run (``placement.py``); None when attached."""
         if cfg.base_url is None and replicas is None and cfg.api_key is None:
             cfg = dataclasses.replace(cfg, api_key=secrets.token_urlsafe(24))
         self.cfg = cfg
@@ -115,6 +125,8 @@ class DeploymentGroup:
         if cfg.base_url is not None:
             urls = [cfg.base_url] if isinstance(cfg.base_url, str) else list(cfg.base_url)
             return [make_deployment(self.model, cfg, base_url=u) for u in urls]
+        self.placement = plan_placement(cfg, self.trainer)
+        log.info("%s", self.placement.describe())
         replicas = []
         for i in range(cfg.num_replicas):
             if cfg.log_file:
@@ -123,7 +135,8 @@ class DeploymentGroup:
                 log_file = str(self.log_dir / ("deployment.log" if cfg.num_replicas == 1 else f"deployment-{i}.log"))
             else:
                 log_file = None
-            replicas.append(make_deployment(self.model, replica_config(cfg, i), log_file=log_file))
+            rcfg = replica_config(cfg, i, self.placement.replicas[i])
+            replicas.append(make_deployment(self.model, rcfg, log_file=log_file))
         return replicas
 
     # ------------------------------------------------------------ lifecycle

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from training.deployment.placement import ReplicaPlacement, parse_replica_device, server_env
 from training.deployment.weight_sync import WeightFolder
 from training.utils.config import DeployConfig
 from training.utils.http import control_request, free_port
@@ -90,6 +91,11 @@ class ServerProcess:
         )
         self.host = self.cfg.host
         self.port = self.cfg.port
+        self.placement: Optional[ReplicaPlacement] = (
+            parse_replica_device(self.cfg.replica_devices[0]) if self.cfg.replica_devices else None
+        )
+        """The devices of a launched server: ``cfg.replica_devices[0]`` (``DeploymentGroup`` gives each
+        replica a config naming its own); None = no ``CUDA_VISIBLE_DEVICES`` set, the engine's device as configured."""
         self.restarts: list[dict[str, Any]] = []
         """One entry per restart: ``time``, ``exit_code`` of the dead child, ``ok`` and ``error``."""
         self.latest_weights: Optional[dict[str, Any]] = None
@@ -279,7 +285,20 @@ class ServerProcess:
         raise NotImplementedError
 
     def _env(self) -> dict[str, str]:
-        return dict(os.environ, PYTHONUNBUFFERED="1")
+        """This process's environment without torchrun's variables, the server's own GPUs visible
+        (``placement.server_env``), and ``cfg.engine_env`` on top."""
+        env = server_env(dict(os.environ, PYTHONUNBUFFERED="1"), self.placement)
+        env.update(self.cfg.engine_env)
+        return env
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when the launched server runs on a GPU: its placement has GPUs, or (unplaced) CUDA is here."""
+        if self.placement is not None:
+            return bool(self.placement.gpus)
+        import torch
+
+        return torch.cuda.is_available()
 
     def _spawn_and_wait(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

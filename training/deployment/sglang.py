@@ -69,6 +69,21 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 CONFIG_FILES = ("config.json", "generation_config.json")
 
 
+def model_file(model: str, name: str) -> Optional[Path]:
+    """``name`` of ``model`` (a folder, or a hub id resolved by transformers' ``cached_file``); None if absent."""
+    local = Path(model) / name
+    if local.is_file():
+        return local
+    if Path(model).is_dir():
+        return None
+    from transformers.utils import cached_file
+
+    found = cached_file(
+        model, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+    )
+    return Path(found) if found else None
+
+
 def sglang_sampling_params(sampling: dict, *, seed_offset: int = 0) -> dict:
     """Map OpenAI-style sampling kwargs to SGLang ``sampling_params``; unknown names raise ValueError."""
     out: dict[str, Any] = {}
@@ -269,20 +284,26 @@ class SGLangDeployment(ServerProcess):
             cmd += ["--dtype", self.cfg.engine_config.dtype]
         if self.cfg.engine_config.seed is not None:
             cmd += ["--random-seed", str(self.cfg.engine_config.seed)]
+        if self.placement is not None and len(self.placement.gpus) > 1:
+            cmd += ["--tp-size", str(len(self.placement.gpus))]
+        if self.cfg.gpu_memory_fraction is not None:
+            cmd += ["--mem-fraction-static", str(self.cfg.gpu_memory_fraction)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
 
-    def _env(self) -> dict[str, str]:
-        env = super()._env()
-        env.update(self.cfg.engine_env)
-        return env
-
     def _copy_config(self, folder: Path) -> None:
-        src = Path(self.model)
+        """``config.json`` (and ``generation_config.json``) of the served model next to the weights:
+        from its folder, or for a hub id from where transformers' ``cached_file`` finds it (the local
+        cache; downloaded if missing). A missing ``config.json`` raises ``WeightSyncError``."""
         for name in CONFIG_FILES:
-            if (src / name).is_file() and not (folder / name).exists():
-                shutil.copy2(src / name, folder / name)
+            if (folder / name).exists():
+                continue
+            src = model_file(self.model, name)
+            if src is not None:
+                shutil.copy2(src, folder / name)
+            elif name == "config.json":
+                raise WeightSyncError(f"no config.json for {self.model!r} (a folder or a hub id); SGLang needs it")
 
     def load_weights(
         self,

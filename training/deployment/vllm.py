@@ -3,9 +3,10 @@
 ``VLLMDeployment(model, cfg)`` is a ``ServerProcess`` like ``EmbeddedDeployment`` (context manager,
 ``base_url``, a watchdog that restarts a dead launched server with the latest weights,
 ``load_weights(folder, weight_version)``).
-It either launches ``python -m vllm.entrypoints.openai.api_server`` with the Python of a vLLM
-venv (``cfg.engine_python``; default ``.venv-vllm/bin/python`` of this repository, made by
-``scripts/setup_vllm.sh``) or, with ``cfg.base_url`` set, attaches to a running server (which
+It either launches ``python -m vllm.entrypoints.openai.api_server`` with ``cfg.engine_python``
+(None: ``.venv-vllm/bin/python``, vLLM's CPU build from ``scripts/setup_vllm.sh``, for a server on
+the CPU when it exists, else the current interpreter: ``default_vllm_python``) or, with
+``cfg.base_url`` set, attaches to a running server (which
 must have been started with ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
 training.deployment.vllm_worker.WeightReloadExtension`` for weight sync).
 
@@ -14,7 +15,9 @@ Sampling needs nothing special: vLLM's ``/v1/completions`` takes token-id prompt
 ``DeploymentSampler`` asks for. A launched server runs with ``--logprobs-mode processed_logprobs``
 so the logprobs are ``log_softmax(logits / T)`` like the embedded server's (vLLM's default,
 ``raw_logprobs``, ignores the temperature); with ``top_p < 1`` or ``top_k`` vLLM renormalises over
-the kept tokens, which the embedded server does not. Attach to a server started the same way. vLLM's OpenAI responses carry no weight version, so the sampler
+the kept tokens, which the embedded server does not. On the CPU it runs ``--enforce-eager``; on a GPU
+with vLLM's CUDA graphs, tensor parallel over the replica's GPUs (``DeployConfig.replica_devices``).
+Attach to a server started the same way. vLLM's OpenAI responses carry no weight version, so the sampler
 labels such completions with the version it last saw confirmed *before* the request was sent
 (``DeploymentSampler.note_weight_version``): never newer than the weights that produced them.
 
@@ -58,9 +61,12 @@ WORKER_EXTENSION = "training.deployment.vllm_worker.WeightReloadExtension"
 RELOAD_METHOD = "reload_weights_and_refresh"
 
 
-def default_vllm_python() -> str:
-    """``.venv-vllm/bin/python`` of this repository when it exists, else the current interpreter."""
-    return str(VLLM_VENV_PYTHON) if VLLM_VENV_PYTHON.exists() else sys.executable
+def default_vllm_python(on_gpu: bool) -> str:
+    """The interpreter that launches vLLM when ``cfg.engine_python`` is None: ``.venv-vllm/bin/python`` of
+    this repository for a server on the CPU when that venv exists (``scripts/setup_vllm.sh`` installs
+    vLLM's CPU build there), else the current interpreter (on a GPU machine: a CUDA vLLM installed
+    beside this package)."""
+    return str(VLLM_VENV_PYTHON) if not on_gpu and VLLM_VENV_PYTHON.exists() else sys.executable
 
 
 class VLLMDeployment(ServerProcess):
@@ -87,7 +93,7 @@ class VLLMDeployment(ServerProcess):
             stop_grace_s=stop_grace_s,
             extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args],
         )
-        self.python = self.cfg.engine_python or default_vllm_python()
+        self.python = self.cfg.engine_python or default_vllm_python(self.on_gpu)
         self.refresh_tied_output = refresh_tied_output
         """Reload through the worker extension (True) or vLLM's bare ``reload_weights`` (False:
         only to demonstrate the tied-embedding pitfall in tests)."""
@@ -97,9 +103,19 @@ class VLLMDeployment(ServerProcess):
     def _dtype(self) -> str:
         if self.cfg.engine_config.dtype != "auto":
             return self.cfg.engine_config.dtype
-        import torch
+        return "auto" if self.on_gpu else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
 
-        return "auto" if torch.cuda.is_available() else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
+    def _device_args(self) -> list[str]:
+        """CPU: ``--enforce-eager`` (no CUDA graphs there). GPU: CUDA graphs (vLLM's default), tensor
+        parallel over a replica's GPUs, and ``cfg.gpu_memory_fraction`` as ``--gpu-memory-utilization``."""
+        if not self.on_gpu:
+            return ["--enforce-eager"]
+        args = []
+        if self.placement is not None and len(self.placement.gpus) > 1:
+            args += ["--tensor-parallel-size", str(len(self.placement.gpus))]
+        if self.cfg.gpu_memory_fraction is not None:
+            args += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_fraction)]
+        return args
 
     def _command(self) -> list[str]:
         return [
@@ -114,7 +130,7 @@ class VLLMDeployment(ServerProcess):
             str(self.port),
             "--dtype",
             self._dtype(),
-            "--enforce-eager",
+            *self._device_args(),
             "--max-model-len",
             str(self.cfg.engine_config.max_model_len),
             "--max-num-seqs",
@@ -131,8 +147,9 @@ class VLLMDeployment(ServerProcess):
     def _env(self) -> dict[str, str]:
         env = super()._env()
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+        if not self.on_gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.pop("VLLM_API_KEY", None)
         if self.api_key:

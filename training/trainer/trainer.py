@@ -307,8 +307,9 @@ class PolicyTrainer(_ScoringModel):
     def optim_step(self) -> dict[str, float]:
         """Clip the global grad norm to ``cfg.grad_clip_norm`` (0 = no clipping), step AdamW, zero grads.
 
-        Returns ``grad_norm`` (before clipping) and ``learning_rate``. A non-finite grad norm
-        skips the update (the grads are dropped) and is reported as is.
+        Returns ``grad_norm`` (before clipping) and ``learning_rate``, and on CUDA
+        ``gpu_memory_peak_gb`` (this process's peak allocated memory on its GPU so far). A non-finite
+        grad norm skips the update (the grads are dropped) and is reported as is.
         """
         self.use_cpu_threads()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -322,7 +323,10 @@ class PolicyTrainer(_ScoringModel):
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "learning_rate": self.learning_rate}
+        out = {"grad_norm": grad_norm, "learning_rate": self.learning_rate}
+        if self.device.type == "cuda":
+            out["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return out
 
     @property
     def learning_rate(self) -> float:

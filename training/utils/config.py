@@ -23,6 +23,16 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _is_replica_device(value: str) -> bool:
+    """``cpu``, ``cuda:N`` or ``cuda:N,M,...`` (distinct GPU indices)."""
+    if value == "cpu":
+        return True
+    if not value.startswith("cuda:"):
+        return False
+    ids = value[5:].split(",")
+    return all(i.isdigit() for i in ids) and len(set(ids)) == len(ids)
+
+
 def _check_device(name: str, value: str) -> None:
     _check(is_device_name(value), name, f"{value!r} is not one of {DEVICES} or 'cuda:N'")
 
@@ -267,7 +277,19 @@ class DeployConfig:
     engine_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for a launched ``vllm`` / ``sglang`` server."""
     engine_env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for a launched ``vllm`` / ``sglang`` server (e.g. ``VLLM_CPU_KVCACHE_SPACE``)."""
+    """Extra environment variables for a launched server, any engine (e.g. ``VLLM_CPU_KVCACHE_SPACE``); set last."""
+    replica_devices: list[str] = field(default_factory=list)
+    """Where launched replicas run: ``cpu``, ``cuda:N`` or ``cuda:N,M`` (several GPUs: vLLM / SGLang tensor
+    parallel); replica ``i`` takes entry ``i % len``. Empty: the GPUs the trainer does not use, else
+    ``engine_config.device``. Each server sees only its own GPUs (``CUDA_VISIBLE_DEVICES``); see
+    training/deployment/placement.py."""
+    colocate: bool = False
+    """Let a replica share a GPU with the trainer (or the reference model). False refuses such a placement at start:
+    both would compete for that GPU's memory."""
+    gpu_memory_fraction: Optional[float] = None
+    """Share of a GPU's memory one replica may take (vLLM ``--gpu-memory-utilization``, SGLang
+    ``--mem-fraction-static``); None = the engine's default (vLLM 0.9, SGLang 0.88, embedded: no budget). Replicas
+    sharing a GPU must fit: their fractions may not sum over 1."""
 
     def __post_init__(self):
         _check(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
@@ -328,6 +350,17 @@ class DeployConfig:
         _check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
         _check(self.retry_backoff_s >= 0, "retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
         _check(self.num_replicas >= 1, "num_replicas", f"must be >= 1, got {self.num_replicas}")
+        _check(
+            isinstance(self.replica_devices, (list, tuple))
+            and all(isinstance(d, str) and _is_replica_device(d) for d in self.replica_devices),
+            "replica_devices",
+            f"must be a list of 'cpu', 'cuda:N' or 'cuda:N,M,...', got {self.replica_devices!r}",
+        )
+        _check(
+            self.gpu_memory_fraction is None or 0 < self.gpu_memory_fraction <= 1,
+            "gpu_memory_fraction",
+            f"must be in (0, 1] or None, got {self.gpu_memory_fraction!r}",
+        )
         if self.base_url is not None:
             urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
             _check(len(urls) > 0, "base_url", "an empty list; give at least one URL or None")

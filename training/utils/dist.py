@@ -10,7 +10,8 @@ Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set):
 - ``init_distributed`` starts the default process group: ``cpu:gloo,cuda:nccl`` when the
   trainer runs on CUDA (NCCL for the model, gloo for the small CPU messages), plain ``gloo``
   on CPU; with a timeout (``TRAINING_DIST_TIMEOUT_S``, default 1800 s) so that a dead rank 0
-  does not hang the others forever.
+  does not hang the others forever. On the mixed group it also makes a gloo group of every rank for
+  the exit barrier (``monitored_barrier`` is gloo only).
 - Rank 0 runs the recipe (deployment, rollouts, gate, logging, metrics). The other ranks run
   ``follow``: a loop that waits for a ``Command`` and then takes part in that command's
   collectives in the same order as rank 0 (the handlers live with the recipe).
@@ -62,6 +63,8 @@ class Command(IntEnum):
 
 
 _started_here = False
+_exit_group: Optional[dist.ProcessGroup] = None
+"""The gloo group of the exit barrier on a mixed ``cpu:gloo,cuda:nccl`` default group (``exit_barrier_group``)."""
 _broken = False
 """Set when an error escaped a command on rank 0: the followers may be inside its collectives."""
 _lock = threading.RLock()
@@ -93,8 +96,19 @@ def init_distributed(device: str = "auto") -> bool:
     timeout = datetime.timedelta(seconds=float(os.environ.get("TRAINING_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
     dist.init_process_group(backend=backend, timeout=timeout)
     _started_here = True
+    global _exit_group
+    _exit_group = exit_barrier_group(backend)
     logger.info("rank %d of %d started (%s)", rank(), world_size(), backend)
     return True
+
+
+def exit_barrier_group(backend: str) -> Optional[dist.ProcessGroup]:
+    """The group the exit barrier runs on: None (the default group) when ``backend`` is plain gloo, else a
+    gloo group of every rank, created now (a collective: every rank calls it at start, while all are
+    alive). ``monitored_barrier`` exists for gloo only: on the trainer's ``cpu:gloo,cuda:nccl`` group it raises."""
+    if backend == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def shutdown_distributed() -> None:
@@ -105,14 +119,15 @@ def shutdown_distributed() -> None:
     exception``, seen 1 run in 5 under load without it). A peer that is gone or has not arrived within
     ``EXIT_BARRIER_TIMEOUT_S`` (a gloo ``monitored_barrier``, which names it) is logged, not raised.
     """
-    global _started_here
+    global _started_here, _exit_group
     if _started_here and dist.is_initialized():
         try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
+            dist.monitored_barrier(group=_exit_group, timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - a peer already gone or stuck; leave anyway
             logger.warning("rank %d: leaving without the exit barrier (%s)", rank(), e)
         dist.destroy_process_group()
     _started_here = False
+    _exit_group = None
 
 
 def is_distributed() -> bool:

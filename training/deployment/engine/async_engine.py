@@ -122,6 +122,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
+        if self.engine.device.type == "cuda":  # graphs capture on the thread's current device: make it ours
+            torch.cuda.set_device(self.engine.device)
         while True:
             with self._cond:
                 while not self._stopping and not self._ready():

@@ -271,6 +271,8 @@ def train_on_batch(
 
     out = {f"train/{k}": (v if k.endswith("_max") else v / max(weights.get(k, 1.0), 1e-12)) for k, v in sums.items()}
     out["train/learning_rate"] = optim_metrics.get("learning_rate", 0.0)
+    if "gpu_memory_peak_gb" in optim_metrics:  # the trainer on CUDA
+        out["perf/gpu_memory_peak_gb"] = optim_metrics["gpu_memory_peak_gb"]
     out["train/optimizer_steps"] = float(ppo_epochs * min(ppo_mini_batches, n))
     out["train/samples"] = float(n)
     out["train/trainable_tokens"] = float(sum(batch.num_trainable_tokens(i) for i in range(n)))

@@ -36,6 +36,8 @@ from typing import Sequence
 
 import torch
 
+from training.utils.cache_folder import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.c")
@@ -84,8 +86,6 @@ def _cpu_identity() -> str:
 
 
 def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
-    from training.models.build_tiny import cache_dir
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_identity()]).encode())
     return cache_dir() / "native" / f"native_decode-{key.hexdigest()[:16]}.so"

@@ -28,7 +28,8 @@ def smol_shaped_model() -> str:
     """Path of a random-init Llama with SmolLM2-135M's shape (built once into the cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from training.models.build_tiny import cache_dir, ensure_tiny_model
+    from training.models.build_tiny import ensure_tiny_model
+    from training.utils.cache_folder import cache_dir
 
     path = cache_dir() / "smol-shaped-llama"
     if not (path / "config.json").exists():

@@ -77,6 +77,31 @@ def test_no_module_imports_a_higher_floor():
     assert not upward, "\n".join(upward)
 
 
+ONLY_IMPORTS = {
+    "training.utils": {"training.utils"},
+    "training.models": {"training.models", "training.utils"},
+    "training.trainer": {"training.trainer", "training.utils"},
+    "training.deployment": {"training.deployment", "training.utils"},
+    "training.proxy": {"training.proxy", "training.utils"},
+    "training.agents": {"training.agents", "training.utils", "training.models"},
+}
+"""The packages each package may import (itself included): the top README's layering sentence as data."""
+
+
+def test_packages_import_only_what_the_readme_says():
+    def package(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    stray = sorted(
+        f"{m} imports {i} (allowed: {sorted(ONLY_IMPORTS[package(m)])})"
+        for m, targets in graph().items()
+        if package(m) in ONLY_IMPORTS
+        for i in targets
+        if package(i) not in ONLY_IMPORTS[package(m)]
+    )
+    assert not stray, "\n".join(stray)
+
+
 def test_floor_one_packages_do_not_import_each_other():
     """trainer, deployment, agents and proxy are siblings: what two of them need lives on the ground floor."""
 

@@ -245,7 +245,8 @@ def test_real_server(tmp_path):
     """Sample token-level, push new weights from disk, see the version and the outputs change."""
     from transformers import AutoModelForCausalLM
 
-    from training.models.build_tiny import build_tiny, cache_dir
+    from training.models.build_tiny import build_tiny
+    from training.utils.cache_folder import cache_dir
 
     model_path = os.environ.get("SGLANG_MODEL_PATH")
     if model_path is None:

@@ -105,7 +105,8 @@ def test_sampler_labels_versionless_answers_with_the_version_noted_before_sendin
 # ----------------------------------------------------------------------- real vLLM server
 @pytest.fixture(scope="module")
 def vllm_model_path():
-    from training.models.build_tiny import build_tiny, cache_dir
+    from training.models.build_tiny import build_tiny
+    from training.utils.cache_folder import cache_dir
 
     path = cache_dir() / "tiny-qwen3-h128"
     if not (path / "config.json").exists():

@@ -23,8 +23,9 @@ memory), otherwise into a scratch buffer the size of one tensor. A failure half-
 stream leaves a server's weights a mix: it then reports ``weight_version = -1`` until the next
 full update.
 
-Under torchrun with FSDP2, rank 0 pushes and every other trainer rank calls :func:`follow_push`
-with the same ``named_weights`` at the same time (gathering a DTensor is a collective).
+Under torchrun with FSDP2, rank 0 pushes and every other trainer rank iterates the same
+``named_weights`` at the same time (gathering a DTensor is a collective): ``PolicyTrainer.named_weights``
+announces the pass to the other ranks, which gather each tensor with rank 0 and drop it.
 The server side is ``dist_weights_receiver.py``.
 """
 
@@ -170,17 +171,6 @@ def _materialize(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
     return t.detach().to(device).contiguous()
-
-
-def follow_push(named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """What trainer ranks other than 0 run while rank 0 pushes sharded (FSDP2 DTensor) weights.
-
-    Gathers each DTensor in the same order as :meth:`DistributedWeightSender.push` (the gather is
-    a collective of the trainer's own group) and drops it; plain tensors need nothing.
-    """
-    for _, t in unique_weights(named_weights):
-        if hasattr(t, "full_tensor"):
-            t.full_tensor()
 
 
 class DistributedWeightSender:

@@ -21,14 +21,12 @@ from training.deployment.fields import refusal
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 
 MAX_N = 256
+"""Upper bound on ``n`` (choices per prompt) in one request."""
 MAX_PROMPTS = 256
 """Prompts one /v1/completions request may carry."""
 MAX_CHARS_PER_TOKEN = 32
 """A prompt's text may have at most this many characters per token of the context length; longer text
 cannot fit and is refused before it is tokenized (a 10 MB prompt used to stall the server)."""
-"""Upper bound on ``n`` (choices per prompt) in one request."""
-SESSION_HEADER = "x-multi-turn-session-id"
-"""Request header whose value becomes the engine ``session_id`` (KV reuse across turns)."""
 
 
 class RequestError(Exception):

@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from training.utils.cache_folder import cache_dir
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML, Qwen-style: tools are listed in the system turn, tool calls are
@@ -172,11 +174,6 @@ def build_tiny(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def cache_dir() -> Path:
-    """Root of the project's model cache: ``$TRAINING_CACHE`` or ``~/.cache/training``."""
-    return Path(os.environ.get("TRAINING_CACHE", Path.home() / ".cache" / "training"))
 
 
 def ensure_tiny_model(arch: str = "qwen3") -> str:

@@ -6,7 +6,7 @@ With a sampling temperature τ the distribution is ``softmax(logits / τ)``, the
 drew from.
 
 How: the decoder (``model.get_decoder()``) turns the packed micro-batch into hidden states
-``[N, H]``; the LM head (``model.get_output_embeddings()``) projects ``chunk_tokens`` positions
+``[N, hidden]``; the LM head (``model.get_output_embeddings()``) projects ``chunk_tokens`` positions
 at a time, ``log_softmax`` runs in fp32 on that chunk only and the target token's value is
 kept. When gradients are on, each chunk runs under ``torch.utils.checkpoint`` so its
 ``[chunk, V]`` logits are recomputed in the backward pass instead of stored: peak extra memory
@@ -61,7 +61,7 @@ def _packing_arguments(model: torch.nn.Module, packed: PackedBatch) -> dict:
 
 def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
     """Final hidden states of the decoder for one packed micro-batch (on the model's device):
-    ``[N, H]``, or ``[C, H]`` over the compute row of a shared layout."""
+    ``[N, hidden]``, or ``[C, hidden]`` over the compute row of a shared layout."""
     decoder = model.get_decoder()
     layout = packed.shared
     if layout is not None:
@@ -90,26 +90,26 @@ def packed_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.T
 
 
 def _target_logprobs(
-    hidden_C: torch.Tensor,
-    targets_C: torch.Tensor,
+    hidden_M: torch.Tensor,
+    targets_M: torch.Tensor,
     lm_head: torch.nn.Module,
     temperature: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
     """``log softmax(lm_head(h) / τ)[target]`` per row, computed in fp32."""
-    logits_CV = lm_head(hidden_C).float()
+    logits_MV = lm_head(hidden_M).float()
     if softcap:
-        logits_CV = torch.tanh(logits_CV / softcap) * softcap
+        logits_MV = torch.tanh(logits_MV / softcap) * softcap
     if temperature != 1.0:
-        logits_CV = logits_CV / temperature
-    return logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - torch.logsumexp(logits_CV, dim=-1)
+        logits_MV = logits_MV / temperature
+    return logits_MV.gather(-1, targets_M[:, None]).squeeze(-1) - torch.logsumexp(logits_MV, dim=-1)
 
 
 def chunked_token_logprobs(
     model: torch.nn.Module, hidden_N: torch.Tensor, packed: PackedBatch, chunk_tokens: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring
-    (``hidden_N`` is ``[C, H]`` over the compute row when ``packed.shared`` is set).
+    (``hidden_N`` is ``[C, hidden]`` over the compute row when ``packed.shared`` is set).
 
     Differentiable when gradients are enabled (chunks are checkpointed); the first token of each
     sequence is the constant 0.0.
@@ -131,12 +131,12 @@ def chunked_token_logprobs(
     )
     pieces: list[torch.Tensor] = []
     for start in range(0, m, chunk_tokens):
-        h_C = predictors_M[start : start + chunk_tokens]
-        t_C = targets_M[start : start + chunk_tokens]
+        h_M = predictors_M[start : start + chunk_tokens]
+        t_M = targets_M[start : start + chunk_tokens]
         if use_checkpoint:
-            pieces.append(checkpoint(_target_logprobs, h_C, t_C, lm_head, temperature, softcap, use_reentrant=False))
+            pieces.append(checkpoint(_target_logprobs, h_M, t_M, lm_head, temperature, softcap, use_reentrant=False))
         else:
-            pieces.append(_target_logprobs(h_C, t_C, lm_head, temperature, softcap))
+            pieces.append(_target_logprobs(h_M, t_M, lm_head, temperature, softcap))
     first = torch.zeros(1, dtype=torch.float32, device=hidden_N.device)
     logprobs_N = torch.cat([first, *pieces])
     if layout is not None:

@@ -87,10 +87,6 @@ def apply_lora(model: torch.nn.Module, cfg) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def has_lora(model: torch.nn.Module) -> bool:
-    return bool(_lora_layers(model))
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` as the base model inside the block (every LoRA layer skips its adapter).

@@ -4,8 +4,6 @@
   written and checked (constant-time).
 - ``control_request``: a blocking JSON request for control calls from threads that have no event
   loop (health checks, the launcher's watchdog reloading weights after a restart).
-- ``request_json``: the asyncio counterpart over an ``aiohttp`` session, raising the caller's
-  error type with the URL, status and the server's message.
 - ``free_port``: a port that was free a moment ago, for launching servers.
 - ``session_id_of``: the multi-turn session a request belongs to (``x-multi-turn-session-id``, else
   ``x-session-affinity``, else the body's ``user`` field): the one rule the server (KV reuse), the
@@ -96,30 +94,6 @@ def control_request(
         return e.code, e.read().decode(errors="replace")
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         return 0, str(e)
-
-
-async def request_json(
-    session: Any,
-    method: str,
-    url: str,
-    body: Optional[dict] = None,
-    *,
-    api_key: Optional[str] = None,
-    params: Optional[dict] = None,
-    error: type[Exception] = RuntimeError,
-) -> Any:
-    """Send one JSON request on an ``aiohttp`` session; return the decoded answer (text if not JSON).
-
-    An answer >= 400 raises ``error("<url>: HTTP <status>: <text>")``.
-    """
-    async with session.request(method, url, json=body, params=params, headers=auth_headers(api_key)) as resp:
-        text = await resp.text()
-        if resp.status >= 400:
-            raise error(f"{url}: HTTP {resp.status}: {text[:2000]}")
-        try:
-            return json.loads(text) if text else None
-        except ValueError:
-            return text
 
 
 MAX_JSON_DEPTH = 64

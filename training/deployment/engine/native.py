@@ -36,6 +36,8 @@ from typing import Sequence
 
 import torch
 
+from training.utils.cache_folder import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.c")
@@ -84,8 +86,6 @@ def _cpu_identity() -> str:
 
 
 def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
-    from training.models.build_tiny import cache_dir
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_identity()]).encode())
     return cache_dir() / "native" / f"native_decode-{key.hexdigest()[:16]}.so"
@@ -209,17 +209,17 @@ def linear(
 
 
 def sample_plain(
-    logits_B_V: torch.Tensor, temps_B: torch.Tensor, u_B: torch.Tensor
+    logits_BV: torch.Tensor, temps_B: torch.Tensor, u_B: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, reported logprob, ok) per row of fp32 CPU logits, sampled at temperature alone (T > 0).
 
     sampling.py's plain-row draw (inverse CDF over blocks of 256) and logprob (``log_softmax(z / T)``)
     in two reads of each row; ok is False for a row with no finite mass (NaN or +inf logits).
     """
-    logits_B_V, temps_B, u_B = logits_B_V.contiguous(), temps_B.float().contiguous(), u_B.float().contiguous()
-    b, v = logits_B_V.shape
+    logits_BV, temps_B, u_B = logits_BV.contiguous(), temps_B.float().contiguous(), u_B.float().contiguous()
+    b, v = logits_BV.shape
     tokens, logprobs, ok = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(b, dtype=torch.int32)
-    load_library().sample_plain(b, v, *(t.data_ptr() for t in (logits_B_V, temps_B, u_B, tokens, logprobs, ok)))
+    load_library().sample_plain(b, v, *(t.data_ptr() for t in (logits_BV, temps_B, u_B, tokens, logprobs, ok)))
     return tokens, logprobs, ok.bool()
 
 

@@ -64,14 +64,14 @@ class SampleOutput:
 
 
 @torch.inference_mode()
-def sample(logits_B_V: torch.Tensor, seqs: Seq[Sequence], native: bool = False) -> SampleOutput:
+def sample(logits_BV: torch.Tensor, seqs: Seq[Sequence], native: bool = False) -> SampleOutput:
     """Sample one token for each sequence from its row of logits (one host sync for the batch).
 
     ``native``: a batch of plain rows on CPU (temperature >= SHIFT_BELOW_T and nothing else: the RL
     case) is drawn by the C sampler of native.py, the same draw and logprob in two reads of each row.
     """
-    device = logits_B_V.device
-    logits = logits_B_V.float()
+    device = logits_BV.device
+    logits = logits_BV.float()
     params = [s.params for s in seqs]
     if native and device.type == "cpu" and all(_plain(p) for p in params):
         return _sample_plain_native(logits, seqs)

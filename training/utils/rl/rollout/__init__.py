@@ -21,9 +21,27 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
 ``training.utils.rl.rollout.turn_matching`` (a submodule of this package) classifies the calls
 of a recorded multi-turn episode as NEW, APPEND or WIPE.
 
-Shape suffixes used across the code base: ``_T`` per token of one sequence, ``_G`` per
-sample of one prompt group, ``_N`` per token of a packed batch, ``_S`` per sequence of a
-packed batch.
+Shape suffixes, the one convention of the whole code base: a list or tensor whose length or
+shape is not obvious ends in one capital letter per dimension, outermost first (``logprobs_T``,
+``rewards_G``, ``logits_BV``, ``allowed_NN``); shapes in docstrings (``[N]``, ``[B, H, N, D]``)
+use the same letters.
+
+=====  ==========================================================================================
+``T``  tokens of one sequence (a ``RolloutSample``'s ``tokens`` / ``logprobs`` / ``loss_mask``)
+``G``  completions of one prompt group (one reward each: ``rewards_G``, ``PromptGroup.rewards``)
+``S``  samples, one sequence each: of a group (several per completion with a ``RolloutRun``) or
+       of a packed micro-batch (``rewards_S``, ``sequence_sums`` → ``[S]``)
+``N``  tokens of a packed micro-batch, every sequence concatenated (``PackedBatch.input_ids_N``)
+``C``  rows of a shared-prefix compute layout (``SharedPrefixLayout.input_ids_C``)
+``M``  predicted (hidden state, next token) pairs: ``N - 1``, or those of a shared layout (``target_M``)
+``B``  batch rows: one per running sequence of an engine step (``sample(logits_BV, ...)``,
+       ``u_B``); the leading dimension of attention inputs (``[B, H, N, D]``; 1 when packed)
+``V``  the vocabulary (``logits_BV``, ``logits_MV``)
+``H``  attention heads (docstring shapes only)
+``D``  head dimension (docstring shapes only)
+=====  ==========================================================================================
+
+``lora_A`` / ``lora_B`` are ``peft``'s names for the adapter matrices, not shapes.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ Prefix reuse (automatic prefix caching by copy-on-admit; see the engine README f
   after the step's prefill the leader's prompt K/V is copied into its slot and it samples its first
   token from the leader's logits (``cached_prompt_tokens = len(prompt)``).
 - Cached content already in slot ``R`` swaps places with a cached donor, or moves to the least
-  valuable non-running slot, unless it is itself the least valuable: then it is the one evicted
-  (LRU within the slots).
+  valuable non-running slot other than the donor, unless it is itself the least valuable: then it
+  is the one evicted (LRU within the slots). The donor is pinned until its prefix is copied: the
+  donor of an admission is never its eviction victim, even when it is the least recently used.
 
 Release: a finished sequence's slot becomes PARKED under its session id, or CACHED, holding the
 tokens whose K/V is valid, when that K/V was computed under the live weights; else EMPTY.
@@ -153,7 +154,8 @@ class Scheduler:
         A donor that the new sequence consumes (anonymous cache, or its own session's parked slot)
         swaps places with ``target``'s content and is used in place: nothing is evicted.
         Otherwise ``target``'s content moves to the least valuable other non-running slot, or is
-        evicted when it is itself the least valuable.
+        evicted when it is itself the least valuable. The donor is pinned for this admission: it is
+        never the slot written over, so its K/V is intact when the prefix is copied from it.
         """
         slots = self.slots
         if target == donor or slots.state[target] == SlotState.EMPTY:
@@ -164,7 +166,7 @@ class Scheduler:
         ):
             self._swap(target, donor)
             return target
-        victim = slots.victim(range(len(self.running) + 1, slots.num_slots))
+        victim = slots.victim(s for s in range(len(self.running) + 1, slots.num_slots) if s != donor)
         if victim is not None and slots.rank(victim) < slots.rank(target):
             self.copy_kv(target, victim, slots.valid_len[target])
             slots.move(target, victim)

@@ -1,9 +1,10 @@
-"""The seven policy losses against values worked out by hand (plain Python floats), plus the
+"""Every registered policy loss against values worked out by hand (plain Python floats), plus the
 registry, aggregation, the micro-batch accumulation identity and a tiny optimisation per loss."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +15,18 @@ from training.utils.rl.losses import (
     LossInputs,
     LossOutput,
     compute_policy_loss,
+    loss_aggregation,
     needs_reference_logprobs,
     resolve_loss,
 )
+from training.utils.rl.losses.config import AGGREGATIONS
 
 pytestmark = pytest.mark.unit
 
-ALL_LOSSES = ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"]
+ALL_LOSSES = sorted(LOSSES)
+"""Every test over all losses reads the registry: a new loss is tested without editing a list here."""
+LOSSES_DIR = Path(__file__).resolve().parents[1] / "training" / "utils" / "rl" / "losses"
+NOT_A_LOSS = {"__init__", "common", "config", "registry"}
 LN = math.log
 E = math.exp
 
@@ -58,7 +64,7 @@ def make_inputs(
 
 
 def per_token(name: str, inputs: LossInputs, **cfg_kwargs) -> list[float]:
-    return LOSSES[name](inputs, LossConfig(policy_loss=name, **cfg_kwargs)).per_token_loss_N.tolist()
+    return LOSSES[name].fn(inputs, LossConfig(policy_loss=name, **cfg_kwargs)).per_token_loss_N.tolist()
 
 
 def summed_grad(name: str, inputs: LossInputs, **cfg_kwargs) -> tuple[float, list[float], dict]:
@@ -78,11 +84,24 @@ def ratio_inputs(ratios: list[float], advantages: list[float], **kwargs) -> Loss
 # ---------------------------------------------------------------- registry and config
 
 
-def test_registry_holds_exactly_the_seven_losses():
-    assert sorted(LOSSES) == sorted(ALL_LOSSES)
-    for name, fn in LOSSES.items():
-        assert fn.__name__ == f"{name}_loss"
-        assert resolve_loss(LossConfig(policy_loss=name)) is fn
+def test_registry_holds_exactly_the_loss_modules_of_the_folder():
+    modules = sorted(p.stem for p in LOSSES_DIR.glob("*.py") if p.stem not in NOT_A_LOSS)
+    assert len(modules) >= 7
+    assert sorted(LOSSES) == modules  # a loss file that does not register itself, or a stray entry, fails here
+    for name, loss in LOSSES.items():
+        assert loss.name == name
+        assert loss.fn.__name__ == f"{name}_loss" and loss.fn.__module__ == f"training.utils.rl.losses.{name}"
+        assert resolve_loss(LossConfig(policy_loss=name)) is loss.fn
+        assert loss.aggregation in (None, *AGGREGATIONS)
+
+
+def test_the_registry_carries_each_loss_aggregation_and_the_config_the_rest():
+    assert LOSSES["gspo"].aggregation == "sequence_mean"  # its definition: every sequence counts once
+    for name in ALL_LOSSES:
+        for configured in AGGREGATIONS:
+            expected = LOSSES[name].aggregation or configured
+            assert loss_aggregation(LossConfig(policy_loss=name, aggregation=configured)) == expected, name
+    assert loss_aggregation(LossConfig(policy_loss=lambda i, c: None, aggregation="sum")) == "sum"
 
 
 def test_unknown_loss_name_rejected_by_config():

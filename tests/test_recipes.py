@@ -14,11 +14,12 @@ import torch
 
 from training.deployment.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop, rl_loop
-from training.recipes import common as recipes_common
-from training.recipes.common import RolloutFailureError
+from training.recipes import context as recipes_context
+from training.recipes.context import RolloutFailureError
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.http import auth_headers
 from training.utils.metrics import read_metrics
+from training.utils.rl.losses import LOSSES
 from training.utils.rl.rollout import RolloutSample
 
 ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(64)]
@@ -138,7 +139,7 @@ def trained_positions(log_path) -> dict[int, list[int]]:
 def test_straggler_is_trained_within_the_bound_and_no_row_is_lost_or_trained_twice(
     tiny_model_path, server, tmp_path, monkeypatch, O
 ):
-    trained = spy_training(monkeypatch, recipes_common)
+    trained = spy_training(monkeypatch, recipes_context)
     slow = {ROWS[1]["id"]: 3.0, ROWS[3]["id"]: 4.0}  # two groups lag several steps behind the others
     cfg = config(
         tiny_model_path,
@@ -167,13 +168,13 @@ def test_straggler_is_trained_within_the_bound_and_no_row_is_lost_or_trained_twi
 
 def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path, server, tmp_path, monkeypatch):
     deployed = [0]
-    real_sync = recipes_common.RunContext.sync_weights
+    real_sync = recipes_context.RunContext.sync_weights
 
     async def spy_sync(self, version, **kw):
         deployed[0] = version
         return await real_sync(self, version, **kw)
 
-    monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy_sync)
+    monkeypatch.setattr(recipes_context.RunContext, "sync_weights", spy_sync)
     late_calls = []
 
     def factory(setup):
@@ -208,13 +209,13 @@ def test_drop_policy_requeues_the_late_row_instead_of_losing_it(tiny_model_path,
 
 def test_inflight_weight_updates_push_without_draining(tiny_model_path, server, tmp_path, monkeypatch):
     waits = []
-    real = recipes_common.DeploymentGroup.push
+    real = recipes_context.DeploymentGroup.push
 
     async def spy(self, named_weights, version, **kw):
         waits.append(kw.get("wait_for_inflight"))
         return await real(self, named_weights, version, **kw)
 
-    monkeypatch.setattr(recipes_common.DeploymentGroup, "push", spy)
+    monkeypatch.setattr(recipes_context.DeploymentGroup, "push", spy)
     for inflight in (False, True):
         waits.clear()
         cfg = config(
@@ -230,13 +231,13 @@ def test_inflight_weight_updates_push_without_draining(tiny_model_path, server, 
 
 def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path, server, tmp_path, monkeypatch):
     pushed = []
-    real = recipes_common.RunContext.sync_weights
+    real = recipes_context.RunContext.sync_weights
 
     async def spy(self, version, **kw):
         pushed.append(version)
         return await real(self, version, **kw)
 
-    monkeypatch.setattr(recipes_common.RunContext, "sync_weights", spy)
+    monkeypatch.setattr(recipes_context.RunContext, "sync_weights", spy)
     rec = Recorder()
     cfg = config(
         tiny_model_path,
@@ -327,7 +328,7 @@ def test_dynamic_filter_keeps_sampling_until_the_step_is_full(tiny_model_path, s
     assert sum(r["rollout/filtered_groups"] for r in m) >= 3
 
 
-@pytest.mark.parametrize("loss", ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_every_policy_loss_runs_end_to_end(tiny_model_path, server, tmp_path, loss):
     cfg = config(
         tiny_model_path,
@@ -570,13 +571,13 @@ def test_overlapping_run_gives_server_and_trainer_their_share_of_the_cores(tiny_
 
             return with_stats
 
-    real = recipes_common.train_on_groups
+    real = recipes_context.train_on_groups
 
     def spy(trainer, groups, *a, **kw):
         budgets.append((trainer.thread_budget is not None) and trainer.thread_budget())
         return real(trainer, groups, *a, **kw)
 
-    monkeypatch.setattr(recipes_common, "train_on_groups", spy)
+    monkeypatch.setattr(recipes_context, "train_on_groups", spy)
     before = torch.get_num_threads()
     try:
         assert async_rl_loop.main(cfg, rollout_fn_factory=StatsRecorder(), rows=ROWS)["steps"] == 2

@@ -75,7 +75,7 @@ def test_groups_count_failures_by_cause_and_keep_run_metadata():
 
 def test_the_recipe_step_counters_report_agent_metrics_and_failure_causes():
     """What ``run_group`` collects reaches the step's metrics (``StepCounters``, used by both recipes)."""
-    from training.recipes.common import StepCounters
+    from training.recipes.step_metrics import StepCounters
     from training.utils.rl.groups import PromptGroup
 
     counters = StepCounters()

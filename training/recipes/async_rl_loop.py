@@ -3,7 +3,7 @@
     from training.recipes.async_rl_loop import Config, main
     main(Config(base_model=...), rollout_fn_factory=make_rollout_fn, rows="data.jsonl")
 
-Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``common.py``):
+Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``run.py``):
 1. set-up: load rows, the trainer (resume from the newest checkpoint in ``log_path``), start
    or attach the deployment, call ``make_rollout_fn(setup)`` once;
 2. a producer task submits prompt groups whenever the gate allows (``OffPolicyGate``),
@@ -27,8 +27,10 @@ import logging
 import time
 from typing import Any, Optional
 
-from training.recipes.common import RolloutFnFactory, RunContext, StepTimer, batch_metrics, run_recipe
 from training.recipes.config import Config
+from training.recipes.context import RunContext
+from training.recipes.run import RolloutFnFactory, run_recipe
+from training.recipes.step_metrics import StepTimer, batch_metrics
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
 from training.utils.rl.groups import PromptGroup

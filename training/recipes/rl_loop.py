@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from training.recipes.common import RolloutFnFactory, RunContext, StepTimer, batch_metrics, run_recipe
 from training.recipes.config import Config
+from training.recipes.context import RunContext
+from training.recipes.run import RolloutFnFactory, run_recipe
+from training.recipes.step_metrics import StepTimer, batch_metrics
 from training.utils.data import Rows
 
 __all__ = ["Config", "main"]

@@ -42,7 +42,7 @@ import torch
 from training.utils import dist as dist_utils
 from training.utils.dist import Command, broadcast_tensor, lead
 from training.utils.rl.groups import PromptGroup
-from training.utils.rl.losses import compute_policy_loss
+from training.utils.rl.losses import compute_policy_loss, loss_aggregation
 from training.utils.rl.losses.common import LossInputs
 from training.utils.rl.losses.config import LossConfig
 
@@ -56,11 +56,6 @@ def normalised_weights(weights: list[float], trainable_tokens: list[int], aggreg
     if weighted <= 0:
         return list(weights)
     return [w * total / weighted for w in weights]
-
-
-def _aggregation(loss_cfg: LossConfig) -> str:
-    """The aggregation the loss will use: gspo's own ``sequence_mean``, else the configured one."""
-    return "sequence_mean" if loss_cfg.policy_loss == "gspo" else loss_cfg.aggregation
 
 
 def _merge(into: dict[str, float], metrics: dict[str, float], weight: float, weights: dict[str, float]) -> None:
@@ -237,7 +232,7 @@ def train_on_batch(
                 "weight": normalised_weights(
                     [batch.weights[i] for i in idx],
                     [batch.num_trainable_tokens(i) for i in idx],
-                    _aggregation(loss_cfg),
+                    loss_aggregation(loss_cfg),
                 )
                 if weighted
                 else None,

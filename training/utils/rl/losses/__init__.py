@@ -8,9 +8,12 @@ step-wide denominators, so the sum over a step's micro-batches is the step loss.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from training.utils.rl.losses.cispo import cispo_loss
+# every loss module, imported so that its @register_loss fills LOSSES
+from training.utils.rl.losses import cispo, dapo, dro, grpo, gspo, importance_sampling, reinforce  # noqa: F401
 from training.utils.rl.losses.common import (
     LossFn,
     LossInputs,
@@ -19,35 +22,19 @@ from training.utils.rl.losses.common import (
     diagnostic_metrics,
     validate_inputs,
 )
-from training.utils.rl.losses.config import LOSS_NAMES, LossConfig
-from training.utils.rl.losses.dapo import dapo_loss
-from training.utils.rl.losses.dro import dro_loss
-from training.utils.rl.losses.grpo import grpo_loss
-from training.utils.rl.losses.gspo import gspo_loss
-from training.utils.rl.losses.importance_sampling import importance_sampling_loss
-from training.utils.rl.losses.reinforce import reinforce_loss
+from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import LOSSES, RegisteredLoss
 
-LOSSES: dict[str, LossFn] = {
-    "grpo": grpo_loss,
-    "importance_sampling": importance_sampling_loss,
-    "reinforce": reinforce_loss,
-    "dapo": dapo_loss,
-    "dro": dro_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-}
-"""Registered loss names → loss functions ``(LossInputs, LossConfig) -> LossOutput``."""
-assert tuple(LOSSES) == LOSS_NAMES, "LOSS_NAMES (config.py) and LOSSES must list the same losses"
-
-LOSSES_USING_REFERENCE = frozenset({"grpo"})
-"""Built-in losses that add the k3 KL penalty (and so need reference logprobs when kl_beta > 0)."""
+LOSSES_USING_REFERENCE = frozenset(name for name, loss in LOSSES.items() if loss.uses_reference)
+"""Built-in losses that add the k3 KL penalty (and so need reference logprobs when kl_beta > 0): ``uses_reference``
+in the registry."""
 
 
-def resolve_loss(cfg: LossConfig) -> LossFn:
-    """The loss function for ``cfg.policy_loss``: a callable is returned as is (the user escape
-    hatch), a name is looked up in ``LOSSES``."""
+def registered_loss(cfg: LossConfig) -> Optional[RegisteredLoss]:
+    """The registry's entry for ``cfg.policy_loss``; None for a callable. An unknown name (``cfg`` mutated
+    after validation) raises a ``ValueError`` naming the field."""
     if callable(cfg.policy_loss):
-        return cfg.policy_loss
+        return None
     try:
         return LOSSES[cfg.policy_loss]
     except KeyError:
@@ -56,12 +43,30 @@ def resolve_loss(cfg: LossConfig) -> LossFn:
         ) from None
 
 
+def resolve_loss(cfg: LossConfig) -> LossFn:
+    """The loss function for ``cfg.policy_loss``: a callable is returned as is (the user escape
+    hatch), a name is looked up in ``LOSSES``."""
+    loss = registered_loss(cfg)
+    return cfg.policy_loss if loss is None else loss.fn
+
+
 def needs_reference_logprobs(cfg: LossConfig) -> bool:
     """Whether the trainer must compute reference logprobs: kl_beta > 0 and the loss uses them
-    (grpo, or any user callable, which may)."""
+    (a registered loss with ``uses_reference``, i.e. grpo, or any user callable, which may)."""
     if cfg.kl_beta <= 0:
         return False
-    return callable(cfg.policy_loss) or cfg.policy_loss in LOSSES_USING_REFERENCE
+    loss = registered_loss(cfg)
+    return loss is None or loss.uses_reference
+
+
+def loss_aggregation(cfg: LossConfig) -> str:
+    """The aggregation the configured loss uses: the registered loss's own (gspo: ``sequence_mean``), else
+    ``cfg.aggregation`` (also for a callable, whose ``LossOutput.aggregation``, when set, applies in
+    ``compute_policy_loss`` only)."""
+    loss = registered_loss(cfg)
+    if loss is not None and loss.aggregation is not None:
+        return loss.aggregation
+    return cfg.aggregation
 
 
 def compute_policy_loss(
@@ -74,7 +79,8 @@ def compute_policy_loss(
     micro-batches equals the aggregate over the step:
     ``token_mean`` → sum(L·m) / total_tokens; ``sequence_mean`` → sum over sequences of
     (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m). The loss's own aggregation
-    (gspo: ``sequence_mean``) overrides ``cfg.aggregation``. ``inputs.sample_weights_N``, when
+    (``loss_aggregation``: the registry's, e.g. gspo's ``sequence_mean``, or a callable's
+    ``LossOutput.aggregation``) overrides ``cfg.aggregation``. ``inputs.sample_weights_N``, when
     given, multiplies L_t first (a sample of weight w counts w times).
 
     Metrics (unprefixed floats over this micro-batch's trainable tokens; ``*_max`` are maxima):
@@ -106,7 +112,8 @@ def compute_policy_loss(
     per_token_loss_N = output.per_token_loss_N
     if inputs.sample_weights_N is not None:
         per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
-    loss = aggregate(per_token_loss_N, inputs, output.aggregation or cfg.aggregation, total_tokens, total_sequences)
+    aggregation = output.aggregation or loss_aggregation(cfg)
+    loss = aggregate(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences)
     metrics = diagnostic_metrics(inputs, cfg)
     metrics.update(output.metrics)
     metrics["loss"] = float(loss.detach())
@@ -120,7 +127,10 @@ __all__ = [
     "LossFn",
     "LossInputs",
     "LossOutput",
+    "RegisteredLoss",
     "compute_policy_loss",
+    "loss_aggregation",
     "needs_reference_logprobs",
+    "registered_loss",
     "resolve_loss",
 ]

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from training.utils.rl.losses.common import LossInputs, LossOutput, clip_eps, policy_ratio, ratio_metrics, tis_weight
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 DEFAULT_EPS_LOW = 0.2
 DEFAULT_EPS_HIGH = 0.28
 
 
+@register_loss("cispo")
 def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token cispo loss (see the module docstring)."""
     eps_low, eps_high = clip_eps(cfg, DEFAULT_EPS_LOW, DEFAULT_EPS_HIGH)

@@ -65,7 +65,8 @@ class LossOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     """Means over the micro-batch's trainable tokens; keys ending in ``_max`` are maxima."""
     aggregation: Optional[str] = None
-    """None = use ``cfg.aggregation``; gspo returns ``"sequence_mean"`` (its own sequence form)."""
+    """None = the registered loss's own aggregation (``RegisteredLoss.aggregation``, e.g. gspo's
+    ``"sequence_mean"``), else ``cfg.aggregation``; a user callable may set its own here."""
 
 
 LossFn = Callable[[LossInputs, LossConfig], LossOutput]

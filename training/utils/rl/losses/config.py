@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-LOSS_NAMES = ("grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo")
-"""The built-in policy losses (``LOSSES`` in ``__init__.py`` maps each to its function)."""
+from training.utils.rl.losses.registry import LOSSES
+
 AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
 TIS_LEVELS = ("token", "sequence", "off")
 
 
 @dataclass
 class LossConfig:
-    """The policy loss. ``policy_loss`` is a registered name or a callable with the same
-    signature as the built-in losses (see ``training.utils.rl.losses``)."""
+    """The policy loss. ``policy_loss`` is a name registered in ``LOSSES`` (``registry.py``) or a callable
+    with the same signature as the built-in losses (see ``training.utils.rl.losses``)."""
 
     policy_loss: Union[str, Callable] = "grpo"
-    """``grpo`` (default), ``importance_sampling``, ``reinforce``, ``dapo``, ``dro``, ``gspo``, ``cispo``, or a callable."""
+    """A registered loss name (``grpo``, the default; every name with its formula in ``training/utils/rl/losses/README.md``) or a callable."""
     kl_beta: float = 0.001
     """Coefficient of the k3 KL penalty to the reference model (grpo; 0 turns the reference off)."""
     eps_low: Optional[float] = None
@@ -38,9 +38,9 @@ class LossConfig:
     """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
 
     def __post_init__(self):
-        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSS_NAMES:
+        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSSES:
             raise ValueError(
-                f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSS_NAMES)} or pass a callable"
+                f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSSES)} or pass a callable"
             )
         if not isinstance(self.policy_loss, str) and not callable(self.policy_loss):
             raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")

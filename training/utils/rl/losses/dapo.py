@@ -27,11 +27,13 @@ from training.utils.rl.losses.common import (
     tis_weight,
 )
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 DEFAULT_EPS_LOW = 0.2
 DEFAULT_EPS_HIGH = 0.28
 
 
+@register_loss("dapo")
 def dapo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token dapo loss (see the module docstring)."""
     eps_low, eps_high = clip_eps(cfg, DEFAULT_EPS_LOW, DEFAULT_EPS_HIGH)

@@ -18,8 +18,10 @@ import torch
 
 from training.utils.rl.losses.common import LossInputs, LossOutput, masked_mean, policy_ratio, ratio_metrics, tis_weight
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 
+@register_loss("dro")
 def dro_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token dro loss (see the module docstring)."""
     weight_N, _ = tis_weight(inputs, cfg)

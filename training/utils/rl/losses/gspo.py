@@ -6,8 +6,8 @@
 
 The value of rho_t is the sequence ratio exp(s) on every token of the sequence; its gradient
 w.r.t. l_t is rho_t, so the per-sequence mean (1/|y|) of the token losses has the GSPO gradient
-exp(s)·(1/|y|)·sum_t grad l_t. Returned with aggregation ``"sequence_mean"``: each sequence is
-averaged over its |y| trainable tokens, as the GSPO paper defines it. w_t is the TIS weight.
+exp(s)·(1/|y|)·sum_t grad l_t. Registered with aggregation ``"sequence_mean"`` (which overrides
+``cfg.aggregation``): each sequence is averaged over its |y| trainable tokens, as the GSPO paper defines it. w_t is the TIS weight.
 
 Defaults: eps_low = eps_high = 0.2, gspo_log_ratio_cap = 10. No KL term.
 Metrics: ``clip_fraction``, ``ratio_mean``, ``ratio_max`` (of rho, i.e. the sequence ratios).
@@ -28,11 +28,13 @@ from training.utils.rl.losses.common import (
     tis_weight,
 )
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 DEFAULT_EPS_LOW = 0.2
 DEFAULT_EPS_HIGH = 0.2
 
 
+@register_loss("gspo", aggregation="sequence_mean")
 def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token gspo loss with sequence-mean aggregation (see the module docstring)."""
     eps_low, eps_high = clip_eps(cfg, DEFAULT_EPS_LOW, DEFAULT_EPS_HIGH)
@@ -48,4 +50,4 @@ def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     surrogate_N, clipped_N = clipped_surrogate(ratio_N, inputs.advantages_N, eps_low, eps_high)
     weight_N, _ = tis_weight(inputs, cfg)
     metrics = ratio_metrics(ratio_N, clipped_N, inputs.loss_mask_N)
-    return LossOutput(surrogate_N * weight_N, metrics, aggregation="sequence_mean")
+    return LossOutput(surrogate_N * weight_N, metrics)

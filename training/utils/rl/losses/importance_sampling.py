@@ -13,8 +13,10 @@ import torch
 
 from training.utils.rl.losses.common import LossInputs, LossOutput, policy_ratio, ratio_metrics, tis_weight
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 
+@register_loss("importance_sampling")
 def importance_sampling_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token importance_sampling loss (see the module docstring)."""
     ratio_N = policy_ratio(inputs)

@@ -14,8 +14,10 @@ import torch
 
 from training.utils.rl.losses.common import LossInputs, LossOutput, exp_clamped, ratio_metrics
 from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.registry import register_loss
 
 
+@register_loss("reinforce")
 def reinforce_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Per-token reinforce loss (see the module docstring)."""
     ratio_N = exp_clamped(inputs.logprobs_N - inputs.sampler_logprobs_N.detach())

@@ -1,0 +1,274 @@
+"""``RunContext``: the parts of one RL run on rank 0 and the operations the loops compose.
+
+``RunContext`` owns the long-lived parts (trainer, reference model, deployment, rollout function,
+data cursor, metrics) and the operations on them; a loop owns only the order in which they happen:
+collect → ``train`` → ``sync_weights`` → ``finish_step`` → log. ``RolloutFailureError`` is what
+``accept_group`` raises when too many rollouts of a step failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from pathlib import Path
+
+import aiohttp
+
+from training.deployment.group import DeploymentGroup
+from training.deployment.sampler import DeploymentRequestError
+from training.recipes.config import WAIT_POLL_S, Config
+from training.recipes.resources import CpuShare
+from training.recipes.step_metrics import StepCounters, StepTimer
+from training.recipes.train_state import TrainState
+from training.utils import loop_watch
+from training.utils.checkpoint import rng_state, save_checkpoint
+from training.utils.dist import Command, lead
+from training.utils.metrics import MetricsLogger
+from training.utils.openmp import release_openmp_threads
+from training.utils.rl.groups import PromptGroup, run_group
+from training.utils.rl.ppo import train_on_groups
+from training.utils.rl.rollout import RolloutFn, RolloutSetup
+
+logger = logging.getLogger("training.recipe")
+
+
+class RolloutFailureError(RuntimeError):
+    """Too many rollouts of a step failed: the run stops instead of training on what is left."""
+
+
+def is_retryable(error: BaseException) -> bool:
+    """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
+    if isinstance(error, DeploymentRequestError):
+        return error.status is None or error.status >= 500
+    return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))
+
+
+class RunContext:
+    """The parts of one RL run on rank 0, and the operations the loops compose."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rows: list[dict],
+        eval_rows: list[dict],
+        log_path: Path,
+        state: TrainState,
+        deployment: DeploymentGroup,
+        setup: RolloutSetup,
+        rollout_fn: RolloutFn,
+    ):
+        self.cfg = cfg
+        self.rows = rows
+        self.eval_rows = eval_rows
+        self.log_path = log_path
+        self.trainer = state.trainer
+        self.reference = state.reference
+        self.cursor = state.cursor
+        self.start_step = state.start_step
+        self.vocab_size = state.vocab_size
+        self.deployment = deployment
+        self.setup = setup
+        self.rollout_fn = rollout_fn
+        self.total_steps = cfg.max_steps or max(1, self.cursor.total // cfg.prompt_groups_per_step)
+        """Planned steps; a run whose rows run out first (filtering) stops early."""
+        self.counters = StepCounters()
+        self.semaphore = asyncio.Semaphore(cfg.max_concurrency)
+        """Bounds the rollouts in flight (training and eval)."""
+        self.metrics = MetricsLogger(log_path, self.total_steps, cfg.wandb, cfg.to_dict(), resume_step=self.start_step)
+        self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
+        release_openmp_threads()  # the models were built on this thread; from here the trainer's thread computes
+        self.groups_in_flight = 0
+        """Training groups being sampled (``run_group`` calls not yet returned)."""
+
+    # ---- rollouts ---------------------------------------------------------------------
+    async def run_group(self, position: int, submit_version: int) -> PromptGroup:
+        row = self.rows[self.cursor.row_index(position)]
+        self.groups_in_flight += 1
+        try:
+            return await run_group(
+                self.rollout_fn,
+                row,
+                position,
+                submit_version,
+                self.cfg.completions_per_prompt,
+                self.cfg.rollout_timeout_s,
+                self.semaphore,
+                self.vocab_size,
+                is_retryable,
+            )
+        finally:
+            self.groups_in_flight -= 1
+
+    def share_cpu(self, share: CpuShare) -> None:
+        """Give the trainer (and a separate reference model) ``share``'s threads: fewer while groups are in flight."""
+
+        def budget() -> int:
+            return share.trainer_threads_busy if self.groups_in_flight else share.trainer_threads_idle
+
+        for model in (self.trainer, self.reference):
+            if model is not None:
+                model.share_cpu(budget)
+
+    def accept_group(self, group: PromptGroup) -> bool:
+        """Count the group's outcomes; True if it is kept for training (advantages set)."""
+        c = self.counters
+        c.add(group)
+        if (
+            c.attempts >= self.cfg.error_check_min_attempts
+            and c.failures / c.attempts > self.cfg.max_rollout_error_fraction
+        ):
+            raise RolloutFailureError(
+                f"{c.failures} of {c.attempts} rollouts failed since the last step ({c.errors} raised, "
+                f"{c.timeouts} timed out, {c.invalid} invalid), more than max_rollout_error_fraction="
+                f"{self.cfg.max_rollout_error_fraction}; see the warnings above for the rows and errors"
+            )
+        keep = True
+        if len(group.completion_rewards) < 2:
+            c.small_groups += 1
+            keep = False
+        elif self.cfg.dynamic_filter_fn is not None and not self.cfg.dynamic_filter_fn(group):
+            c.filtered_groups += 1
+            keep = False
+        if keep:
+            group.compute_advantages(self.cfg.advantage_std_scaling)
+        else:
+            self.cursor.mark_done(group.position)
+        return keep
+
+    def take_counters(self) -> dict[str, float]:
+        m = self.counters.metrics()
+        self.counters = StepCounters()
+        return m
+
+    # ---- train and sync ---------------------------------------------------------------
+    async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
+        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._train_pool,
+            lambda: train_on_groups(
+                self.trainer,
+                groups,
+                cfg.loss,
+                reference=self.reference,
+                ppo_epochs=cfg.ppo_epochs,
+                ppo_mini_batches=cfg.ppo_mini_batches,
+                temperature=cfg.temperature,
+                seed=cfg.seed + step,
+            ),
+        )
+
+    def sync_due(self, step_done: int) -> bool:
+        """Weights are pushed after every ``weight_sync_interval``-th step."""
+        return step_done % self.cfg.weight_sync_interval == 0
+
+    async def sync_weights(self, version: int, force: bool = False) -> float:
+        """Push the trainer's weights to every replica as ``version``; seconds taken. ``force``: the run's
+        first push, which may go below the version an earlier run left on an attached server."""
+        t0 = time.perf_counter()
+        await self.deployment.push(
+            self.trainer.named_weights(),
+            version,
+            specs=self.trainer.weight_specs(),
+            wait_for_inflight=not self.cfg.inflight_weight_updates,
+            force=force,
+        )
+        return time.perf_counter() - t0
+
+    # ---- eval, checkpoints ----------------------------------------------------------
+    def eval_due(self, step: int) -> bool:
+        """Eval before the first step, every eval_interval steps, and after the last."""
+        return (
+            bool(self.eval_rows)
+            and self.cfg.eval_interval > 0
+            and (step == 0 or step % self.cfg.eval_interval == 0 or step == self.total_steps)
+        )
+
+    async def evaluate(self) -> dict[str, float]:
+        """Roll out every eval row once with the deployed weights: eval/reward_mean and eval/pass_rate."""
+
+        async def one(row):
+            async with self.semaphore:
+                try:
+                    result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
+                except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
+                    logger.warning("eval rollout raised %s: %s", type(e).__name__, e)
+                    return 0.0
+                return float(getattr(result, "reward", 0.0)) if result is not None else 0.0
+
+        rewards = await asyncio.gather(*(one(r) for r in self.eval_rows))
+        return {
+            "eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards),
+        }
+
+    async def start_run(self) -> None:
+        """Before the first step: sync a resumed run's (or an attached server's) weights; eval at step 0."""
+        if self.start_step > 0 or not self.deployment.launched:
+            await self.sync_weights(self.start_step, force=True)
+        if self.eval_due(self.start_step):
+            self.metrics.log(self.start_step, await self.evaluate())
+
+    async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
+        """After a trained step: mark its rows done, evaluate and checkpoint when due.
+
+        Returns the ``eval/*`` metrics (empty when no eval was due); the checkpoint is timed in ``timer``."""
+        for g in groups:
+            self.cursor.mark_done(g.position)
+        evals = await self.evaluate() if self.eval_due(step_done) else {}
+        with timer.phase("checkpoint"):
+            if self.checkpoint_due(step_done):
+                self.save_checkpoint(step_done)
+        return evals
+
+    def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
+        self.metrics.log(step, m)
+        self.metrics.log_rollouts(step, groups)
+
+    def finish_run(self, steps_done: int) -> None:
+        """After the loop: the final checkpoint (when checkpoints are on and it was not written yet)."""
+        if self.cfg.dcp_save_interval > 0 and steps_done > self.start_step and not self.checkpoint_due(steps_done):
+            self.save_checkpoint(steps_done)
+
+    def checkpoint_due(self, step_done: int) -> bool:
+        i = self.cfg.dcp_save_interval
+        return i > 0 and (step_done % i == 0 or step_done == self.total_steps)
+
+    def save_checkpoint(self, step_done: int) -> None:
+        """Write a DCP checkpoint (under torchrun: rank 0 calls this, the other ranks follow)."""
+        state = {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
+        with lead(Command.CHECKPOINT, step_done):
+            save_checkpoint(
+                self.log_path / "checkpoints",
+                step_done,
+                self.trainer.model,
+                self.trainer.optimizer,
+                state,
+                keep_last=self.cfg.keep_checkpoints,
+            )
+        release_openmp_threads()  # the trainer's thread computes; this one keeps no OpenMP pool
+
+    async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:
+        """Wait for ``changed`` (a rollout finished); raise when nothing finished for ``stall_timeout_s``.
+
+        Returns the time of the latest progress."""
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=WAIT_POLL_S)
+            return time.perf_counter()
+        except asyncio.TimeoutError:
+            if time.perf_counter() - last_progress > self.cfg.stall_timeout_s:
+                raise RuntimeError(
+                    f"no rollout finished for {self.cfg.stall_timeout_s:.0f} s (in flight: "
+                    f"{in_flight}); is the deployment alive? see deployment.log"
+                ) from None
+            return last_progress
+
+    def close(self) -> None:
+        """Close the metrics (wandb included) and the trainer's thread."""
+        self.metrics.close()
+        self._train_pool.shutdown(wait=False)

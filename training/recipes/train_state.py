@@ -1,0 +1,67 @@
+"""A run's ``TrainState``: the parts every rank builds (the data cursor, the policy trainer, the reference
+model) and where the run resumes. ``build_train_state`` loads them and resumes from the newest
+checkpoint in ``log_path``; under ``torchrun`` every rank calls it and gets the same state (the model
+sharded with FSDP2).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.recipes.config import Config
+from training.utils.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
+from training.utils.data import RowCursor
+from training.utils.rl.losses import needs_reference_logprobs
+
+logger = logging.getLogger("training.recipe")
+
+
+@dataclass
+class TrainState:
+    """The parts every rank builds: the data cursor, the policy trainer, the reference model, where
+    the run resumes."""
+
+    cursor: RowCursor
+    trainer: Any
+    """``PolicyTrainer``."""
+    reference: Any
+    """``ReferenceModel`` (with LoRA: the policy's base weights, adapters off) when the loss needs reference
+    logprobs, else None."""
+    start_step: int
+    """0 for a fresh run; the step after the newest checkpoint for a resumed one."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.trainer.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.trainer.model.get_input_embeddings().weight.shape[0])
+
+
+def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Path) -> TrainState:
+    """Load the policy (and the frozen reference when the loss needs it), resume if a checkpoint exists."""
+    from training.trainer import PolicyTrainer, ReferenceModel
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    cursor = RowCursor(num_rows, cfg.epochs, cfg.seed, cfg.shuffle_rows)
+    trainer = PolicyTrainer(model_path, cfg.trainer)
+    reference = None
+    if needs_reference_logprobs(cfg.loss):  # with LoRA: the policy's own base weights, adapters off
+        reference = trainer.base_reference() if trainer.lora else ReferenceModel(model_path, cfg.trainer)
+    start_step = 0
+    ckpt = latest_checkpoint(log_path / "checkpoints")
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        start_step = int(state["step"])
+        cursor.load_state(state["cursor"])
+        set_rng_state(state["rng"])
+        logger.info("resumed from %s at step %d", ckpt, start_step)
+    return TrainState(cursor, trainer, reference, start_step)

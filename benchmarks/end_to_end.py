@@ -142,13 +142,18 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
     """The hyperparameters ``trl_grpo.py`` needs, read from our config (one source for both sides).
 
     Refuses settings TRL's ``GRPOTrainer`` has no counterpart for here (another policy loss,
-    PPO mini-batches, another aggregation)."""
+    PPO mini-batches, another aggregation, a learning-rate schedule)."""
     if cfg.loss.policy_loss != "grpo":
         raise ValueError(f"loss.policy_loss: the TRL baseline mirrors grpo only, got {cfg.loss.policy_loss!r}")
     if cfg.ppo_mini_batches != 1:
         raise ValueError(f"ppo_mini_batches: the TRL baseline mirrors 1 only, got {cfg.ppo_mini_batches}")
     if cfg.loss.aggregation != "token_mean":
         raise ValueError(f"loss.aggregation: TRL's dapo loss is token_mean, got {cfg.loss.aggregation!r}")
+    if cfg.trainer.lr_schedule != "constant" or cfg.trainer.warmup_steps:
+        raise ValueError(
+            f"trainer.lr_schedule: the TRL baseline runs at a constant rate, got {cfg.trainer.lr_schedule!r} "
+            f"with warmup_steps={cfg.trainer.warmup_steps}"
+        )
     batch = cfg.prompt_groups_per_step * cfg.completions_per_prompt
     return {
         "max_steps": cfg.max_steps,

@@ -86,7 +86,7 @@ def grpo_config(s: dict, out_dir: str):
         top_p=1.0,
         top_k=0,
         learning_rate=s["learning_rate"],
-        lr_scheduler_type="constant",  # ours has no schedule (TRL default: linear decay)
+        lr_scheduler_type="constant",  # ours: trainer.lr_schedule="constant", checked (TRL default: linear decay)
         warmup_steps=0,
         optim="adamw_torch",
         adam_beta1=s["adam_betas"][0],

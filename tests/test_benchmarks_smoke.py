@@ -138,6 +138,7 @@ def test_trl_settings_follow_our_config_and_refuse_what_trl_cannot_mirror(tmp_pa
         ("loss.policy_loss=gspo", "loss.policy_loss"),
         ("ppo_mini_batches=2", "ppo_mini_batches"),
         ("loss.aggregation=sum", "loss.aggregation"),
+        ("trainer.warmup_steps=2", "trainer.lr_schedule"),
     ]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             trl_settings(example_config(base + [override])[0], longest_prompt=70)

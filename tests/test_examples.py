@@ -176,3 +176,25 @@ def test_importing_train_py_reads_no_command_line_and_loads_no_model(name, tmp_p
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (tmp_path / "cache").exists()  # no model was built or converted
+
+
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in EXAMPLES.glob("*/train.py")))
+def test_help_and_a_mistyped_key_answer_without_importing_torch(name):
+    """``--help`` and a bad ``key=value`` are answered before torch (seconds to import) is loaded."""
+    code = (
+        "import runpy, sys\n"
+        "for argv in (['--help'], ['trainer.learnig_rate=1']):\n"
+        "    sys.argv = ['train.py', *argv]\n"
+        "    try:\n"
+        "        runpy.run_path('train.py', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        print('exit:', e.code)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'training.trainer') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=EXAMPLES / name, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exit: 0" in proc.stdout and "trainer.lr_schedule=" in proc.stdout
+    assert "did you mean trainer.learning_rate?" in proc.stdout

@@ -271,6 +271,18 @@ def test_resume_continues_at_next_step_with_next_rows(tiny_model_path, server, t
     assert state["step"] == 4 and state["cursor"]["done_floor"] == 8
 
 
+def test_lr_schedule_is_logged_per_step_and_a_resume_continues_it(tiny_model_path, server, tmp_path):
+    """``train/learning_rate`` follows the linear decay; the resumed run goes on from step 2, not from the peak."""
+    kw = dict(synchronous_training=True, dcp_save_interval=1)
+    peak = 1e-3
+    trainer = TrainerConfig(learning_rate=peak, lr_schedule="linear")
+    async_rl_loop.main(config(tiny_model_path, server, tmp_path, max_steps=2, trainer=trainer, **kw), Recorder(), ROWS)
+    async_rl_loop.main(config(tiny_model_path, server, tmp_path, max_steps=4, trainer=trainer, **kw), Recorder(), ROWS)
+    lrs = [r["train/learning_rate"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    # steps 0-1 decay over T = 2 (1, 1/2); the resume raised max_steps to 4: steps 2-3 continue over T = 4
+    assert lrs == pytest.approx([peak, peak / 2, peak * (1 - 2 / 4), peak * (1 - 3 / 4)], rel=1e-9)
+
+
 def test_resumed_weights_equal_saved_weights(tiny_model_path, tmp_path):
     import torch
 

@@ -132,10 +132,16 @@ class Config:
     """Promote the final policy under this name: the exported folder is copied to <log_path>/<output_model_id>, or to
     this path when it contains a '/'; the log says where. None = no promotion."""
     seed: int = 0
+    """Seed of the run: the row shuffle, torch's RNG, each step's PPO mini-batch order (``seed + step``) and the
+    sampler's generators (when ``deployment.engine_config.seed`` is None)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The policy trainer: optimizer, learning-rate schedule, device, micro-batches, LoRA (``trainer.*``)."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss and its parameters (``loss.*``)."""
     deployment: DeployConfig = field(default_factory=DeployConfig)
+    """The inference deployment the rollouts sample from, with its engine settings (``deployment.*``)."""
     wandb: WandBConfig = field(default_factory=WandBConfig)
+    """Weights & Biases logging (``wandb.*``); off unless ``wandb.project`` is set."""
 
     def __post_init__(self):
         def check(cond: bool, name: str, msg: str):
@@ -188,6 +194,19 @@ class Config:
             "output_model_id",
             "promotes the exported final model: needs export_final_model=True",
         )
+        if self.trainer.lr_schedule != "constant":  # the decay ends at the run's last optimizer step
+            check(
+                self.max_steps is not None,
+                "trainer.lr_schedule",
+                f"{self.trainer.lr_schedule!r} decays to 0 at the run's end, which needs max_steps; set max_steps, "
+                "or use trainer.lr_schedule=constant",
+            )
+            check(
+                self.trainer.warmup_steps < self.optimizer_steps,
+                "trainer.warmup_steps",
+                f"{self.trainer.warmup_steps} warm-up steps leave nothing of the run's {self.optimizer_steps} "
+                f"optimizer steps (max_steps * ppo_epochs * ppo_mini_batches) for the {self.trainer.lr_schedule} decay",
+            )
         for name, cls in (
             ("trainer", TrainerConfig),
             ("loss", LossConfig),
@@ -213,6 +232,13 @@ class Config:
                 )
             if nested != value:
                 setattr(self, sub_name, dataclasses.replace(sub, **{leaf: value}))  # a copy, validated again
+
+    @property
+    def optimizer_steps(self) -> Optional[int]:
+        """Optimizer steps of the whole run, ``max_steps * ppo_epochs * ppo_mini_batches`` (None without
+        ``max_steps``): where ``trainer.lr_schedule`` ends. A step with fewer samples than ``ppo_mini_batches``
+        takes fewer; the schedule then ends a little later than planned."""
+        return None if self.max_steps is None else self.max_steps * self.ppo_epochs * self.ppo_mini_batches
 
     @property
     def error_check_min_attempts(self) -> int:

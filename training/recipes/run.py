@@ -90,7 +90,7 @@ def start_rollouts(
     if share is not None:
         dcfg = replace(dcfg, engine_config=replace(dcfg.engine_config, num_threads=share.engine_threads))
     tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
-    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path).start(tokenizer)
+    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path, trainer=cfg.trainer).start(tokenizer)
     try:
         sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **cfg.sampling_kwargs}
         setup = RolloutSetup(

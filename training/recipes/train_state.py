@@ -52,7 +52,7 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     cursor = RowCursor(num_rows, cfg.epochs, cfg.seed, cfg.shuffle_rows)
-    trainer = PolicyTrainer(model_path, cfg.trainer)
+    trainer = PolicyTrainer(model_path, cfg.trainer, total_steps=cfg.optimizer_steps)
     reference = None
     if needs_reference_logprobs(cfg.loss):  # with LoRA: the policy's own base weights, adapters off
         reference = trainer.base_reference() if trainer.lora else ReferenceModel(model_path, cfg.trainer)

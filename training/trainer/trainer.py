@@ -36,6 +36,7 @@ from training.trainer.distributed import fsdp_logprobs, full_tensor, plan_micro_
 from training.utils import dist as dist_utils
 from training.utils.dist import Command, lead
 from training.trainer.logprobs import score_sequences
+from training.trainer.lr_schedule import SCHEDULE_STEP, LrSchedule
 from training.trainer.model import decoder_layers, load_causal_lm, prefix_sharing_supported
 from training.trainer.packing import PackedBatch
 from training.utils.config import TrainerConfig
@@ -238,11 +239,13 @@ class PolicyTrainer(_ScoringModel):
     leaves the trainer (``named_weights``, ``save_pretrained``) is merged into the base weights.
     """
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, **load_kwargs: Any):
+    def __init__(self, model_path: str, cfg: TrainerConfig, total_steps: Optional[int] = None, **load_kwargs: Any):
+        """``total_steps``: the optimizer steps of the whole run, where ``cfg.lr_schedule`` decays (``lr_schedule.py``)."""
         from transformers import AutoTokenizer
 
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.schedule = LrSchedule(cfg, total_steps)
         self.device = dist_utils.device_for_rank(resolve_device(cfg.device))
         self.dtype, self.compute_dtype = _dtypes(cfg, self.device)
         self.model_path = model_path
@@ -265,8 +268,10 @@ class PolicyTrainer(_ScoringModel):
         ]
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), fused=fused or None
+            [g for g in groups if g["params"]], lr=self.schedule.lr(0), betas=tuple(cfg.adam_betas), fused=fused or None
         )
+        for group in self.optimizer.param_groups:  # saved with the optimizer state, so a resume continues the schedule
+            group[SCHEDULE_STEP] = 0
 
     def forward_backward(
         self, sequences: Sequence[Sequence[int]], loss_fn: LossFn, temperature: float = 1.0
@@ -305,13 +310,15 @@ class PolicyTrainer(_ScoringModel):
         return dist_utils.reduce_metrics(combined, float(sum(n for _, n in per_micro_batch)), sum_keys=("loss",))
 
     def optim_step(self) -> dict[str, float]:
-        """Clip the global grad norm to ``cfg.grad_clip_norm`` (0 = no clipping), step AdamW, zero grads.
+        """Clip the global grad norm to ``cfg.grad_clip_norm`` (0 = no clipping), step AdamW at the scheduled
+        learning rate (``lr_schedule.py``), zero grads.
 
-        Returns ``grad_norm`` (before clipping) and ``learning_rate``, and on CUDA
-        ``gpu_memory_peak_gb`` (this process's peak allocated memory on its GPU so far). A non-finite
-        grad norm skips the update (the grads are dropped) and is reported as is.
+        Returns ``grad_norm`` (before clipping), ``learning_rate`` (this step's), and on CUDA
+        ``gpu_memory_peak_gb`` (this process's peak allocated memory on its GPU so far). A non-finite grad
+        norm skips the update (the grads are dropped) and is reported as is; the schedule counts the step anyway.
         """
         self.use_cpu_threads()
+        lr = self.schedule.begin_step(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm > 0 else math.inf
         if params:  # under FSDP2 the grads are DTensor shards and the norm is a global one
@@ -323,21 +330,16 @@ class PolicyTrainer(_ScoringModel):
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"grad_norm": grad_norm, "learning_rate": self.learning_rate}
+        self.schedule.end_step(self.optimizer)
+        out = {"grad_norm": grad_norm, "learning_rate": lr}
         if self.device.type == "cuda":
             out["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     @property
     def learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Set the learning rate of every parameter group (for schedules)."""
-        if not lr > 0:
-            raise ValueError(f"learning_rate: must be > 0, got {lr}")
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """The learning rate the next ``optim_step`` trains at."""
+        return self.schedule.lr(self.schedule.step_of(self.optimizer))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights under the names ``save_pretrained`` writes to safetensors, detached.

@@ -16,6 +16,8 @@ ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 INFLIGHT_UPDATE_KV = ("keep", "recompute")
 DECODE_KERNELS = ("auto", "native", "torch")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""Names ``TrainerConfig.lr_schedule`` accepts (the formulas: training/trainer/lr_schedule.py)."""
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -50,7 +52,14 @@ class TrainerConfig:
     """The policy trainer: optimizer and how batches are executed."""
 
     learning_rate: float = 1e-5
-    """AdamW learning rate (> 0)."""
+    """AdamW learning rate (> 0); the peak of ``lr_schedule``."""
+    lr_schedule: str = "constant"
+    """How the learning rate moves over the optimizer steps, after ``warmup_steps`` of linear warm-up:
+    ``constant``, ``linear`` (down to 0 at the run's end) or ``cosine`` (half a cosine down to 0 at the run's end).
+    The end is the recipe's ``max_steps`` (times ``ppo_epochs * ppo_mini_batches`` optimizer steps per step), so
+    ``linear`` and ``cosine`` need ``max_steps``. The position is saved in checkpoints: a resumed run continues it."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up: step s < W trains at ``learning_rate * (s + 1) / W`` (0 = none)."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
     weight_decay: float = 0.01
@@ -106,6 +115,8 @@ class TrainerConfig:
 
     def __post_init__(self):
         _check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"{self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0 (0 = no warm-up), got {self.warmup_steps}")
         _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 = off), got {self.grad_clip_norm}")
         _check(

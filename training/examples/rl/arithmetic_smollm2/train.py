@@ -7,8 +7,7 @@ The problems are one-digit additions and subtractions (``make_data.py`` writes t
 
 from pathlib import Path
 
-from rollout import make_rollout_fn
-from training.recipes.async_rl_loop import Config, main
+from training.recipes.config import Config
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.cli import apply_overrides
 
@@ -34,4 +33,8 @@ cfg = Config(
 )
 
 if __name__ == "__main__":
-    main(apply_overrides(cfg), rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")
+    cfg = apply_overrides(cfg)  # first: --help and a mistyped key answer at once, before torch loads
+    from rollout import make_rollout_fn
+    from training.recipes.async_rl_loop import main
+
+    main(cfg, rollout_fn_factory=make_rollout_fn, rows=HERE / "data.jsonl")

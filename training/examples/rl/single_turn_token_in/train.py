@@ -7,11 +7,7 @@ hub id / folder trains a real model instead.
 import dataclasses
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from rollout import make_rollout_fn
-from training.models import resolve_model
-from training.recipes.async_rl_loop import Config, main
+from training.recipes.config import Config
 from training.utils import LossConfig, TrainerConfig
 from training.utils.cli import apply_overrides
 from training.utils.data import load_rows
@@ -39,7 +35,13 @@ def pretokenize(path: Path, tokenizer) -> list[dict]:
 
 
 if __name__ == "__main__":
-    cfg = apply_overrides(cfg)
+    cfg = apply_overrides(cfg)  # first: --help and a mistyped key answer at once, before torch loads
+    from transformers import AutoTokenizer
+
+    from rollout import make_rollout_fn
+    from training.models import resolve_model
+    from training.recipes.async_rl_loop import main
+
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model))
     cfg = dataclasses.replace(cfg, eval_rows=cfg.eval_rows or pretokenize(HERE / "eval.jsonl", tokenizer))
     main(cfg, rollout_fn_factory=make_rollout_fn, rows=pretokenize(HERE / "data.jsonl", tokenizer))

@@ -1,136 +1,41 @@
-"""The policy losses, their registry, and the entry point the trainer calls.
+"""The policy losses: ``LossConfig`` (``config.py``), the registry (``registry.py``) and the entry point
+the trainer calls (``compute.py``).
 
 ``compute_policy_loss(inputs, cfg, total_tokens, total_sequences)`` runs the loss named by
 ``cfg.policy_loss`` (or the user's callable) on one packed micro-batch and reduces it with
-step-wide denominators, so the sum over a step's micro-batches is the step loss. See
-``README.md`` in this folder for the formulas.
+step-wide denominators. See ``README.md`` in this folder for the formulas.
+
+The names of ``compute.py`` (and the loss modules, which need torch) are loaded on first use
+(PEP 562 ``__getattr__``), so that ``LossConfig``, and with it every config class and
+``python train.py --help``, imports without torch.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import Any
 
-import torch
-
-# every loss module, imported so that its @register_loss fills LOSSES
-from training.utils.rl.losses import cispo, dapo, dro, grpo, gspo, importance_sampling, reinforce  # noqa: F401
-from training.utils.rl.losses.common import (
-    LossFn,
-    LossInputs,
-    LossOutput,
-    aggregate,
-    diagnostic_metrics,
-    validate_inputs,
-)
 from training.utils.rl.losses.config import LossConfig
-from training.utils.rl.losses.registry import LOSSES, RegisteredLoss
+from training.utils.rl.losses.registry import RegisteredLoss, loss_names
 
-LOSSES_USING_REFERENCE = frozenset(name for name, loss in LOSSES.items() if loss.uses_reference)
-"""Built-in losses that add the k3 KL penalty (and so need reference logprobs when kl_beta > 0): ``uses_reference``
-in the registry."""
-
-
-def registered_loss(cfg: LossConfig) -> Optional[RegisteredLoss]:
-    """The registry's entry for ``cfg.policy_loss``; None for a callable. An unknown name (``cfg`` mutated
-    after validation) raises a ``ValueError`` naming the field."""
-    if callable(cfg.policy_loss):
-        return None
-    try:
-        return LOSSES[cfg.policy_loss]
-    except KeyError:
-        raise ValueError(
-            f"policy_loss: unknown loss {cfg.policy_loss!r}; choose one of {sorted(LOSSES)} or pass a callable"
-        ) from None
-
-
-def resolve_loss(cfg: LossConfig) -> LossFn:
-    """The loss function for ``cfg.policy_loss``: a callable is returned as is (the user escape
-    hatch), a name is looked up in ``LOSSES``."""
-    loss = registered_loss(cfg)
-    return cfg.policy_loss if loss is None else loss.fn
-
-
-def needs_reference_logprobs(cfg: LossConfig) -> bool:
-    """Whether the trainer must compute reference logprobs: kl_beta > 0 and the loss uses them
-    (a registered loss with ``uses_reference``, i.e. grpo, or any user callable, which may)."""
-    if cfg.kl_beta <= 0:
-        return False
-    loss = registered_loss(cfg)
-    return loss is None or loss.uses_reference
-
-
-def loss_aggregation(cfg: LossConfig) -> str:
-    """The aggregation the configured loss uses: the registered loss's own (gspo: ``sequence_mean``), else
-    ``cfg.aggregation`` (also for a callable, whose ``LossOutput.aggregation``, when set, applies in
-    ``compute_policy_loss`` only)."""
-    loss = registered_loss(cfg)
-    if loss is not None and loss.aggregation is not None:
-        return loss.aggregation
-    return cfg.aggregation
-
-
-def compute_policy_loss(
-    inputs: LossInputs, cfg: LossConfig, total_tokens: int, total_sequences: int
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run the configured loss on one micro-batch and aggregate it.
-
-    ``total_tokens`` / ``total_sequences`` are the trainable tokens / sequences of the whole
-    optimizer step (all micro-batches), so summing the returned losses over the step's
-    micro-batches equals the aggregate over the step:
-    ``token_mean`` → sum(L·m) / total_tokens; ``sequence_mean`` → sum over sequences of
-    (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m). The loss's own aggregation
-    (``loss_aggregation``: the registry's, e.g. gspo's ``sequence_mean``, or a callable's
-    ``LossOutput.aggregation``) overrides ``cfg.aggregation``. ``inputs.sample_weights_N``, when
-    given, multiplies L_t first (a sample of weight w counts w times).
-
-    Metrics (unprefixed floats over this micro-batch's trainable tokens; ``*_max`` are maxima):
-    the loss's own (e.g. ``clip_fraction``, ``ratio_mean``, ``ratio_max``), plus always
-    ``tis_weight_mean``, ``tis_weight_max``, ``tis_clip_fraction``, ``mismatch_kl`` (k3 estimate of
-    KL(sampler || trainer-old)), ``kl_ref`` when reference logprobs are given, and ``loss`` (this
-    micro-batch's contribution to the step loss).
-    """
-    validate_inputs(inputs)
-    num_trainable = int((inputs.loss_mask_N > 0).sum())
-    if num_trainable > total_tokens:
-        raise ValueError(
-            f"total_tokens: {total_tokens} is fewer than this micro-batch's {num_trainable} trainable tokens; "
-            "pass the step-wide count"
-        )
-    if inputs.num_sequences > total_sequences:
-        raise ValueError(
-            f"total_sequences: {total_sequences} is fewer than this micro-batch's {inputs.num_sequences} sequences; "
-            "pass the step-wide count"
-        )
-    output = resolve_loss(cfg)(inputs, cfg)
-    if not isinstance(output, LossOutput):
-        raise TypeError(f"policy_loss: the loss function must return a LossOutput, got {type(output).__name__}")
-    if output.per_token_loss_N.shape != inputs.logprobs_N.shape:
-        raise ValueError(
-            f"per_token_loss_N: shape {tuple(output.per_token_loss_N.shape)} != logprobs_N shape "
-            f"{tuple(inputs.logprobs_N.shape)}"
-        )
-    per_token_loss_N = output.per_token_loss_N
-    if inputs.sample_weights_N is not None:
-        per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
-    aggregation = output.aggregation or loss_aggregation(cfg)
-    loss = aggregate(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences)
-    metrics = diagnostic_metrics(inputs, cfg)
-    metrics.update(output.metrics)
-    metrics["loss"] = float(loss.detach())
-    return loss, metrics
-
-
-__all__ = [
+_FROM_COMPUTE = (
     "LOSSES",
     "LOSSES_USING_REFERENCE",
-    "LossConfig",
-    "LossFn",
-    "LossInputs",
-    "LossOutput",
-    "RegisteredLoss",
     "compute_policy_loss",
     "loss_aggregation",
     "needs_reference_logprobs",
     "registered_loss",
     "resolve_loss",
-]
+)
+_FROM_COMMON = ("LossFn", "LossInputs", "LossOutput")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_COMPUTE:  # LOSSES too: through compute.py, so that it is filled
+        return getattr(importlib.import_module("training.utils.rl.losses.compute"), name)
+    if name in _FROM_COMMON:
+        return getattr(importlib.import_module("training.utils.rl.losses.common"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LossConfig", "RegisteredLoss", "loss_names", *_FROM_COMPUTE, *_FROM_COMMON]

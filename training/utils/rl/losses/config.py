@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from training.utils.rl.losses.registry import LOSSES
+from training.utils.rl.losses.registry import loss_names
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
 TIS_LEVELS = ("token", "sequence", "off")
@@ -13,7 +13,7 @@ TIS_LEVELS = ("token", "sequence", "off")
 
 @dataclass
 class LossConfig:
-    """The policy loss. ``policy_loss`` is a name registered in ``LOSSES`` (``registry.py``) or a callable
+    """The policy loss. ``policy_loss`` is a built-in loss name (a module of this folder, ``registry.loss_names()``) or a callable
     with the same signature as the built-in losses (see ``training.utils.rl.losses``)."""
 
     policy_loss: Union[str, Callable] = "grpo"
@@ -38,9 +38,9 @@ class LossConfig:
     """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
 
     def __post_init__(self):
-        if isinstance(self.policy_loss, str) and self.policy_loss not in LOSSES:
+        if isinstance(self.policy_loss, str) and self.policy_loss not in loss_names():
             raise ValueError(
-                f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {sorted(LOSSES)} or pass a callable"
+                f"policy_loss: unknown loss {self.policy_loss!r}; choose one of {list(loss_names())} or pass a callable"
             )
         if not isinstance(self.policy_loss, str) and not callable(self.policy_loss):
             raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")

@@ -2,16 +2,18 @@
 facts the rest of the code reads about that loss (its function, its own aggregation, whether it uses
 reference logprobs). Nothing outside this registry keeps a list of loss names or a rule about one.
 
-A loss module registers its function with ``@register_loss(name, ...)``; the package's
-``__init__.py`` imports every loss module, so the registry is complete once
-``training.utils.rl.losses`` (or any module in it) is imported. This module imports nothing from
-the package (the loss modules import it, and ``config.py``, which they import, checks
-``LossConfig.policy_loss`` against it), so no import cycle forms.
+A loss module registers its function with ``@register_loss(name, ...)``; ``compute.py`` imports every
+loss module, so the registry is complete once ``compute.py`` (or a name the package loads from it) is
+imported. ``loss_names()`` reads the names from the folder's file names without importing the loss
+modules (which need torch), so ``LossConfig`` validates a name, and ``train.py --help`` runs, without
+torch. This module imports nothing from the package (the loss modules import it), so no import cycle
+forms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 
@@ -49,3 +51,12 @@ def register_loss(
         return fn
 
     return register
+
+
+NOT_LOSSES = frozenset({"__init__", "common", "compute", "config", "registry"})
+"""The modules of this folder that are not losses; every other ``<name>.py`` is the loss ``<name>``."""
+
+
+def loss_names() -> tuple[str, ...]:
+    """The built-in loss names, read from this folder's file names (no loss module is imported)."""
+    return tuple(sorted(p.stem for p in Path(__file__).parent.glob("*.py") if p.stem not in NOT_LOSSES))

@@ -240,9 +240,7 @@ class TrajectoryEngine:
             out = c.output_tokens
             versions = c.token_weight_versions or [c.weight_version] * len(out)
             calls.append(
-                CallTokens(
-                    list(seg.tokens), list(out), list(c.inference_logprobs), list(versions), c.finish_reason, turn
-                )
+                CallTokens(prompts[-1], list(out), list(c.inference_logprobs), list(versions), c.finish_reason, turn)
             )
             seg.add_generated(out, c.inference_logprobs, versions)
             last_text = self.tokenizer.decode(out, skip_special_tokens=True)

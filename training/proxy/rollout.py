@@ -163,17 +163,17 @@ class ProxyRolloutFn:
         """Stop the proxy: cancel its serve task and wait for it (the server stops, its port is
         released), let the agent threads go and drop its weight-sync hooks from the setup. Idempotent;
         call it on the loop that started it."""
+        host = self._host
+        here = host is not None and host.get_loop() is asyncio.get_running_loop()
+        if host is not None and not here and not host.done() and not host.get_loop().is_closed():
+            raise RuntimeError("close(): the proxy runs on another event loop; close it there")
         self._closed = True
         if self._hooks in self._setup.weight_sync_hooks:
             self._setup.weight_sync_hooks.remove(self._hooks)
-        host, self._host, self.proxy = self._host, None, None
-        if host is not None and not host.done():
-            if host.get_loop() is not asyncio.get_running_loop():
-                if not host.get_loop().is_closed():
-                    raise RuntimeError("close(): the proxy runs on another event loop; close it there")
-            else:
-                host.cancel()
-                await asyncio.gather(host, return_exceptions=True)
+        self._host, self.proxy = None, None
+        if here and not host.done():
+            host.cancel()
+            await asyncio.gather(host, return_exceptions=True)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> "ProxyRolloutFn":

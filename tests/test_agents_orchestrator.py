@@ -144,3 +144,18 @@ def test_hung_episode_times_out_and_its_group_is_still_yielded():
 
 async def _collect(aiter):
     return [x async for x in aiter]
+
+
+def test_group_stop_reasons_count_timeouts_and_errors():
+    """Finished episodes give their own stop reason; a hung one counts as ``timeout``, a raising one as ``error``."""
+    engine = SleepyEngine()
+    rows = [{"id": 0, "delay": 3600.0}, {"id": 1}, {"id": 2, "fail": True}]
+    orch = orchestrator(engine, group_size=2, max_concurrency=6, episode_timeout_s=0.2)
+
+    async def go():
+        return await asyncio.wait_for(_collect(orch.run(rows)), 10)
+
+    groups = {g.key: g for g in asyncio.run(go())}
+    assert groups[0].stop_reasons() == {"timeout": 2}
+    assert groups[1].stop_reasons() == {"finish": 2}
+    assert groups[2].stop_reasons() == {"error": 2}

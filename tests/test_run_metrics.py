@@ -88,3 +88,22 @@ def test_the_recipe_step_counters_report_agent_metrics_and_failure_causes():
     m = counters.metrics()
     assert m["agent/episodes"] == 1 and m["agent/labels_append"] == 2 and m["agent/tool_errors"] == 1
     assert m["rollout/failed/timeout"] == 1 and m["rollout/failed/upstream_5xx"] == 2
+
+
+def test_stop_reasons_become_fractions_of_the_steps_episodes_failed_ones_included():
+    """Four finished runs and two failed completions: each ``rollout/stop_reason/<reason>`` is a share of six."""
+    from training.recipes.common import StepCounters
+    from training.utils.rl.groups import PromptGroup
+    from training.utils.rl.rollout import STOP_REASONS
+
+    g = PromptGroup(position=0, row={}, submit_version=0)
+    for i, reason in enumerate(("finish", "finish", "max_steps", "length")):
+        g.metadata[i] = {"stop_reason": reason, "num_calls": 2}
+    g.failure_causes = {"timeout": 1, "exception_keyerror": 1}
+    counters = StepCounters()
+    counters.add(g)
+    m = counters.metrics()
+    assert {k: m[k] for k in m if k.startswith("rollout/stop_reason/")} == pytest.approx(
+        {f"rollout/stop_reason/{r}": n / 6 for r, n in zip(STOP_REASONS, (2, 1, 1, 1, 1))}
+    )
+    assert not any(k.startswith("rollout/stop_reason/") for k in run_metrics([{"num_calls": 1}], {"timeout": 3}))

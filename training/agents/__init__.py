@@ -23,6 +23,7 @@ from training.utils.tool_parsers import (
 )
 from training.agents.tools import FunctionTool, Tool, ToolManager, ToolResult
 from training.agents.trajectory import Episode, TrajectoryEngine
+from training.utils.rl.credit import discounted, same_return
 
 __all__ = [
     "Action",
@@ -54,4 +55,6 @@ __all__ = [
     "ToolResult",
     "Episode",
     "TrajectoryEngine",
+    "discounted",
+    "same_return",
 ]

@@ -12,6 +12,7 @@ Each row is rolled out ``group_size`` times; finished episodes are bucketed by
 their group (bounds memory); at most ``max_concurrency`` episodes run at once. An episode that
 raises, or runs past ``episode_timeout_s`` (it is cancelled), is counted in ``group.errors``
 (its group is yielded with the episodes that finished), so a hung episode never blocks its group.
+``group.stop_reasons()`` counts why the group's episodes ended (``timeout`` / ``error`` for those).
 Every episode passes ``orch.gate`` (``training/utils/pause_gate.py``: counted pausers, drain).
 
 With ``training.recipes.async_rl_loop`` use ``make_agent_rollout_fn`` instead: the recipe
@@ -38,6 +39,16 @@ class TrajectoryGroup:
     episodes: list[Episode] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     """``Type: message`` of each episode that raised."""
+
+    def stop_reasons(self) -> dict[str, int]:
+        """Episodes per stop reason: each finished one's ``Episode.stop_reason``, ``timeout`` for one that ran
+        past ``episode_timeout_s``, ``error`` for one that raised (or was cancelled)."""
+        counts: dict[str, int] = {}
+        for reason in [e.stop_reason for e in self.episodes] + [
+            "timeout" if err.startswith("TimeoutError") else "error" for err in self.errors
+        ]:
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
 
     def results(self, as_run: bool = True) -> list[Any]:
         """The episodes as rollout results (``RolloutRun`` / ``RolloutSample``), skipping empty ones."""

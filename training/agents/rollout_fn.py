@@ -10,6 +10,11 @@ Each ``rollout_fn(row)`` builds a fresh agent and environment, runs one episode 
 in ``metadata``, written to ``rollouts.jsonl``), or a plain ``RolloutSample`` when
 ``as_run=False`` and the episode has one segment. An episode that generated nothing returns None.
 
+``mode="transitions"`` (the proxy's name for it) trains per call instead: each model call of the
+episode is its own sample (exact prompt ids masked, the call's output ids trainable), rewarded
+``g_k·R + i_k`` (``credit_fn(turns, R)``, default the same return; i_k adds the call's intermediate
+reward from tool status), weight ``1 / n``; see ``trajectory.py`` and ``training/utils/rl/credit.py``.
+
 Before the first rollout the template check runs on the policy's tokenizer
 (``training/utils/template_check.py``, with ``chat_template_kwargs``): ``template_check="warn"``
 logs a template that drifts or cannot render a tool conversation, ``"error"`` raises, ``"off"`` skips.
@@ -21,7 +26,8 @@ from typing import Any, Callable, Optional
 
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
-from training.agents.trajectory import TrajectoryEngine
+from training.agents.trajectory import MODES, TrajectoryEngine
+from training.utils.rl.credit import CreditFn
 from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
 from training.utils.template_check import CHECK_MODES, run_template_check
 
@@ -58,10 +64,18 @@ def make_agent_rollout_fn(
     chat_template_kwargs: Optional[dict] = None,
     as_run: bool = True,
     template_check: str = "warn",
+    mode: str = "stitch",
+    credit_fn: Optional[CreditFn] = None,
 ) -> Callable[[RolloutSetup], RolloutFn]:
-    """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``."""
+    """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``.
+
+    ``mode``: ``stitch`` (segments, the return on each) or ``transitions`` (one sample per call,
+    ``credit_fn(turns, R)`` per-call credit: ``same_return`` by default, or ``discounted(gamma)``).
+    """
     if template_check not in CHECK_MODES:
         raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not one of {MODES}")
 
     def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         run_template_check(
@@ -75,7 +89,7 @@ def make_agent_rollout_fn(
             env = env_factory(row)
             agent = agent_factory(row)
             episode = await engine.collect(agent, env)
-            return episode.to_result(as_run=as_run)
+            return episode.to_result(as_run=as_run, mode=mode, credit_fn=credit_fn, max_seq_len=setup.max_seq_len)
 
         return rollout_fn
 

@@ -20,6 +20,19 @@ clipped to the room left; when no room is left (or the next glue would not fit) 
 stops, keeps what it has, ``finish_reason = "length"``, and ``env.truncate`` scores it.
 Failures: sampler errors and agent exceptions propagate (the recipe drops the sample and
 counts it); tool failures never do (they are observations, see ``tools.ToolManager``).
+
+Stop reason (``Episode.stop_reason``, ``metadata["stop_reason"]``, one of ``STOP_REASONS``):
+``finish`` (the environment ended the episode: a ``finish`` call or a reply taken as the answer),
+``max_steps`` (the environment's step limit), ``length`` (over-length); ``timeout`` and ``error``
+are episodes that did not finish (``Orchestrator``'s ``TrajectoryGroup.stop_reasons``; in the
+recipe, failure causes). ``finish_reason`` stays the sampler's reason for its last call.
+
+Modes (``Episode.to_result(mode=...)``): ``stitch`` (default) gives the segments, each trained
+with the return (the sum of step rewards); ``transitions`` gives one sample per model call
+(``training/utils/rl/credit.py``): call k's exact prompt ids (mask 0) and output ids (mask 1),
+reward ``g_k·R + i_k`` with R the final reward, g_k, i_k from ``credit_fn(turns, R)`` (default
+g = 1, i = 0) and i_k also holding call k's intermediate reward (tool status,
+``IntermediateRewards``), weight ``1 / n``; the run's reward is R.
 """
 
 from __future__ import annotations
@@ -32,7 +45,11 @@ from typing import Any, Optional, Union
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
 from training.utils.tool_parsers import messages_with_tools, render_prompt_ids
-from training.utils.rl.rollout import RolloutRun, RolloutSample
+from training.utils.rl.credit import TRANSITIONS, CallTokens, CreditFn, credit_parts, transitions_of
+from training.utils.rl.rollout import STOP_REASONS, RolloutRun, RolloutSample
+
+MODES = ("stitch", TRANSITIONS)
+"""How an episode becomes training data (``Episode.to_result``): segments, or one sample per call."""
 
 STUB = "<<assistant-reply-stub-5c1e>>"
 """Placeholder assistant content used to locate the template glue in a rendering."""
@@ -84,21 +101,63 @@ class Episode:
     reward: float
     """The return: the sum of step rewards (final reward + intermediate rewards)."""
     finish_reason: str
+    """The sampler's finish reason of the last call (``length`` when the episode was cut)."""
     metadata: dict[str, Any]
-    """JSON-able transcript: ``turns`` (timings, statuses, rewards), ``segments``, ``messages``, ``return``."""
+    """JSON-able transcript: ``turns`` (timings, statuses, rewards), ``segments``, ``messages``, ``return``,
+    ``stop_reason``, ``intermediate_rewards``."""
     prompts: list[list[int]] = field(default_factory=list)
     """Every prompt sent to the sampler, in order (for checks; not logged)."""
+    stop_reason: str = "finish"
+    """Why the episode ended: ``finish``, ``max_steps`` or ``length`` (``STOP_REASONS``)."""
+    calls: list[CallTokens] = field(default_factory=list)
+    """Every model call's exact prompt and output ids, in order (for ``transitions``)."""
+    final_reward: float = 0.0
+    """R: the environment's score of the answer (the return without intermediate rewards)."""
+    intermediate: list[float] = field(default_factory=list)
+    """Per call, its intermediate reward (tool status); ``reward == final_reward + sum(intermediate)``."""
 
-    def to_result(self, as_run: bool = False) -> Union[RolloutSample, RolloutRun, None]:
-        """``None`` when nothing was generated; one segment -> ``RolloutSample`` (unless ``as_run``);
-        else ``RolloutRun`` (carrying ``metadata``)."""
+    def to_result(
+        self,
+        as_run: bool = False,
+        *,
+        mode: str = "stitch",
+        credit_fn: Optional[CreditFn] = None,
+        max_seq_len: Optional[int] = None,
+    ) -> Union[RolloutSample, RolloutRun, None]:
+        """``None`` when nothing was generated. ``stitch``: one segment -> ``RolloutSample`` (unless
+        ``as_run``), else ``RolloutRun`` (carrying ``metadata``). ``transitions``: a ``RolloutRun`` of one
+        sample per call (module docstring), cut to ``max_seq_len``."""
+        if mode not in MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+        if mode == TRANSITIONS:
+            return self.transitions(credit_fn, max_seq_len=max_seq_len)
         if not self.segments:
             return None
         for s in self.segments:
             s.reward = self.reward
         if len(self.segments) == 1 and not as_run:
             return self.segments[0]
-        return RolloutRun(segments=list(self.segments), reward=self.reward, metadata=self.metadata)
+        return RolloutRun(segments=list(self.segments), reward=self.reward, metadata=dict(self.metadata, mode="stitch"))
+
+    def transitions(
+        self, credit_fn: Optional[CreditFn] = None, *, max_seq_len: Optional[int] = None
+    ) -> Optional[RolloutRun]:
+        """One sample per model call: reward g_k·R + i_k (R = ``final_reward``; i_k = the credit's own
+        plus the call's intermediate reward), weight ``1 / n``; None when no call generated a token."""
+        turns = self.metadata.get("turns", [])
+        shares, intermediate = credit_parts(credit_fn, turns, self.final_reward, extra=self.intermediate)
+        res = transitions_of(self.calls, shares, intermediate, self.final_reward, max_seq_len=max_seq_len)
+        meta = dict(
+            self.metadata,
+            mode=TRANSITIONS,
+            sample_calls=res.calls,
+            credited_rewards=res.rewards,
+            sample_weights=res.weights,
+            return_weights=res.return_weights,
+            intermediate_rewards=res.intermediate,
+            run_reward=self.final_reward,
+        )
+        return res.to_run(self.final_reward, meta)
 
 
 class TrajectoryEngine:
@@ -157,7 +216,10 @@ class TrajectoryEngine:
         session = uuid.uuid4().hex
         prompts: list[list[int]] = []
         turns: list[dict] = []
+        calls: list[CallTokens] = []
+        intermediate: list[float] = []
         total, final_reward, finish_reason, last_text = 0.0, None, "stop", ""
+        stop_reason = "finish"
         t_start = time.perf_counter()
         while True:
             turn = len(turns)
@@ -176,13 +238,19 @@ class TrajectoryEngine:
                 raise RuntimeError("the server's prompt_token_ids differ from the prompt sent (token drift)")
             prompts.append(list(seg.tokens))
             out = c.output_tokens
-            seg.add_generated(out, c.inference_logprobs, c.token_weight_versions or [c.weight_version] * len(out))
+            versions = c.token_weight_versions or [c.weight_version] * len(out)
+            calls.append(
+                CallTokens(prompts[-1], list(out), list(c.inference_logprobs), list(versions), c.finish_reason, turn)
+            )
+            seg.add_generated(out, c.inference_logprobs, versions)
             last_text = self.tokenizer.decode(out, skip_special_tokens=True)
             action = agent.act(last_text)
             t1 = time.perf_counter()
             result = await env.step(action)
             env_s = time.perf_counter() - t1
             total += result.reward
+            step_final = result.info.get("final_reward", result.reward) if result.done else 0.0
+            intermediate.append(result.reward - step_final)
             new_messages = agent.observe(result)
             turns.append(
                 {
@@ -198,12 +266,14 @@ class TrajectoryEngine:
                     "parse_errors": len(action.parse_errors),
                     "statuses": dict(result.observation.get("tool_statuses", {})),
                     "reward": result.reward,
+                    "intermediate_reward": intermediate[-1],
                     "done": result.done,
                 }
             )
             if result.done:
                 finish_reason = c.finish_reason
-                final_reward = result.info.get("final_reward", result.reward)
+                final_reward = step_final
+                stop_reason = episode_stop_reason(result.info.get("stop_reason"))
                 break
             compacted = agent.compact()
             if compacted is not None:
@@ -224,6 +294,7 @@ class TrajectoryEngine:
         if finish_reason == "length" and final_reward is None:
             final_reward = await env.truncate("length")
             total += final_reward
+            stop_reason = "length"
         closed.append(seg)
         samples = [
             RolloutSample(
@@ -249,7 +320,9 @@ class TrajectoryEngine:
             "return": total,
             "tool_status_counts": status_counts,
             "final_reward": final_reward,
+            "intermediate_rewards": intermediate,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
             "truncated": finish_reason == "length",
             "num_turns": len(turns),
             "num_calls": len(turns),
@@ -263,4 +336,20 @@ class TrajectoryEngine:
             ],
             "messages": agent.messages,
         }
-        return Episode(segments=samples, reward=total, finish_reason=finish_reason, metadata=metadata, prompts=prompts)
+        return Episode(
+            segments=samples,
+            reward=total,
+            finish_reason=finish_reason,
+            metadata=metadata,
+            prompts=prompts,
+            stop_reason=stop_reason,
+            calls=calls,
+            final_reward=float(final_reward or 0.0),
+            intermediate=intermediate,
+        )
+
+
+def episode_stop_reason(env_reason: Optional[str]) -> str:
+    """The episode's stop reason from the environment's ``info["stop_reason"]``: ``max_steps`` and the
+    other ``STOP_REASONS`` as given; ``answer`` (a call-free reply), ``finish`` or none -> ``finish``."""
+    return env_reason if env_reason in STOP_REASONS else "finish"

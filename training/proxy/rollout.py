@@ -17,7 +17,9 @@ segment → truncated and masked (see ``server`` and ``stitching``); an episode 
 trainable token → ``None`` (counted as dropped).
 
 The proxy starts lazily on the recipe's event loop at the first rollout (free port on
-127.0.0.1) and stops when that loop shuts down.
+127.0.0.1). ``await rollout_fn.close()`` stops it (its serve task ends, its port is released, its
+agent threads are let go); ``async with rollout_fn:`` starts it and closes it. Otherwise it stops
+when that loop shuts down.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ class AgentEndpoint:
 
 
 class ProxyRolloutFn:
-    """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy."""
+    """The ``rollout_fn`` built by ``make_proxy_rollout_fn``; ``self.proxy`` is its live proxy.
+
+    An async context manager: ``async with rollout_fn:`` starts the proxy on the running loop and
+    ``close()``s it on exit; after ``close()`` the function refuses rollouts (``RuntimeError``).
+    """
 
     def __init__(
         self,
@@ -116,9 +122,12 @@ class ProxyRolloutFn:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._host: Optional[asyncio.Task] = None
         self._starting: Optional[asyncio.Lock] = None
+        self._closed = False
         self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
         self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
-        setup.weight_sync_hooks.append((self.before_weight_sync, self.after_weight_sync))
+        self._hooks = (self.before_weight_sync, self.after_weight_sync)
+        self._setup = setup
+        setup.weight_sync_hooks.append(self._hooks)
         self.template_checks = run_template_check(
             setup.tokenizer, template_check, where="make_proxy_rollout_fn", **(chat_template_kwargs or {})
         )
@@ -134,7 +143,9 @@ class ProxyRolloutFn:
             self.proxy.gate.resume()
 
     async def ensure_started(self) -> ProxyServer:
-        """Start the proxy on the running loop (once per loop); it stops when the loop shuts down."""
+        """Start the proxy on the running loop (once per loop); it stops at ``close()`` or when the loop shuts down."""
+        if self._closed:
+            raise RuntimeError("ProxyRolloutFn is closed: build a new one (make_rollout_fn(setup))")
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._starting, self.proxy, self._host = loop, asyncio.Lock(), None, None
@@ -147,6 +158,30 @@ class ProxyRolloutFn:
                     self._host.result()  # re-raise a start failure
                 self.proxy = proxy
         return self.proxy
+
+    async def close(self) -> None:
+        """Stop the proxy: cancel its serve task and wait for it (the server stops, its port is
+        released), let the agent threads go and drop its weight-sync hooks from the setup. Idempotent;
+        call it on the loop that started it."""
+        host = self._host
+        here = host is not None and host.get_loop() is asyncio.get_running_loop()
+        if host is not None and not here and not host.done() and not host.get_loop().is_closed():
+            raise RuntimeError("close(): the proxy runs on another event loop; close it there")
+        self._closed = True
+        if self._hooks in self._setup.weight_sync_hooks:
+            self._setup.weight_sync_hooks.remove(self._hooks)
+        self._host, self.proxy = None, None
+        if here and not host.done():
+            host.cancel()
+            await asyncio.gather(host, return_exceptions=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> "ProxyRolloutFn":
+        await self.ensure_started()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
 
     @staticmethod
     async def _serve(proxy: ProxyServer, started: asyncio.Event) -> None:
@@ -247,6 +282,7 @@ class ProxyRolloutFn:
             labels[c.label.kind] += 1
         return {
             "mode": self.mode,
+            "stop_reason": "finish",  # the agent returned; timeouts and errors count as failure causes
             "session_id": session.session_id,
             "return": reward,
             "calls": [c.summary() for c in session.calls],

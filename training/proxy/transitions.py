@@ -28,6 +28,10 @@ calls at once, so the per-call rewards are summed into the run's reward: R + sum
 Rollout-level normalisation: ``episode_weights(n)`` gives each of an episode's ``n`` samples
 the weight ``1 / n`` (``RolloutSample.weight``); the PPO loop normalises the loss by the weighted
 token count, so an episode counts as much in transitions mode as its one stitched sample does.
+
+The mechanism (``same_return``, ``discounted``, the affine check, one sample per call, the
+weights) is ``training/utils/rl/credit.py``, shared with ``training.agents``; this module adds
+what only recorded calls have: tool status read from ``role: tool`` messages, posted rewards.
 """
 
 from __future__ import annotations
@@ -35,33 +39,31 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from training.proxy.records import CallRecord
-from training.utils.rl.rollout import RolloutSample
+from training.utils.rl import credit
+from training.utils.rl.credit import TransitionResult, discounted, episode_weights, same_return
+
+__all__ = [
+    "CreditFn",
+    "TransitionResult",
+    "build_transitions",
+    "credit_parts",
+    "discounted",
+    "episode_weights",
+    "same_return",
+    "tool_result_is_error",
+    "tool_result_status",
+    "tool_status_counts",
+    "tool_status_rewards",
+    "with_tool_status",
+]
 
 CreditFn = Callable[[list[CallRecord], float], list[float]]
 OK, ERROR = "ok", "error"
 _ERROR_TEXT_RE = re.compile(r"^\s*((error|exception|traceback)\b|\w*(error|exception)\s*:)", re.IGNORECASE)
 _ERROR_STATUSES = {"error", "failed", "failure", "fail", "timeout", "timed_out"}
-
-
-def same_return(calls: list[CallRecord], episode_return: float) -> list[float]:
-    """Every call gets the episode's return."""
-    return [float(episode_return)] * len(calls)
-
-
-def discounted(gamma: float) -> CreditFn:
-    """Later calls get more of the return: call k of K gets ``return * gamma**(K - 1 - k)``."""
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"gamma: {gamma} must be in (0, 1]")
-
-    def credit(calls: list[CallRecord], episode_return: float) -> list[float]:
-        k = len(calls)
-        return [float(episode_return) * gamma ** (k - 1 - i) for i in range(k)]
-
-    return credit
 
 
 def _structured(content: Any) -> Any:
@@ -159,40 +161,8 @@ def credit_parts(
 
     Raises ``ValueError`` when ``credit_fn`` returns the wrong number of rewards or is not affine in R.
     """
-    credit_fn = credit_fn or same_return
-    at0, at1, at_r = (list(credit_fn(calls, r)) for r in (0.0, 1.0, float(episode_return)))
-    for got in (at0, at1, at_r):
-        if len(got) != len(calls):
-            raise ValueError(f"credit_fn returned {len(got)} rewards for {len(calls)} calls")
-    shares = [b - a for a, b in zip(at0, at1)]
-    for k, (g, i, r) in enumerate(zip(shares, at0, at_r)):
-        if not math.isclose(g * episode_return + i, r, rel_tol=1e-6, abs_tol=1e-6):
-            raise ValueError(
-                f"credit_fn is not affine in the return: call {k} gets {r} at R={episode_return}, "
-                f"but {i} at R=0 and {i + g} at R=1"
-            )
-    intermediate = [i + math.fsum(c.posted_rewards) for i, c in zip(at0, calls)]
-    return shares, intermediate
-
-
-def episode_weights(n: int) -> list[float]:
-    """Rollout-level normalisation: ``n`` samples of one episode each weigh ``1 / n``."""
-    return [1.0 / n] * n if n else []
-
-
-@dataclass
-class TransitionResult:
-    samples: list[RolloutSample]
-    rewards: list[float]
-    """Credited reward of each sample (parallel to ``samples``): g·R + i."""
-    calls: list[int]
-    """Call index of each sample."""
-    weights: list[float]
-    """``episode_weights(len(samples))``."""
-    return_weights: list[float]
-    """g of each sample: its share of the episode return (``RolloutRun.return_weights``)."""
-    intermediate: list[float]
-    """i of each sample: its per-call reward (tool status, posted rewards)."""
+    posted = [math.fsum(c.posted_rewards) for c in calls]
+    return credit.credit_parts(credit_fn, calls, episode_return, extra=posted)
 
 
 def build_transitions(
@@ -204,34 +174,15 @@ def build_transitions(
 ) -> TransitionResult:
     """One sample per call with an output token; rewards g·R + i from ``credit_parts``."""
     shares, intermediate = credit_parts(credit_fn, calls, episode_return)
-    result = TransitionResult([], [], [], [], [], [])
-    for c, g, i in zip(calls, shares, intermediate):
-        tokens = c.prompt_ids + c.output_ids
-        mask = [0] * len(c.prompt_ids) + [1] * len(c.output_ids)
-        logprobs = [0.0] * len(c.prompt_ids) + list(c.output_logprobs)
-        versions = c.output_weight_versions
-        finish = c.finish_reason
-        if max_seq_len is not None and len(tokens) > max_seq_len:
-            tokens, mask, logprobs, finish = tokens[:max_seq_len], mask[:max_seq_len], logprobs[:max_seq_len], "length"
-            versions = versions[: sum(mask)]
-        if sum(mask) == 0:
-            continue
-        reward = g * float(episode_return) + i
-        result.samples.append(
-            RolloutSample(
-                tokens=tokens,
-                logprobs=logprobs,
-                loss_mask=mask,
-                reward=reward,
-                finish_reason=finish,
-                token_weight_versions=versions if all(v >= 0 for v in versions) else None,
-            )
+    tokens = [
+        credit.CallTokens(
+            prompt_ids=c.prompt_ids,
+            output_ids=c.output_ids,
+            output_logprobs=c.output_logprobs,
+            output_weight_versions=c.output_weight_versions,
+            finish_reason=c.finish_reason,
+            index=c.index,
         )
-        result.rewards.append(reward)
-        result.calls.append(c.index)
-        result.return_weights.append(g)
-        result.intermediate.append(i)
-    result.weights = episode_weights(len(result.samples))
-    for sample, weight in zip(result.samples, result.weights):
-        sample.weight = weight
-    return result
+        for c in calls
+    ]
+    return credit.transitions_of(tokens, shares, intermediate, episode_return, max_seq_len=max_seq_len)

@@ -8,7 +8,7 @@ only, A_i = R_i - mean_G R (Dr. GRPO), which does not up-weight groups whose rew
 A group needs at least two samples: set ``completions_per_prompt >= 2``.
 
 Per-call credit (``credited_advantages``; a ``RolloutRun`` with ``segment_rewards``, e.g. the
-proxy's transitions): sample s of completion c has its own reward r_s = g_s·R_c + i_s, where
+transitions of ``training.agents`` and ``training.proxy``, ``credit.py``): sample s of completion c has its own reward r_s = g_s·R_c + i_s, where
 R_c is the completion's return, g_s the share of it credited to this call (1, or gamma**(K-1-k)
 for discounted credit: ``RolloutRun.return_weights``) and i_s = r_s - g_s·R_c its per-call
 (intermediate) reward: tool-status penalties (AIR), rewards the agent posted. Then

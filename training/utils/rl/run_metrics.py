@@ -17,6 +17,8 @@ written to ``rollouts.jsonl``):
 | ``num_calls`` | int | model calls of the episode |
 | ``truncated`` | bool | a call or the episode hit a length limit |
 | ``intermediate_rewards`` | list of float | per-call rewards (tool status, rewards the agent posted) |
+| ``stop_reason`` | str | why the episode ended: ``STOP_REASONS`` of the contract module (``finish``, ``max_steps``, |
+| | | ``timeout``, ``error``, ``length``) |
 
 Names returned (floats; a name appears only when some run carried its key):
 ``agent/episodes`` (runs with any key above), ``agent/labels_new`` / ``_append`` / ``_wipe``
@@ -26,6 +28,11 @@ status but ``unparsable``), ``agent/tool_<status>`` (sum per status), ``agent/to
 ``agent/intermediate_reward_mean`` (mean per call); and ``rollout/failed/<cause>`` for each
 failure cause counted by ``training.utils.rl.groups`` (``timeout``, ``upstream``,
 ``upstream_5xx``, ``agent_<exception>``, ``invalid_<field>``...).
+
+Stop reasons, when some run carried ``stop_reason``: ``rollout/stop_reason/<reason>`` for each of
+``STOP_REASONS``, the fraction of the step's episodes that ended so. The episodes are the runs with
+a ``stop_reason`` plus the failed completions (failure cause ``timeout`` counts as ``timeout``, any
+other as ``error``), so the fractions sum to 1.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Optional
 
-AGENT_KEYS = ("labels", "drift", "tool_status_counts", "num_calls", "truncated", "intermediate_rewards")
+from training.utils.rl.rollout import STOP_REASONS
+
+AGENT_KEYS = ("labels", "drift", "tool_status_counts", "num_calls", "truncated", "intermediate_rewards", "stop_reason")
 """``RolloutRun.metadata`` keys read here."""
 
 
@@ -43,6 +52,7 @@ def run_metrics(
     """Step metrics from the runs' metadata and the failure causes (see the module docstring)."""
     out: dict[str, float] = {}
     episodes, calls, intermediate = 0, [], []
+    stops: dict[str, float] = {}
 
     def add(name: str, value: float) -> None:
         out[name] = out.get(name, 0.0) + float(value)
@@ -69,6 +79,9 @@ def run_metrics(
         if "truncated" in meta:
             add("agent/truncated", 1.0 if meta["truncated"] else 0.0)
         intermediate += [float(x) for x in meta.get("intermediate_rewards") or [] if math.isfinite(float(x))]
+        if meta.get("stop_reason") is not None:
+            reason = str(meta["stop_reason"])
+            stops[reason] = stops.get(reason, 0.0) + 1.0
     if episodes:
         out["agent/episodes"] = float(episodes)
     if calls:
@@ -77,4 +90,22 @@ def run_metrics(
         out["agent/intermediate_reward_mean"] = sum(intermediate) / len(intermediate)
     for cause, n in (failure_causes or {}).items():
         out[f"rollout/failed/{cause}"] = out.get(f"rollout/failed/{cause}", 0.0) + float(n)
+    out.update(stop_reason_fractions(stops, failure_causes))
     return out
+
+
+def stop_reason_fractions(
+    stop_counts: Mapping[str, float], failure_causes: Optional[Mapping[str, int]] = None
+) -> dict[str, float]:
+    """``rollout/stop_reason/<reason>``: each reason's share of the finished runs (``stop_counts``) and the
+    failed completions (``timeout`` → ``timeout``, other causes → ``error``); {} when no run carried one."""
+    if not stop_counts:
+        return {}
+    counts = {reason: 0.0 for reason in STOP_REASONS}
+    for reason, n in stop_counts.items():
+        counts[reason] = counts.get(reason, 0.0) + float(n)
+    for cause, n in (failure_causes or {}).items():
+        key = "timeout" if cause == "timeout" else "error"
+        counts[key] += float(n)
+    total = sum(counts.values())
+    return {f"rollout/stop_reason/{reason}": n / total for reason, n in counts.items()} if total else {}

@@ -51,6 +51,13 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
 
+STOP_REASONS = ("finish", "max_steps", "timeout", "error", "length")
+"""Why an agent episode ended (``RolloutRun.metadata["stop_reason"]``): ``finish`` (the agent or its
+environment ended it), ``max_steps`` (the environment's step limit), ``timeout`` (cut at its deadline),
+``error`` (an exception ended it), ``length`` (the context was full). Failed episodes return no run:
+they reach the metrics as failure causes (``timeout`` → ``timeout``, any other cause → ``error``)."""
+
+
 class RolloutValidationError(ValueError):
     """A rollout result broke the contract. ``field`` names the offending field."""
 
@@ -107,7 +114,9 @@ class RolloutRun:
     """With ``segment_rewards``: g_k, the share of ``reward`` credited to segment k (1 for the same return,
     gamma**(K-1-k) discounted); the rest of the segment's reward is its per-call reward. None = 1 each."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained."""
+    """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained.
+    Documented keys (``training/utils/rl/run_metrics.py`` counts them) include ``stop_reason``: why the
+    episode ended, one of ``STOP_REASONS`` (``finish_reason`` stays the sampler's reason for one call)."""
 
     def samples(self) -> list[RolloutSample]:
         """The segments, with the run's reward written into each unless ``segment_rewards``."""

@@ -92,7 +92,7 @@ def test_the_recipe_step_counters_report_agent_metrics_and_failure_causes():
 
 def test_stop_reasons_become_fractions_of_the_steps_episodes_failed_ones_included():
     """Four finished runs and two failed completions: each ``rollout/stop_reason/<reason>`` is a share of six."""
-    from training.recipes.common import StepCounters
+    from training.recipes.step_metrics import StepCounters
     from training.utils.rl.groups import PromptGroup
     from training.utils.rl.rollout import STOP_REASONS
 

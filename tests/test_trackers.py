@@ -124,3 +124,19 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_model_path, tmp_path):
     got = tensorboard_scalars(tmp_path / "run" / "tensorboard")
     assert "train/loss" in got and set(got["train/loss"]) == {0, 1}
     assert got == expected
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed: pip install -e '.[tensorboard]'")
+def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard(tmp_path):
+    tb = TensorBoardConfig(enabled=True)
+    first = MetricsLogger(tmp_path, total_steps=4, console=False, tensorboard_cfg=tb)
+    for step in range(4):
+        first.log(step, {"train/loss": float(step), "rollout/samples": 4, "eval/reward_mean": float("nan")})
+    first.close()
+    resumed = MetricsLogger(tmp_path, total_steps=4, console=False, tensorboard_cfg=tb, resume_step=2)
+    for step in (2, 3):
+        resumed.log(step, {"train/loss": 10.0 + step, "rollout/samples": 4})
+    resumed.close()
+    got = tensorboard_scalars(tmp_path / "tensorboard")
+    assert got == {"train/loss": {0: 0.0, 1: 1.0, 2: 12.0, 3: 13.0}, "rollout/samples": {0: 4, 1: 4, 2: 4, 3: 4}}

@@ -2,10 +2,14 @@
 
 ``resolve_model("tiny")`` builds (once) and returns the tiny random-init Qwen3 folder;
 ``resolve_model("smollm2")`` converts (once) SmolLM2-135M-Instruct from its PyPI wheel; any
-other string is returned unchanged (a hub id or a local folder).
+other string is returned unchanged (a hub id or a local folder). ``SHORT_NAMES`` lists the short
+names; ``training/models/resolve.py`` (``check_base_model``) checks a name before anything loads.
 """
 
 from __future__ import annotations
+
+SHORT_NAMES = ("tiny", "smollm2")
+"""The names ``resolve_model`` builds a folder for; any other name is a hub id or a local folder."""
 
 
 def resolve_model(name: str) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from training.utils.config import DeployConfig, TrainerConfig, WandBConfig
+from training.utils.config import ConfigError, DeployConfig, TensorBoardConfig, TrainerConfig, WandBConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
 from training.utils.rl.groups import PromptGroup
@@ -28,6 +28,7 @@ RESUME_MAY_CHANGE = (
     "resume_with_changed_config",
     "deployment",
     "wandb",
+    "tensorboard",
 )
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
 is trained: how long, how it is logged and served)."""
@@ -141,12 +142,14 @@ class Config:
     deployment: DeployConfig = field(default_factory=DeployConfig)
     """The inference deployment the rollouts sample from, with its engine settings (``deployment.*``)."""
     wandb: WandBConfig = field(default_factory=WandBConfig)
-    """Weights & Biases logging (``wandb.*``); off unless ``wandb.project`` is set."""
+    """Weights & Biases logging (``wandb.*``); off unless ``wandb.project`` or ``WANDB_PROJECT`` is set."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard scalars (``tensorboard.*``); off unless ``tensorboard.enabled``."""
 
     def __post_init__(self):
         def check(cond: bool, name: str, msg: str):
             if not cond:
-                raise ValueError(f"{name}: {msg}")
+                raise ConfigError(f"{name}: {msg}")
 
         check(isinstance(self.base_model, str) and self.base_model != "", "base_model", "must be a hub id or a folder")
         check(
@@ -212,6 +215,7 @@ class Config:
             ("loss", LossConfig),
             ("deployment", DeployConfig),
             ("wandb", WandBConfig),
+            ("tensorboard", TensorBoardConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
         self._resolve_aliases()
@@ -227,7 +231,7 @@ class Config:
                 setattr(self, alias, nested)
                 continue
             if nested != default and nested != value:
-                raise ValueError(
+                raise ConfigError(
                     f"{alias}: {alias}={_show(value)} and {path}={_show(nested)} are one setting; set one of them"
                 )
             if nested != value:

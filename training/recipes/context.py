@@ -76,7 +76,14 @@ class RunContext:
         self.counters = StepCounters()
         self.semaphore = asyncio.Semaphore(cfg.max_concurrency)
         """Bounds the rollouts in flight (training and eval)."""
-        self.metrics = MetricsLogger(log_path, self.total_steps, cfg.wandb, cfg.to_dict(), resume_step=self.start_step)
+        self.metrics = MetricsLogger(
+            log_path,
+            self.total_steps,
+            cfg.wandb,
+            cfg.to_dict(),
+            resume_step=self.start_step,
+            tensorboard_cfg=cfg.tensorboard,
+        )
         self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
         release_openmp_threads()  # the models were built on this thread; from here the trainer's thread computes

@@ -1,5 +1,7 @@
 """What a run takes in and hands out around its loop, resolved from ``Config``.
 
+- ``check_run_inputs``: what can be checked in seconds before anything loads: ``base_model``
+  (``training/models/resolve.py``) and the trackers' packages (wandb, TensorBoard).
 - ``resolve_rows``: the rows given to ``main``, else ``cfg.dataset``; the first ``cfg.max_rows``.
 - ``resolve_rollout_factory``: the user's ``make_rollout_fn``, else the built-in single-turn
   rollout scored by ``cfg.reward_fn`` (``single_turn.py``).
@@ -23,13 +25,23 @@ from typing import Any, Optional
 import torch
 
 from training.models import resolve_model
+from training.models.resolve import check_base_model
 from training.recipes.config import Config
 from training.recipes.single_turn import make_single_turn_rollout_fn
 from training.utils import dist
 from training.utils.data import Rows, load_rows
 from training.utils.device import resolve_device
+from training.utils.metrics import check_trackers
 
 logger = logging.getLogger("training.recipe")
+
+
+def check_run_inputs(cfg: Config) -> None:
+    """Fail in seconds, before rows, models or servers load, on a ``base_model`` that names nothing usable or a
+    tracker whose package is missing: one ``ConfigError`` line each. Logs what the model name is and the trackers."""
+    logger.info("base_model: %s", check_base_model(cfg.base_model))
+    trackers = check_trackers(cfg.wandb, cfg.tensorboard)
+    logger.info("trackers: metrics.jsonl%s", "".join(f", {t}" for t in trackers))
 
 
 def resolve_rows(cfg: Config, rows: Optional[Rows]) -> list[dict]:

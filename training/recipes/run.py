@@ -2,7 +2,8 @@
 
 ``run_recipe(loop_cls, cfg, rollout_fn_factory, rows)``:
 
-1. set-up: process group (under ``torchrun``), rows and the resumable data cursor, the trainer and
+1. set-up: process group (under ``torchrun``), the checks that take seconds (``base_model``, the
+   trackers' packages: ``check_run_inputs``), rows and the resumable data cursor, the trainer and
    the reference model (``TrainState``: resumed from the newest checkpoint in ``log_path``);
 2. on ranks other than 0: follow rank 0's commands until it stops (``follow_rank0``);
 3. on rank 0: start or attach the deployment and call ``make_rollout_fn(setup)`` once
@@ -33,6 +34,7 @@ from training.recipes.config import RESUME_MAY_CHANGE, Config
 from training.recipes.context import RunContext
 from training.recipes.resources import (
     CpuShare,
+    check_run_inputs,
     cpu_share,
     log_start_notes,
     promote_final_model,
@@ -161,6 +163,7 @@ def _run_recipe(
     )
     steps = 0
     try:
+        check_run_inputs(cfg)  # a bad base_model or a missing tracker package fails here, in seconds
         rows = resolve_rows(cfg, rows)
         rollout_fn_factory = resolve_rollout_factory(cfg, rollout_fn_factory)
         eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []

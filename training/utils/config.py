@@ -1,7 +1,8 @@
-"""Sub-configs shared by the recipes: the trainer, the inference engine, the deployment and wandb.
+"""Sub-configs shared by the recipes: the trainer, the inference engine, the deployment and the trackers
+(wandb, TensorBoard).
 
 Plain dataclasses, validated in ``__post_init__``: a bad value fails at construction with a
-message that names the field and says what is allowed. Each field's docstring is its help text.
+``ConfigError`` that names the field and says what is allowed. Each field's docstring is its help text.
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 """Names ``TrainerConfig.lr_schedule`` accepts (the formulas: training/trainer/lr_schedule.py)."""
 
 
+class ConfigError(ValueError):
+    """A setting a run cannot use, in one line that names it (``"base_model: ..."``): a usage error, not a bug.
+
+    Raised by config validation and by the checks a run makes before anything loads
+    (``training/models/resolve.py``, ``training/utils/metrics.py``: ``check_trackers``); a recipe's
+    command line prints it without a traceback. A ``ValueError``, so older ``except ValueError`` still catch it.
+    """
+
+
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
-        raise ValueError(f"{name}: {message}")
+        raise ConfigError(f"{name}: {message}")
 
 
 def _is_replica_device(value: str) -> bool:
@@ -385,16 +395,23 @@ class DeployConfig:
 
 @dataclass
 class WandBConfig:
-    """Weights & Biases logging; off unless ``project`` is set. ``mode='offline'`` needs no network."""
+    """Weights & Biases logging; off unless a project is set (``project`` or ``WANDB_PROJECT``).
+
+    The ``WANDB_*`` environment wins over these fields, field by field: ``WANDB_PROJECT``, ``WANDB_ENTITY``,
+    ``WANDB_NAME`` and ``WANDB_MODE`` replace ``project``, ``entity``, ``run_name`` and ``mode`` (the config
+    holds a run's defaults, the environment is this invocation's choice). ``WANDB_PROJECT`` alone turns wandb
+    on; ``WANDB_MODE=disabled`` turns it off. ``mode='offline'`` needs no network. A run checks that wandb is
+    installed before anything loads (``training/utils/metrics.py``: ``check_trackers``).
+    """
 
     project: Optional[str] = None
-    """wandb project; None disables wandb."""
+    """wandb project; None (and no ``WANDB_PROJECT``) disables wandb."""
     entity: Optional[str] = None
-    """wandb entity (team or user)."""
+    """wandb entity (team or user); ``WANDB_ENTITY`` wins."""
     run_name: Optional[str] = None
-    """Run name; default: the log folder's name."""
+    """Run name; default: the log folder's name; ``WANDB_NAME`` wins."""
     mode: str = "online"
-    """``online``, ``offline`` or ``disabled``; a default: ``WANDB_MODE`` in the environment wins (as do ``WANDB_PROJECT`` / ``ENTITY`` / ``NAME``)."""
+    """``online``, ``offline`` or ``disabled``; ``WANDB_MODE`` in the environment wins."""
     tags: list[str] = field(default_factory=list)
     """Tags attached to the run."""
 
@@ -407,5 +424,34 @@ class WandBConfig:
 
     @property
     def enabled(self) -> bool:
-        """A project is set and neither the config nor ``WANDB_MODE`` disables wandb."""
-        return self.project is not None and (os.environ.get("WANDB_MODE") or self.mode) != "disabled"
+        """A project is set (``project`` or ``WANDB_PROJECT``) and neither ``WANDB_MODE`` nor ``mode`` is ``disabled``."""
+        return self.project_source is not None and (os.environ.get("WANDB_MODE") or self.mode) != "disabled"
+
+    @property
+    def project_source(self) -> Optional[str]:
+        """What sets the project, as a user would write it: ``WANDB_PROJECT`` or ``wandb.project``; None if neither."""
+        if os.environ.get("WANDB_PROJECT"):
+            return "WANDB_PROJECT"
+        return "wandb.project" if self.project is not None else None
+
+
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard event files: every numeric metric of ``metrics.jsonl``, under its name, at its step.
+
+    Needs the ``tensorboard`` package (``pip install -e '.[tensorboard]'``), checked before anything loads.
+    View with ``tensorboard --logdir <log_path>/tensorboard``.
+    """
+
+    enabled: bool = False
+    """Write TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``) beside ``metrics.jsonl``."""
+    log_dir: Optional[str] = None
+    """Folder of the event files; default ``<log_path>/tensorboard``."""
+
+    def __post_init__(self):
+        _check(isinstance(self.enabled, bool), "enabled", f"must be true or false, got {self.enabled!r}")
+        _check(
+            self.log_dir is None or (isinstance(self.log_dir, str) and self.log_dir.strip() != ""),
+            "log_dir",
+            f"must be a folder or None (<log_path>/tensorboard), got {self.log_dir!r}",
+        )

@@ -5,6 +5,7 @@ Names are grouped by prefix: ``rollout/*``, ``train/*``, ``offpolicy/*``, ``perf
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
-from training.utils.config import WandBConfig
+from training.utils.config import ConfigError, TensorBoardConfig, WandBConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,27 @@ def set_aside_steps_from(path: Path, first_step: int) -> int:
     return len(moved)
 
 
+def check_trackers(wandb_cfg: Optional[WandBConfig], tensorboard_cfg: Optional[TensorBoardConfig] = None) -> list[str]:
+    """The trackers a run will write to (``["wandb", "tensorboard"]``, or fewer); checked before anything loads.
+
+    Raises ``ConfigError`` (one line, the ``pip install`` to run) when a tracker is switched on but its package
+    is not installed. A package is looked up, not imported (importing wandb takes seconds).
+    """
+    on = []
+    if wandb_cfg is not None and wandb_cfg.enabled:
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"{wandb_cfg.project_source} is set but wandb is not installed: pip install wandb")
+        on.append("wandb")
+    if tensorboard_cfg is not None and tensorboard_cfg.enabled:
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("tensorboard.enabled is set but tensorboard is not installed: pip install tensorboard")
+        on.append("tensorboard")
+    return on
+
+
 def wandb_settings(cfg: WandBConfig, default_name: str, env: Optional[Mapping[str, str]] = None) -> dict:
-    """``wandb.init`` arguments. The ``WANDB_*`` environment wins (``WANDB_MODE``, ``WANDB_PROJECT``,
-    ``WANDB_ENTITY``, ``WANDB_NAME``); the config supplies the defaults, as wandb's own settings do."""
+    """``wandb.init`` arguments. The ``WANDB_*`` environment wins field by field (``WANDB_MODE``,
+    ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_NAME``); the config supplies the defaults (``WandBConfig``)."""
     env = os.environ if env is None else env
     return {
         "project": env.get("WANDB_PROJECT") or cfg.project,
@@ -57,12 +76,21 @@ def wandb_settings(cfg: WandBConfig, default_name: str, env: Optional[Mapping[st
     }
 
 
-class MetricsLogger:
-    """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console and wandb.
+def tracker_scalars(metrics: Mapping[str, object]) -> dict[str, float]:
+    """The metrics a tracker records: numbers (bools and ints included), finite, under their own names."""
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and (isinstance(v, int) or math.isfinite(v))
+    }
 
-    ``resume_step > 0`` (a run resumed at that step): rows of steps >= ``resume_step`` that a
-    killed run had already written to ``metrics.jsonl`` and ``rollouts.jsonl`` are moved to
-    ``*.replaced.jsonl``, since those steps are trained again.
+
+class MetricsLogger:
+    """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console, wandb and TensorBoard.
+
+    Every numeric finite metric of a row goes to each tracker that is on, under its name, at the row's
+    ``step`` (``tracker_scalars``). ``resume_step > 0`` (a run resumed at that step): rows of steps >=
+    ``resume_step`` that a killed run had already written to ``metrics.jsonl`` and ``rollouts.jsonl`` are
+    moved to ``*.replaced.jsonl``, since those steps are trained again; TensorBoard drops its own
+    (``purge_step``).
     """
 
     def __init__(
@@ -73,6 +101,7 @@ class MetricsLogger:
         run_config: Optional[dict] = None,
         console: bool = True,
         resume_step: int = 0,
+        tensorboard_cfg: Optional[TensorBoardConfig] = None,
     ):
         self.path = Path(log_path) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,14 +120,20 @@ class MetricsLogger:
         self.console = console
         self.t0 = time.perf_counter()
         self._wandb = None
-        if wandb_cfg is not None and wandb_cfg.enabled:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError("wandb is configured but not installed: pip install -e '.[wandb]'") from None
+        self._tensorboard = None
+        self.tensorboard_dir: Optional[Path] = None
+        trackers = check_trackers(wandb_cfg, tensorboard_cfg)
+        if "wandb" in trackers:
+            import wandb
+
             self._wandb = wandb.init(
                 **wandb_settings(wandb_cfg, Path(log_path).name), config=run_config, dir=str(log_path)
             )
+        if "tensorboard" in trackers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard_dir = Path(tensorboard_cfg.log_dir or Path(log_path) / "tensorboard")
+            self._tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=resume_step or None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time_s": round(time.perf_counter() - self.t0, 3)}
@@ -108,7 +143,11 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            self._wandb.log(tracker_scalars(metrics), step=step)
+        if self._tensorboard is not None:
+            for key, value in tracker_scalars(metrics).items():
+                self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()
         if self.console:
             print(self.progress_line(step, metrics), file=sys.stderr, flush=True)
 
@@ -157,10 +196,13 @@ class MetricsLogger:
         return " | ".join(p for p in parts if p)
 
     def close(self) -> None:
-        """Finish the wandb run (idempotent)."""
+        """Finish the wandb run and close the TensorBoard writer (idempotent)."""
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def read_metrics(log_path: str | Path) -> list[dict]:

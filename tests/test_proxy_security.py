@@ -59,14 +59,15 @@ def test_invalid_max_tokens_is_the_agents_400_not_a_generation_to_the_context_en
     assert asyncio.run(go()).calls == []  # nothing generated, nothing recorded
 
 
-def test_non_ascii_session_header_is_a_400_naming_the_header(server):
+@pytest.mark.parametrize("raw_sid", ["sess-\u00e9\u4e2d".encode(), "s\xe9ss\xeeon".encode("latin-1")])
+def test_non_ascii_session_header_is_a_400_naming_the_header(server, raw_sid):
     def raw_post(port: int) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request(
             "POST",
             "/v1/chat/completions",
             chat_body(),
-            {"x-multi-turn-session-id": "sess-\u00e9\u4e2d".encode(), "Content-Type": "application/json"},
+            {"x-multi-turn-session-id": raw_sid, "Content-Type": "application/json"},
         )
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())

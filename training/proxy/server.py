@@ -320,20 +320,15 @@ class ProxyServer:
             return error_response(400, "'stream' must be a boolean", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
             return error_response(400, "'stream_options' must be an object", "stream_options")
-        with self.table.active(session):
-            return await self._generate_admitted(request, session, endpoint, body)
-
-    async def _generate_admitted(
-        self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
-    ) -> web.StreamResponse:
-        async with self.gate.admitted():
-            if body.get("stream"):
-                return await self._stream(request, session, endpoint, body)
-            out = await self._exchange(request, session, endpoint, body)
-            if isinstance(out, web.Response):
-                return out
-            reply, record = out
-            return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
+        with self.table.active(session):  # a session with a call in flight is never evicted
+            async with self.gate.admitted():
+                if body.get("stream"):
+                    return await self._stream(request, session, endpoint, body)
+                out = await self._exchange(request, session, endpoint, body)
+        if isinstance(out, web.Response):
+            return out
+        reply, record = out
+        return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic Messages API: translated to a chat call, recorded as one (see ``anthropic.py``)."""

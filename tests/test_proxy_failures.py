@@ -1,5 +1,5 @@
 """Proxy behaviour that the tiny model cannot trigger on demand, against a scripted upstream:
-structured tool calls, 5xx retries, over-length ``max_tokens``, missing token detail, closed
+structured tool calls, 5xx retries, a refused ``max_tokens``, missing token detail, closed
 sessions, auth."""
 
 import asyncio
@@ -139,16 +139,18 @@ def test_upstream_5xx_is_retried_then_fails_the_sample():
     assert forwarded["temperature"] == 0.7 and forwarded["max_tokens"] == 9  # recipe's sampling forced / defaulted
 
 
-def test_over_length_max_tokens_is_dropped_and_recorded():
+def test_refused_max_tokens_is_the_agents_400_and_never_retried_without_it():
     async def go():
         async with ScriptedUpstream() as up, ProxyServer([up.url]) as proxy:
             up.script = ["400max", "ok"]
-            await chat(proxy, "o", max_tokens=999)
-            return up.bodies, proxy.close_session("o")
+            with pytest.raises(openai.BadRequestError, match="exceeds max_model_len") as e:
+                await chat(proxy, "o", max_tokens=999)
+            return e.value.body, up.bodies, proxy.close_session("o")
 
-    bodies, session = asyncio.run(go())
-    assert bodies[0]["max_tokens"] == 999 and "max_tokens" not in bodies[1]
-    assert session.calls[0].max_tokens_clamped
+    error, bodies, session = asyncio.run(go())
+    assert error["param"] == "max_tokens"
+    assert len(bodies) == 1 and bodies[0]["max_tokens"] == 999  # one upstream call: no retry without the field
+    assert session.calls == []
 
 
 def test_missing_token_detail_closed_session_auth_and_responses_api_are_clear_errors():

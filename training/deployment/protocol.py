@@ -356,6 +356,20 @@ def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
     raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice")
 
 
+def _check_tools_size(tools: Optional[list[dict]], config: Any) -> None:
+    """400 naming ``tools`` when the list is longer than ``config.max_tools`` or its compact JSON longer than
+    ``config.max_tools_bytes`` (``EngineConfig``)."""
+    if not tools:
+        return
+    if len(tools) > config.max_tools:
+        raise RequestError(f"'tools' has {len(tools)} entries; the limit is max_tools={config.max_tools}", "tools")
+    size = len(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > config.max_tools_bytes:
+        raise RequestError(
+            f"'tools' takes {size} bytes as JSON; the limit is max_tools_bytes={config.max_tools_bytes}", "tools"
+        )
+
+
 def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
     """Validate a /v1/chat/completions body and render its messages with the chat template."""
     body = _as_dict(body, "chat")
@@ -378,6 +392,7 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")
+    _check_tools_size(tools, engine.config)
     parse_calls = _tool_choice(body, tools)
     if body.get("parallel_tool_calls") is False:
         raise RequestError(

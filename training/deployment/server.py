@@ -41,7 +41,8 @@ from training.deployment.protocol import (
 )
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import ChunkStream
-from training.utils.http import JsonBodyError, bearer_ok, parse_json_body, session_id_of
+from training.utils.http import bearer_ok, session_id_of
+from training.utils.request_body import BodyError, read_json_request
 from training.utils.openai_errors import error_body, error_response
 from training.utils.openmp import releasing_openmp_threads
 from training.utils.sse import end_sse, open_sse, sse_event
@@ -121,21 +122,16 @@ def _engine_error_param(message: str) -> Optional[str]:
     return {"prompt_token_ids": "prompt"}.get(head, head)
 
 
-BODY_READ_TIMEOUT_S = 60.0
-"""A client must deliver its request body within this long (408 otherwise; a stalled upload holds a slot)."""
 MAX_BODY_BYTES = 32 * 1024 * 1024
-"""Largest request body (413 above it)."""
+"""Largest request body after decoding its Content-Encoding (413 above it)."""
 
 
 async def _read_json(request: web.Request) -> Any:
+    """The body via the helper the proxy shares (``training/utils/request_body.py``: encodings, 408, off-loop parse)."""
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408) from None
-    try:
-        return parse_json_body(raw)
-    except JsonBodyError as e:
-        raise RequestError(str(e), e.param) from e
+        return await read_json_request(request)
+    except BodyError as e:
+        raise RequestError(str(e), e.param, status=e.status) from e
 
 
 async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body: Any) -> ParsedRequest:

@@ -44,8 +44,6 @@ class CallRecord:
     response_message: Optional[dict] = None
     """Chat calls: the assistant message returned to the agent (with ``tool_calls``)."""
     cached_tokens: int = 0
-    max_tokens_clamped: bool = False
-    """True when the agent's ``max_tokens`` did not fit the context and was dropped (over-length policy)."""
     label: Optional[TurnLabel] = None
     posted_rewards: list[float] = field(default_factory=list)
     """Rewards the agent posted for this call (``POST /sessions/{id}/reward``); per-call credit adds them."""
@@ -81,7 +79,6 @@ class CallRecord:
             "weight_version": self.weight_version,
             "upstream": self.upstream,
             "cached_tokens": self.cached_tokens,
-            "max_tokens_clamped": self.max_tokens_clamped,
             "posted_rewards": list(self.posted_rewards),
         }
 
@@ -103,6 +100,12 @@ class SessionRecord:
     chain_tail: dict[int, int] = field(default_factory=dict)
     """Chain number → index of its last call (an APPEND to it continues the chain)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    in_flight: int = 0
+    """Calls of this session the proxy is serving now (such a session is never evicted)."""
+    last_active: float = 0.0
+    """``time.monotonic()`` of the session's last activity (idle expiry, eviction order)."""
+    evicted: Optional[str] = None
+    """Why the proxy dropped this session before its rollout closed it (idle expiry, table full), else None."""
 
     def calls_of(self, agents: Optional[set[str]] = None) -> list[CallRecord]:
         """The calls of the named agents (all when ``agents`` is None), in order."""
@@ -113,7 +116,7 @@ class SessionRecord:
         return [(c.label.kind, c.label.reason) for c in self.calls if c.label is not None]
 
 
-def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: str, clamped: bool) -> CallRecord:
+def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: str) -> CallRecord:
     """The ``CallRecord`` of one upstream reply (chat or completions, non-streamed shape) to request ``body``.
 
     Raises ``KeyError`` / ``TypeError`` / ``ValueError`` when the reply lacks token-level detail
@@ -149,7 +152,6 @@ def record_from_reply(reply: dict, endpoint: str, body: dict, agent: str, url: s
         tools=copy.deepcopy(body.get("tools")) if endpoint == "chat" else None,
         response_message=response_message,
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-        max_tokens_clamped=clamped,
         token_weight_versions=_token_versions(choice, len(output_ids)),
     )
 

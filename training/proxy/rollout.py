@@ -210,7 +210,7 @@ class ProxyRolloutFn:
         proxy.open_session(sid)
         endpoint = AgentEndpoint(
             base_url=proxy.session_url(sid),
-            api_key=proxy.api_key or "none",
+            api_key=proxy.session_key(sid) or "none",
             model=self.model_name,
             session_id=sid,
             headers={SESSION_HEADER: sid},
@@ -235,6 +235,8 @@ class ProxyRolloutFn:
         run's reward is R (the group statistics) and each sample's is g·R + i, with
         ``return_weights`` g (``transitions.credit_parts``; formula in ``utils/rl/advantages.py``).
         """
+        if session.evicted:
+            raise AgentFailedError(f"the proxy dropped the session: {session.evicted}", cause="session_evicted")
         if session.upstream_errors:
             raise UpstreamFailedError(
                 f"{len(session.upstream_errors)} upstream failure(s): {session.upstream_errors[-1]}"
@@ -290,7 +292,7 @@ class ProxyRolloutFn:
             "labels": labels,
             "drift": sum(1 for c in calls if c.label.token_drift),
             "tool_status_counts": tool_status_counts(calls),
-            "truncated": any(c.finish_reason == "length" or c.max_tokens_clamped for c in calls),
+            "truncated": any(c.finish_reason == "length" for c in calls),
             "weight_versions": sorted({c.weight_version for c in calls}),
         }
 

@@ -17,6 +17,12 @@ naming the routes to use (the Responses API is not served); ``GET [/sessions/{id
 (or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
 reward the agent posts itself to call k (default its latest call; see ``transitions.py``).
 
+Keys (``sessions.py``): ``api_key`` is the control key (the recipe's: every route, every session);
+``session_key(sid)`` is an agent's, good for its own session only (403 elsewhere and on
+pause / resume). Sessions are bounded (``max_sessions``, ``session_idle_s``; ``/health`` reports
+the table). Bodies are read by ``training/utils/request_body.py`` (gzip / deflate, 415 for other
+encodings, large JSON parsed off the event loop), as on the deployment server.
+
 Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
 chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
 parsed, the token fields and logprobs removed unless it asked for them, its own ``model``
@@ -24,14 +30,13 @@ name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records
 output ids, logprobs, finish reason, weight version, messages and tools, and labels the call
 (``turn_matching.assign``). Failure policy: upstream 5xx / unreachable → retried with backoff,
 then 502 to the agent and the session is marked failed; upstream 4xx → passed through
-unrecorded; an agent ``max_tokens`` that does not fit the context → dropped and the call
-retried once (generation then stops at the context end with ``finish_reason="length"``).
+unrecorded and never retried without the refused field (an invalid or over-long ``max_tokens``
+is the agent's 400).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -43,6 +48,8 @@ from aiohttp import web
 
 from training.proxy import anthropic
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
+from training.proxy.access import auth_middleware, check_session_id, forbidden, named_session, session_key
+from training.proxy.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionTable, SessionTableFull
 from training.proxy.streaming import (
     StreamAccumulator,
     chat_chunks,
@@ -52,16 +59,10 @@ from training.proxy.streaming import (
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
-from training.utils.http import (
-    SESSION_HEADER,
-    bearer_ok,
-    close_idle_connections,
-    parse_json_body,
-    session_headers,
-    session_id_of,
-)
+from training.utils.http import SESSION_HEADER, close_idle_connections, session_headers
 from training.utils.openai_errors import error_body, error_response
 from training.utils.pause_gate import PauseGate
+from training.utils.request_body import BodyError, read_json_request
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 from training.utils.sse import end_sse, iter_sse, open_sse, sse_event
 
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 AGENT_HEADER = "x-agent-name"
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Largest request body after decoding (413 above it), as on the deployment server."""
 UPSTREAM_STREAM_MODES = ("auto", "on", "off")
 
 
@@ -90,6 +93,8 @@ class ProxyServer:
         backoff_s: float = 0.5,
         timeout_s: float = 600.0,
         upstream_stream: str = "auto",
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_idle_s: float = DEFAULT_SESSION_IDLE_S,
     ):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
@@ -98,6 +103,7 @@ class ProxyServer:
         a call whose agent sets no ``max_tokens``. ``upstream_stream``: for ``stream: true``
         calls, ``auto`` relays the upstream's stream until an upstream refuses ``stream`` (then
         synthesises the stream from a full reply), ``on`` always relays, ``off`` always synthesises.
+        ``max_sessions`` / ``session_idle_s`` bound the session table (``sessions.py``).
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: {strategy!r} is not one of {STRATEGIES}")
@@ -114,8 +120,9 @@ class ProxyServer:
         self.upstream_stream = upstream_stream
         self._stream_refused: set[str] = set()
         """Upstream base URLs that answered ``stream`` with a 400 (their streams are synthesised)."""
-        self.sessions: dict[str, SessionRecord] = {}
-        self.closed_ids: set[str] = set()
+        self.table = SessionTable(max_sessions, session_idle_s)
+        self.sessions = self.table.open
+        """Open sessions by id (the table's dict)."""
         self.gate = PauseGate()
         """Holds new calls during a weight sync (counted pausers) and drains the calls in flight."""
         self._runner: Optional[web.AppRunner] = None
@@ -123,7 +130,7 @@ class ProxyServer:
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> "ProxyServer":
-        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[auth_middleware(lambda: self.api_key)], client_max_size=MAX_BODY_BYTES)
         for prefix in ("", "/sessions/{sid}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
@@ -171,29 +178,24 @@ class ProxyServer:
 
     # ---- sessions -----------------------------------------------------------------------
     def open_session(self, session_id: str) -> SessionRecord:
-        if session_id in self.closed_ids:
-            raise ValueError(f"session_id: {session_id!r} was already closed")
-        return self.sessions.setdefault(session_id, SessionRecord(session_id))
+        """Open (or return) a session; ``ValueError`` for a closed or malformed id, or a full table."""
+        problem = check_session_id(session_id, "session_id")
+        if problem is not None:
+            raise ValueError(problem)
+        try:
+            return self.table.admit(session_id)
+        except SessionTableFull as e:
+            raise ValueError(str(e)) from None
 
     def close_session(self, session_id: str) -> SessionRecord:
         """End a session: later calls get 410; returns (and forgets) its record."""
-        self.closed_ids.add(session_id)
-        rec = self.sessions.pop(session_id, None) or SessionRecord(session_id)
-        rec.closed = True
-        return rec
+        return self.table.close(session_id)
+
+    def session_key(self, session_id: str) -> Optional[str]:
+        """The API key for an agent of ``session_id`` only (None when the proxy has no key)."""
+        return session_key(self.api_key, session_id) if self.api_key else None
 
     # ---- routes -----------------------------------------------------------------------
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path != "/health":
-            # The OpenAI SDK sends Authorization: Bearer; the Anthropic SDK sends x-api-key.
-            ok = bearer_ok(request.headers.get("Authorization"), self.api_key) or hmac.compare_digest(
-                request.headers.get("x-api-key", "").encode(), self.api_key.encode()
-            )
-            if not ok:
-                return error_response(401, "missing or wrong API key for the proxy", "authentication_error")
-        return await handler(request)
-
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -201,7 +203,7 @@ class ProxyServer:
                 "paused": self.gate.paused,
                 "pausers": self.gate.pausers,
                 "in_flight": self.gate.in_flight,
-                "sessions": len(self.sessions),
+                **self.table.stats(),
             }
         )
 
@@ -219,6 +221,9 @@ class ProxyServer:
         return web.json_response({"status": status, "pausers": self.gate.pausers})
 
     async def _calls_route(self, request: web.Request) -> web.Response:
+        denied = forbidden(request, request.match_info["sid"])
+        if denied is not None:
+            return denied
         rec = self.sessions.get(request.match_info["sid"])
         if rec is None:
             return error_response(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
@@ -245,6 +250,7 @@ class ProxyServer:
                 400, f"'call' must be the index of a recorded call (0..{len(session.calls) - 1})", param="call"
             )
         session.calls[index].posted_rewards.append(float(reward))
+        self.table.touch(session)
         return web.json_response({"call": index, "posted_rewards": session.calls[index].posted_rewards})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -271,22 +277,32 @@ class ProxyServer:
     def _session_of(
         self, request: web.Request, body: Any = None
     ) -> tuple[Optional[SessionRecord], Optional[web.Response]]:
-        sid = request.match_info.get("sid") or session_id_of(request.headers, body)
+        sid, source = named_session(request, body)
         if not sid:
             return None, error_response(
                 400,
                 f"name the session: send the '{SESSION_HEADER}' (or 'x-session-affinity') "
                 "header or the 'user' field, or use the base URL /sessions/{id}/v1",
             )
-        if sid in self.closed_ids:
-            return None, error_response(410, f"session {sid!r} is closed (its rollout is over)", "session_closed")
-        return self.sessions.setdefault(sid, SessionRecord(sid)), None
+        problem = check_session_id(sid, source)
+        if problem is not None:
+            return None, error_response(400, problem, param="user" if source == "the 'user' field" else None)
+        denied = forbidden(request, sid)
+        if denied is not None:
+            return None, denied
+        reason = self.table.closed_reason(sid)
+        if reason is not None:
+            return None, error_response(410, f"session {sid!r} is closed ({reason})", "session_closed")
+        try:
+            return self.table.admit(sid), None
+        except SessionTableFull as e:
+            return None, error_response(503, str(e), "overloaded_error")
 
     async def _read_body(self, request: web.Request) -> tuple[Optional[dict], Optional[web.Response]]:
         try:
-            body = parse_json_body(await request.read())
-        except ValueError as e:
-            return None, error_response(400, str(e))
+            body = await read_json_request(request)
+        except BodyError as e:
+            return None, error_response(e.status, str(e), param=e.param)
         if not isinstance(body, dict):
             return None, error_response(400, "the request body must be a JSON object")
         return body, None
@@ -304,14 +320,15 @@ class ProxyServer:
             return error_response(400, "'stream' must be a boolean", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
             return error_response(400, "'stream_options' must be an object", "stream_options")
-        async with self.gate.admitted():
-            if body.get("stream"):
-                return await self._stream(request, session, endpoint, body)
-            out = await self._exchange(request, session, endpoint, body)
-            if isinstance(out, web.Response):
-                return out
-            reply, record = out
-            return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
+        with self.table.active(session):  # a session with a call in flight is never evicted
+            async with self.gate.admitted():
+                if body.get("stream"):
+                    return await self._stream(request, session, endpoint, body)
+                out = await self._exchange(request, session, endpoint, body)
+        if isinstance(out, web.Response):
+            return out
+        reply, record = out
+        return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic Messages API: translated to a chat call, recorded as one (see ``anthropic.py``)."""
@@ -325,8 +342,9 @@ class ProxyServer:
             chat = anthropic.to_chat_request(body)
         except anthropic.AnthropicRequestError as e:
             return web.json_response(anthropic.error_body(str(e)), status=400)
-        async with self.gate.admitted():
-            out = await self._exchange(request, session, "chat", chat)
+        with self.table.active(session):
+            async with self.gate.admitted():
+                out = await self._exchange(request, session, "chat", chat)
         if isinstance(out, web.Response):  # the same error in Anthropic's envelope
             err_body = json.loads(out.body) if out.body else {}
             message = (err_body.get("error") or {}).get("message", "upstream error")
@@ -370,21 +388,14 @@ class ProxyServer:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         url = self.pool.pick(sid)
         fwd = self._upstream_body(body, endpoint)
-        clamped = False
         try:
             reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
-            err = reply.body.get("error") if isinstance(reply.body, dict) else None
-            if reply.status == 400 and err and err.get("param") in _MAX_TOKEN_FIELDS:
-                for k in _MAX_TOKEN_FIELDS:
-                    fwd.pop(k, None)
-                clamped = True
-                reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
             return error_response(502, f"upstream failed: {e}", "upstream_error")
-        if reply.status != 200:
+        if reply.status != 200:  # a 4xx names the agent's bad field: never retried without it
             return web.json_response(reply.body, status=reply.status)
-        record = await self._commit(session, reply.body, endpoint, body, request, url, clamped)
+        record = await self._commit(session, reply.body, endpoint, body, request, url)
         if record is None:
             return error_response(502, session.upstream_errors[-1], "upstream_error")
         return reply.body, record
@@ -397,13 +408,12 @@ class ProxyServer:
         body: dict,
         request: web.Request,
         url: str,
-        clamped: bool,
     ) -> Optional[CallRecord]:
         """Record and label one upstream reply; None (and the session's upstream error noted) when it
         lacks token-level detail."""
         try:
             agent = request.headers.get(AGENT_HEADER) or body.get("user") or "default"
-            record = record_from_reply(reply, endpoint, body, str(agent), url, clamped)
+            record = record_from_reply(reply, endpoint, body, str(agent), url)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             session.upstream_errors.append(f"upstream response lacks token-level detail ({type(e).__name__}: {e})")
             return None
@@ -446,31 +456,23 @@ class ProxyServer:
         fwd = self._upstream_body(body, endpoint)
         fwd.update(stream=True, stream_options={"include_usage": True})
         wants = wanted_fields(body, endpoint)
-        clamped = False
         acc = StreamAccumulator(endpoint)
         resp: Optional[web.StreamResponse] = None
         try:
-            for _ in range(2):
-                async with self.pool.stream(url, path, fwd, headers={SESSION_HEADER: sid}) as up:
-                    if up.status != 200:
-                        parsed = await up.json(content_type=None)
-                        param = (parsed.get("error") or {}).get("param") if isinstance(parsed, dict) else None
-                        if up.status == 400 and param == "stream" and self.upstream_stream == "auto":
-                            self._stream_refused.add(url)
-                            return None
-                        if up.status == 400 and param in _MAX_TOKEN_FIELDS and not clamped:
-                            for k in _MAX_TOKEN_FIELDS:
-                                fwd.pop(k, None)
-                            clamped = True
-                            continue
-                        return web.json_response(parsed, status=up.status)
-                    resp = await open_sse(request)
-                    async for chunk in iter_sse(up.content):
-                        acc.add(chunk)
-                        out = client_chunk(chunk, wants)
-                        if out is not None:
-                            await resp.write(sse_event(out))
-                    break
+            async with self.pool.stream(url, path, fwd, headers={SESSION_HEADER: sid}) as up:
+                if up.status != 200:
+                    parsed = await up.json(content_type=None)
+                    param = (parsed.get("error") or {}).get("param") if isinstance(parsed, dict) else None
+                    if up.status == 400 and param == "stream" and self.upstream_stream == "auto":
+                        self._stream_refused.add(url)
+                        return None
+                    return web.json_response(parsed, status=up.status)  # never retried without the field
+                resp = await open_sse(request)
+                async for chunk in iter_sse(up.content):
+                    acc.add(chunk)
+                    out = client_chunk(chunk, wants)
+                    if out is not None:
+                        await resp.write(sse_event(out))
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
             return error_response(502, f"upstream failed: {e}", "upstream_error")
@@ -481,7 +483,7 @@ class ProxyServer:
             await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
             await resp.write_eof()
             return resp
-        record = await self._commit(session, acc.reply(), endpoint, body, request, url, clamped)
+        record = await self._commit(session, acc.reply(), endpoint, body, request, url)
         if record is None:
             await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
         await end_sse(resp)

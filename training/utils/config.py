@@ -197,6 +197,10 @@ class EngineConfig:
     decode_kernel: str = "auto"
     """The lean forward's decode step on CPU in fp32: ``native`` (C, compiled on first use with gcc; see
     training/deployment/engine/README.md), ``torch`` (torch ops), or ``auto`` (native where it builds, else torch)."""
+    max_tools: int = 128
+    """Most entries a request's ``tools`` list may have (the server answers 400 naming ``tools`` and this limit)."""
+    max_tools_bytes: int = 1024 * 1024
+    """Most bytes a request's ``tools`` may take as compact JSON (400 naming ``tools`` and this limit above it)."""
 
     def __post_init__(self):
         _check(
@@ -208,6 +212,8 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {DTYPES}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
+        _check(self.max_tools > 0, "max_tools", f"must be > 0, got {self.max_tools}")
+        _check(self.max_tools_bytes > 0, "max_tools_bytes", f"must be > 0, got {self.max_tools_bytes}")
         _check_threads(self.num_threads)
         _check(
             all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes),

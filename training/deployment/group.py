@@ -245,18 +245,22 @@ class DeploymentGroup:
         return out
 
     async def wire_dtype(self) -> Any:
-        """The torch dtype every replica holds its weights in (a push casts to it), or None when one does
-        not say or they disagree (the trainer's dtype is sent). Asked once, at the first push."""
+        """The torch dtype the replicas hold their weights in (a push casts to it), or None when none says
+        (vLLM, SGLang) or they disagree: the trainer's dtype is then sent. Asked at each push until
+        every replica has answered, then kept."""
         from training.deployment.dist_weights import DTYPES
 
         if self._wire_dtype is not None:
             return DTYPES.get(self._wire_dtype)
         loop = asyncio.get_running_loop()
         names = await asyncio.gather(*(loop.run_in_executor(self._pool, r.weight_dtype) for r in self.replicas))
-        if len(set(names)) > 1:
+        known = {n for n in names if n is not None}
+        if len(known) > 1:
             log.warning("replicas hold different weight dtypes %s: pushes send the trainer's dtype", names)
-        self._wire_dtype = names[0] if len(set(names)) == 1 and names[0] in DTYPES else ""
-        return DTYPES.get(self._wire_dtype)
+        wire = next(iter(known)) if len(known) == 1 and next(iter(known)) in DTYPES else ""
+        if None not in names or len(known) > 1:  # a replica that did not say (down, another engine): ask again
+            self._wire_dtype = wire
+        return DTYPES.get(wire)
 
     def _file_folder(self, specs: Sequence[tuple[str, Any, tuple[int, ...]]], dtype: Any) -> WeightFolder:
         """The folder this push writes to: the mode's own, or disk when a shm file would not fit."""

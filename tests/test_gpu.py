@@ -191,6 +191,38 @@ def test_weight_sync_over_nccl_from_cuda0_to_a_server_on_cuda1(tiny_model_path, 
         assert max_logprob_error(model, dep.base_url) < 1e-4
 
 
+@two_gpus
+def test_bucketed_nccl_sync_casts_fp32_to_a_bf16_server(tiny_model_path, tmp_path):
+    """fp32 weights on cuda:0, a bf16 server on cuda:1: bf16 bytes in several buckets, one host sync."""
+    from training.deployment.dist_weights import DistributedWeightSender
+    from training.deployment.embedded import EmbeddedDeployment
+
+    cfg = DeployConfig(
+        api_key="dist-key",
+        replica_devices=["cuda:1"],
+        engine_config=EngineConfig(max_model_len=512, max_batch_size=8, dtype="bfloat16"),
+        log_file=str(tmp_path / "server.log"),
+    )
+    with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
+        assert dep.weight_dtype() == "bfloat16"
+        new = perturbed(tiny_model_path, seed=2)
+        on_gpu = [(k, v.to("cuda:0")) for k, v in new.items()]
+        torch.cuda.set_device(0)
+        sender = DistributedWeightSender(
+            [dep.base_url], "127.0.0.1", 0, backend="nccl", api_key="dist-key", bucket_bytes=30_000
+        )
+        loop = asyncio.new_event_loop()
+        try:
+            out = loop.run_until_complete(sender.push(on_gpu, 1, dtype=torch.bfloat16))
+        finally:
+            sender.close()
+            loop.close()
+        answer = out["servers"][dep.base_url]
+        assert answer["weight_version"] == 1 and out["num_buckets"] > 2
+        assert answer["received_bytes"] == out["bytes"] == sum(t.numel() * 2 for t in new.values())
+        assert server_greedy(dep.base_url)[1] == 1
+
+
 # ----------------------------------------------------------------------- vLLM on CUDA
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no CUDA vLLM installed beside this package")
 def test_vllm_on_cuda_samples_like_transformers_and_reloads_weights(tmp_path):

@@ -73,7 +73,7 @@ def test_ready_line_health_and_models(server):
     status, out = call(server, "GET", "/v1/models")
     assert status == 200
     assert out["data"][0]["id"] == "tiny" and out["data"][0]["max_model_len"] == MAX_MODEL_LEN
-    assert call(server, "GET", "/weight_version")[1] == {"weight_version": 0}
+    assert call(server, "GET", "/weight_version")[1] == {"weight_version": 0, "dtype": "float32"}
     status, stats = call(server, "GET", "/stats")
     assert status == 200 and isinstance(stats, dict) and stats.get("paused") is False
 

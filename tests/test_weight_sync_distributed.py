@@ -201,7 +201,7 @@ def test_push_reaches_both_servers_and_matches_transformers(servers, sender, loo
     for d in servers:
         assert out["servers"][d.base_url]["weight_version"] == 1
         assert out["servers"][d.base_url]["peak_buffer_bytes"] == 0  # fp32 into fp32 CPU: received in place
-        assert call(d.base_url, "GET", "/weight_version")[1] == {"weight_version": 1}
+        assert call(d.base_url, "GET", "/weight_version")[1] == {"weight_version": 1, "dtype": "float32"}
         ids, v = greedy(d.base_url)
         assert v == 1 and ids != before[0][0]
         err = max_logprob_error(model, d.base_url)

@@ -8,18 +8,24 @@ never touched. Nothing is pickled: metadata travels as JSON over HTTP, tensors a
 One update (``DistributedWeightSender.push``):
 
 1. ``POST /update_weights_from_distributed`` to every server with the metadata
-   (``names``, ``dtypes``, ``shapes``, ``weight_version``, ``wait_for_inflight``, ``update_id``).
+   (``names``, ``dtypes``, ``shapes``, ``bucket_bytes``, ``weight_version``, ``wait_for_inflight``,
+   ``update_id``). ``dtypes`` are the wire dtypes: with ``push(dtype=...)`` (the server's own dtype,
+   which ``DeploymentGroup`` reads from ``GET /weight_version``) each tensor is cast just before it
+   is staged, so a bf16 server receives bf16 bytes straight into its live weights.
    Each server checks it against its model (400 naming the field; old weights kept) and, if it
    accepts, writes ``accepted`` under the update id in the store.
 2. Once every server accepted, the trainer writes ``go`` (or ``abort`` if one refused, so the
-   others drop the update untouched) and broadcasts the tensors in metadata order, one at a time.
+   others drop the update untouched) and broadcasts the tensors in metadata order, flattened into
+   buckets of up to ``bucket_bytes`` (``weight_buckets.py``: one broadcast per bucket, one host
+   sync per push; 0 = tensor by tensor).
 3. Each server's engine thread receives them at the moment a disk/shm update would be swapped in
    (``wait_for_inflight``: running sequences finish on the old weights first) and copies each
-   tensor into place before receiving the next. The HTTP answer carries the new version.
+   bucket's tensors into place before receiving the next. The HTTP answer carries the new version.
 
-Memory: the trainer holds one extra tensor at a time (gathered / moved to the comm device); a
-server receives straight into the live tensor when dtype, device and layout allow (no extra
-memory), otherwise into a scratch buffer the size of one tensor. A failure half-way through the
+Memory: the trainer holds one bucket plus one tensor (gathered / cast / moved to the comm device,
+freed once copied into the bucket); a server receives a lone tensor straight into the live tensor
+when dtype, device and layout allow (no extra memory), otherwise into a scratch buffer the size of
+one bucket. A failure half-way through the
 stream leaves a server's weights a mix: it then reports ``weight_version = -1`` until the next
 full update.
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import math
 import os
 import socket
 import time
@@ -44,6 +51,7 @@ import aiohttp
 import torch
 import torch.distributed as dist
 
+from training.deployment.weight_buckets import plan_buckets, tensor_bytes
 from training.deployment.weight_sync import WeightSyncError
 from training.utils.http import auth_headers
 from training.utils.openmp import releasing_openmp_threads
@@ -114,13 +122,20 @@ def make_process_group(
     raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
 
 
-def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
-    """Broadcast ``tensor`` from rank 0 in place and wait for it (host-synchronous on CUDA too)."""
+def broadcast_from_trainer(pg: Any, tensor: torch.Tensor, sync: bool = True) -> None:
+    """Broadcast ``tensor`` from rank 0 in place and wait for it; ``sync`` also waits on the host for
+    CUDA (without it, later work on the current stream is ordered after the broadcast)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     pg.broadcast([tensor], opts).wait()
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
+    if sync:
+        sync_device(tensor.device)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait on the host for the work queued on ``device``'s current stream (nothing to do on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def gloo_bind_addr(master_addr: str, master_port: int, backend: str) -> Optional[str]:
@@ -166,18 +181,21 @@ def check_specs(
     return specs
 
 
-def _materialize(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The full tensor on the comm device (a DTensor is gathered: every trainer rank must call this)."""
+def _materialize(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor on the comm device in the wire dtype (a DTensor is gathered: every trainer rank
+    must call this)."""
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
-    return t.detach().to(device).contiguous()
+    return t.detach().to(device=device, dtype=dtype).contiguous()
 
 
 class DistributedWeightSender:
     """Trainer rank 0 of a weight-update group with the servers at ``base_urls`` (ranks 1..k).
 
     ``master_addr`` is the trainer's address as the servers can reach it; ``master_port`` 0
-    picks a free port (read it back from ``master_port`` after ``connect()``).
+    picks a free port (read it back from ``master_port`` after ``connect()``). ``bucket_bytes``:
+    the size of the flat buffers tensors are broadcast in (0: tensor by tensor; see
+    ``weight_buckets.py``).
     """
 
     def __init__(
@@ -190,6 +208,7 @@ class DistributedWeightSender:
         api_key: Optional[str] = None,
         timeout_s: float = 600.0,
         device: Optional[torch.device | str] = None,
+        bucket_bytes: int = 0,
     ):
         if not base_urls:
             raise ValueError("base_urls: at least one server is needed")
@@ -199,6 +218,9 @@ class DistributedWeightSender:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
         if not isinstance(master_port, int) or not 0 <= master_port <= 65535:
             raise ValueError(f"master_port: must be an integer in [0, 65535], got {master_port!r}")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes: must be an integer >= 0, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.master_addr, self.master_port, self.backend = master_addr, master_port, backend
         self.api_key, self.timeout_s = api_key, timeout_s
@@ -310,6 +332,7 @@ class DistributedWeightSender:
         *,
         wait_for_inflight: bool = True,
         specs: Optional[Sequence[tuple[str, torch.dtype, tuple[int, ...]]]] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> dict:
         """Send metadata, then broadcast each tensor; return once every server reports ``weight_version``.
 
@@ -334,11 +357,15 @@ class DistributedWeightSender:
                 specs = [(n, t.dtype, tuple(t.shape)) for n, t in stream]
             else:
                 stream, specs = named_weights, check_specs(specs)
+            if dtype is not None and dtype not in DTYPE_NAMES:
+                raise ValueError(f"dtype: {dtype} is not one of {sorted(DTYPES)}")
+            wire = [dtype or d for _, d, _ in specs]
             uid = f"v{weight_version}-{uuid.uuid4().hex[:12]}"
             body = {
                 "names": [n for n, _, _ in specs],
-                "dtypes": [DTYPE_NAMES[d] for _, d, _ in specs],
+                "dtypes": [DTYPE_NAMES[d] for d in wire],
                 "shapes": [list(shape) for _, _, shape in specs],
+                "bucket_bytes": self.bucket_bytes,
                 "weight_version": weight_version,
                 "wait_for_inflight": wait_for_inflight,
                 "update_id": uid,
@@ -363,7 +390,9 @@ class DistributedWeightSender:
                 self.store.set(go_key(uid), b"go")
                 t1 = time.perf_counter()
                 try:
-                    sent, peak = await asyncio.to_thread(releasing_openmp_threads(self._broadcast_all), stream, specs)
+                    sent, peak = await asyncio.to_thread(
+                        releasing_openmp_threads(self._broadcast_all), stream, specs, wire
+                    )
                 except Exception as e:
                     local = isinstance(e, WeightSyncError)  # named_weights broke its specs: no server is at fault
                     failed = "" if local else await _failed_servers(tasks, grace_s=5.0)
@@ -385,6 +414,7 @@ class DistributedWeightSender:
             return {
                 "bytes": sent,
                 "num_tensors": len(specs),
+                "num_buckets": len(plan_buckets(wire, [s for _, _, s in specs], self.bucket_bytes)),
                 "broadcast_s": t2 - t1,
                 "total_s": time.perf_counter() - t0,
                 "peak_tensor_bytes": peak,
@@ -392,21 +422,41 @@ class DistributedWeightSender:
             }
 
     def _broadcast_all(
-        self, stream: Iterable[tuple[str, torch.Tensor]], specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+        self,
+        stream: Iterable[tuple[str, torch.Tensor]],
+        specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+        wire: Sequence[torch.dtype],
     ) -> tuple[int, int]:
-        """Broadcast the tensors of ``stream`` in order, each checked against its spec first."""
+        """Broadcast the tensors of ``stream`` in order, bucket by bucket, each checked against its spec
+        first and cast to its ``wire`` dtype; returns (bytes sent, largest staging buffer in bytes)."""
         sent = peak = 0
         it = iter(stream)
-        for name, dtype, shape in specs:
+
+        def take(i: int) -> torch.Tensor:
+            name, dtype, shape = specs[i]
             got = next(it, None)
             if got is None or got[0] != name or got[1].dtype != dtype or tuple(got[1].shape) != tuple(shape):
                 found = "nothing" if got is None else f"{got[0]!r} {got[1].dtype} {tuple(got[1].shape)}"
                 raise WeightSyncError(f"named_weights: expected {name!r} {dtype} {tuple(shape)} (specs), got {found}")
-            buf = _materialize(got[1], self.device)
-            broadcast_from_trainer(self.pg, buf)
-            nbytes = buf.numel() * buf.element_size()
+            return _materialize(got[1], self.device, wire[i])
+
+        for bucket in plan_buckets(wire, [s for _, _, s in specs], self.bucket_bytes):
+            if len(bucket) == 1:
+                buf = take(bucket[0])
+            else:
+                numels = [math.prod(specs[i][2]) for i in bucket]
+                buf = torch.empty(sum(numels), dtype=wire[bucket[0]], device=self.device)
+                offset = 0
+                for i, n in zip(bucket, numels):
+                    staged = take(i)
+                    buf[offset : offset + n].copy_(staged.reshape(-1))
+                    offset += n
+                    del staged  # one staging tensor at a time
+            broadcast_from_trainer(self.pg, buf, sync=False)
+            nbytes = sum(tensor_bytes(wire[i], specs[i][2]) for i in bucket)
             sent, peak = sent + nbytes, max(peak, nbytes)
-            del buf, got
+            del buf
+        sync_device(self.device)  # one host sync per push
         if next(it, None) is not None:
             raise WeightSyncError("named_weights: yielded more tensors than its specs list")
         return sent, peak

@@ -26,7 +26,9 @@ from training.deployment.dist_weights import (
     go_key,
     joined_key,
     make_process_group,
+    sync_device,
 )
+from training.deployment.weight_buckets import plan_buckets
 from training.deployment.engine.config import PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import RequestError
 
@@ -79,6 +81,8 @@ class UpdatePlan:
     weight_version: int
     wait_for_inflight: bool
     update_id: str
+    bucket_bytes: int = 0
+    """How the trainer flattened the tensors (``weight_buckets.plan_buckets``); 0: one at a time."""
 
 
 def parse_update_body(body: Any, expected: Mapping[str, tuple[int, ...]], tied: bool) -> UpdatePlan:
@@ -103,8 +107,11 @@ def parse_update_body(body: Any, expected: Mapping[str, tuple[int, ...]], tied: 
             f"'names', 'dtypes' and 'shapes' must have equal lengths, got {len(names)}, {len(dtypes)}, {len(shapes)}",
             "shapes",
         )
+    bucket_bytes = body.get("bucket_bytes", 0)
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+        raise RequestError(f"'bucket_bytes' must be an integer >= 0, got {bucket_bytes!r}", "bucket_bytes")
     seen: set[str] = set()
-    plan = UpdatePlan([], [], [], version, wait, uid)
+    plan = UpdatePlan([], [], [], version, wait, uid, bucket_bytes)
     for i, (name, dt, shape) in enumerate(zip(names, dtypes, shapes)):
         if not isinstance(name, str) or name not in expected:
             hint = " (the model ties it to the embedding: leave it out)" if tied and name == "lm_head.weight" else ""
@@ -169,46 +176,60 @@ class WeightUpdateGroup:
         return self.store.get(go_key(update_id)) == b"go"
 
     def make_loader(self, plan: UpdatePlan, targets: Mapping[str, torch.Tensor], stats: dict):
-        """A callable for the engine thread: receive each tensor, copy it into ``targets[name]``.
+        """A callable for the engine thread: receive each bucket, copy its tensors into ``targets``.
 
         Fills ``stats`` with ``received_bytes`` and ``peak_buffer_bytes`` (0 when every tensor was
-        received in place). A local copy failure keeps draining the stream (so the other ranks are
-        not left hanging), then raises; any failure after the first tensor is a
-        ``PartialWeightUpdateError``.
+        received in place: a bucket of one tensor whose dtype, device and layout match its target).
+        A local copy failure keeps draining the stream (so the other ranks are not left hanging),
+        then raises; any failure after the first tensor is a ``PartialWeightUpdateError``.
         """
         pg, nccl = self.pg, self.spec.backend == "nccl"
+        buckets = plan_buckets(plan.dtypes, plan.shapes, plan.bucket_bytes)
 
         @torch.no_grad()
         def load() -> None:
             copied, error = 0, None
             stats.update(received_bytes=0, peak_buffer_bytes=0)
-            for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
-                target = targets[name]
-                comm_device = target.device if nccl else torch.device("cpu")
+            comm_device = torch.device("cpu")
+            for bucket in buckets:
+                first = targets[plan.names[bucket[0]]]
+                dtype = plan.dtypes[bucket[0]]
+                comm_device = first.device if nccl else torch.device("cpu")
+                numels = [torch.Size(plan.shapes[i]).numel() for i in bucket]
                 direct = (
-                    error is None and target.dtype == dtype and target.device == comm_device and target.is_contiguous()
+                    len(bucket) == 1
+                    and error is None
+                    and first.dtype == dtype
+                    and first.device == comm_device
+                    and first.is_contiguous()
                 )
-                buf = target if direct else torch.empty(shape, dtype=dtype, device=comm_device)
+                buf = first if direct else torch.empty(sum(numels), dtype=dtype, device=comm_device)
                 nbytes = buf.numel() * buf.element_size()
                 try:
-                    broadcast_from_trainer(pg, buf)
+                    broadcast_from_trainer(pg, buf, sync=False)
                 except Exception as e:
+                    name = plan.names[bucket[0]]
                     if copied or direct:
                         raise PartialWeightUpdateError(
                             f"receiving {name} failed after {copied} tensors were replaced: {e}"
                         ) from e
                     raise WeightUpdateError(f"receiving {name} failed (old weights kept): {e}") from e
                 stats["received_bytes"] += nbytes
-                if not direct:
-                    stats["peak_buffer_bytes"] = max(stats["peak_buffer_bytes"], nbytes)
+                if direct:
+                    copied += 1
+                    continue
+                stats["peak_buffer_bytes"] = max(stats["peak_buffer_bytes"], nbytes)
+                offset = 0
+                for i, n in zip(bucket, numels):
                     if error is None:
                         try:
-                            target.copy_(buf)
+                            targets[plan.names[i]].copy_(buf[offset : offset + n].view(plan.shapes[i]))
+                            copied += 1
                         except Exception as e:  # keep receiving: the collective must stay in step
-                            error = (name, e)
-                    del buf
-                if error is None:
-                    copied += 1
+                            error = (plan.names[i], e)
+                    offset += n
+                del buf
+            sync_device(comm_device)  # one host sync per update
             if error is not None:
                 cls = PartialWeightUpdateError if copied else WeightUpdateError
                 raise cls(f"{error[0]}: copy failed: {error[1]}")

@@ -21,7 +21,13 @@ session affinity (``sampler.py``).
   meanwhile is retried once after its restart. Each replica records the folder and version, so a
   later restart comes back with them.
 - ``distributed``: tensors are broadcast to every server over a torch.distributed group
-  (``DistributedWeightSender``), one tensor at a time.
+  (``DistributedWeightSender``), in buckets of ``cfg.weight_bucket_mb``.
+
+Every path sends the servers' own dtype: the first push asks each replica (``weight_dtype``,
+``GET /weight_version``) and, when they agree, casts each floating-point tensor just before it is
+written or broadcast (fp32 master weights reach a bf16 server as bf16 bytes). A shm push first
+checks that the file fits in /dev/shm (``WeightFolder.fits``); when it does not, that push goes to
+disk (``weights_dir``, else a temp folder) with one warning.
 
 It returns once every replica serves ``weight_version``; then the sampler labels completions of
 servers that report no version with it (``DeploymentSampler.note_weight_version``). ``hooks``
@@ -35,6 +41,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import secrets
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
@@ -42,7 +50,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 from training.deployment.factory import make_deployment, make_sampler
 from training.deployment.placement import Placement, ReplicaPlacement, plan_placement
 from training.deployment.server_process import ServerProcess
-from training.deployment.weight_sync import WeightFolder, WeightSyncError
+from training.deployment.weight_sync import WeightFolder, WeightSyncError, weights_nbytes
 from training.utils.config import DeployConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -100,6 +108,10 @@ class DeploymentGroup:
         self.hooks: list[WeightSyncHook] = []
         """``(before, after)`` coroutine functions run around every push (``RolloutSetup.weight_sync_hooks``)."""
         self._folder: Optional[WeightFolder] = None
+        self._disk_folder: Optional[WeightFolder] = None
+        """Where a shm push that does not fit in /dev/shm is written instead."""
+        self._wire_dtype: Optional[str] = None
+        """The replicas' weight dtype name ("" when they do not say or disagree), asked at the first push."""
         self._sender = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(2, len(self.replicas)), thread_name_prefix="weight-push"
@@ -181,6 +193,9 @@ class DeploymentGroup:
         if self._folder is not None:
             self._folder.remove()
             self._folder = None
+        if self._disk_folder is not None and self.weights_dir is None:  # the temp folder of a shm fallback
+            shutil.rmtree(self._disk_folder.folder, ignore_errors=True)
+            self._disk_folder = None
         if self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -213,12 +228,14 @@ class DeploymentGroup:
         for before, _ in self.hooks:
             await before()
         try:
+            dtype = await self.wire_dtype()
             if self.weight_sync_mode == "distributed":
                 out = await self._distributed_sender().push(
-                    named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight
+                    named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
                 )
             else:
-                out = await self._push_file(named_weights, weight_version, wait_for_inflight, force)
+                out = await self._push_file(named_weights, weight_version, wait_for_inflight, force, specs, dtype)
+            out["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
             if self.sampler is not None:
                 self.sampler.note_weight_version(weight_version)
         finally:
@@ -227,18 +244,65 @@ class DeploymentGroup:
         out["total_s"] = time.perf_counter() - t0
         return out
 
-    async def _push_file(
-        self, named_weights: Iterable[tuple[str, Any]], weight_version: int, wait_for_inflight: bool, force: bool
-    ) -> dict:
+    async def wire_dtype(self) -> Any:
+        """The torch dtype the replicas hold their weights in (a push casts to it), or None when none says
+        (vLLM, SGLang) or they disagree: the trainer's dtype is then sent. Asked at each push until
+        every replica has answered, then kept."""
+        from training.deployment.dist_weights import DTYPES
+
+        if self._wire_dtype is not None:
+            return DTYPES.get(self._wire_dtype)
+        loop = asyncio.get_running_loop()
+        names = await asyncio.gather(*(loop.run_in_executor(self._pool, r.weight_dtype) for r in self.replicas))
+        known = {n for n in names if n is not None}
+        if len(known) > 1:
+            log.warning("replicas hold different weight dtypes %s: pushes send the trainer's dtype", names)
+        wire = next(iter(known)) if len(known) == 1 and next(iter(known)) in DTYPES else ""
+        if None not in names or len(known) > 1:  # a replica that did not say (down, another engine): ask again
+            self._wire_dtype = wire
+        return DTYPES.get(wire)
+
+    def _file_folder(self, specs: Sequence[tuple[str, Any, tuple[int, ...]]], dtype: Any) -> WeightFolder:
+        """The folder this push writes to: the mode's own, or disk when a shm file would not fit."""
         mode = self.weight_sync_mode
         if self._folder is None:
             if mode == "disk" and self.weights_dir is None:
                 raise ValueError("weights_dir: required for weight_sync='disk' (where the weights file goes)")
             self._folder = WeightFolder(mode, None if mode == "shm" else str(self.weights_dir))
+        if mode != "shm":
+            return self._folder
+        need = weights_nbytes(specs, dtype)
+        if self._folder.fits(need):
+            return self._folder
+        if self._disk_folder is None:
+            directory = self.weights_dir or tempfile.mkdtemp(prefix="training-weights-disk-")
+            self._disk_folder = WeightFolder("disk", str(directory))
+        log.warning(
+            "the weights (%.1f MB) do not fit in the free space of %s: writing them to %s instead",
+            need / 2**20,
+            self._folder.folder.parent,
+            self._disk_folder.folder,
+        )
+        return self._disk_folder
+
+    async def _push_file(
+        self,
+        named_weights: Iterable[tuple[str, Any]],
+        weight_version: int,
+        wait_for_inflight: bool,
+        force: bool,
+        specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]] = None,
+        dtype: Any = None,
+    ) -> dict:
+        if specs is None:
+            named_weights = list(named_weights)  # references: the specs are read from them
+            specs = [(n, t.dtype, tuple(t.shape)) for n, t in named_weights]
+        target = self._file_folder(specs, dtype)
+        mode = target.mode
         loop = asyncio.get_running_loop()
-        write = await loop.run_in_executor(self._pool, self._folder.write, named_weights)
+        write = await loop.run_in_executor(self._pool, target.write, named_weights, dtype)
         t1 = time.perf_counter()
-        folder = str(self._folder.folder)
+        folder = str(target.folder)
         answers = await asyncio.gather(
             *(
                 loop.run_in_executor(self._pool, self._load, r, folder, weight_version, mode, wait_for_inflight, force)
@@ -246,7 +310,8 @@ class DeploymentGroup:
             )
         )
         return {
-            "path": str(self._folder.file),
+            "path": str(target.file),
+            "mode": mode,
             **write,
             "load_s": time.perf_counter() - t1,
             "servers": dict(zip(self.base_urls, answers)),
@@ -293,6 +358,7 @@ class DeploymentGroup:
                 d.weight_sync_backend,
                 api_key=d.api_key,
                 timeout_s=d.request_timeout_s,
+                bucket_bytes=int(d.weight_bucket_mb * 2**20),
             )
         return self._sender
 

@@ -263,7 +263,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[ENGINE_KEY].weight_version})
+    """The served version and the dtype the weights are held in (a push casts to it before sending)."""
+    engine = request.app[ENGINE_KEY]
+    dtype = str(engine.engine.dtype).removeprefix("torch.")
+    return web.json_response({"weight_version": engine.weight_version, "dtype": dtype})
 
 
 async def stats(request: web.Request) -> web.Response:

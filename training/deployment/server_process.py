@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import os
 import signal
@@ -239,6 +240,19 @@ class ServerProcess:
         refuses that otherwise; other engines do not check). Raises ``WeightSyncError`` naming the
         step that failed; the server keeps serving (its old weights where it refused)."""
         raise NotImplementedError
+
+    def weight_dtype(self) -> Optional[str]:
+        """The dtype the server holds its weights in, as it reports it (``GET /weight_version``'s
+        ``dtype``: ``float32``, ``bfloat16``...); None when it does not say (a push then sends the
+        trainer's own dtype and the server casts)."""
+        status, text = self._http("GET", "/weight_version", timeout=30.0)
+        if status != 200:
+            return None
+        try:
+            dtype = json.loads(text).get("dtype")
+        except (ValueError, AttributeError):
+            return None
+        return dtype if isinstance(dtype, str) else None
 
     def note_weights(self, folder: str, weight_version: int, mode: str) -> None:
         """Record the weights now live, to load them again after a restart."""

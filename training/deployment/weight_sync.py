@@ -1,7 +1,11 @@
 """The file format and folder of weight pushes: safetensors (never pickle), written once per push.
 
 - ``write_safetensors`` writes named tensors to one file atomically (temp file, then rename);
-  tied tensors are copied apart (safetensors refuses shared storage).
+  tied tensors are copied apart (safetensors refuses shared storage); with ``dtype`` (the server's,
+  ``GET /weight_version``) floating-point tensors are cast one at a time as they are staged, so a
+  bf16 server gets a bf16 file (half the bytes of the fp32 master weights).
+- ``WeightFolder.fits`` checks the free space first (``shm_free_bytes``: /dev/shm is 64 MB by
+  default in Docker); ``DeploymentGroup`` writes to disk instead when a shm file would not fit.
 - ``WeightFolder`` is where a push writes: a private folder under /dev/shm (``shm``, same host:
   the server memory-maps the file) or a folder on disk (``disk``, any host that sees it).
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import os
 import shutil
 import tempfile
@@ -43,8 +48,25 @@ def shm_dir() -> Path:
     return SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
 
 
-def write_safetensors(named_weights: Iterable[tuple[str, torch.Tensor]], path: str | os.PathLike) -> int:
-    """Write tensors to ``path`` (CPU, contiguous; tied tensors copied apart). Returns bytes written."""
+def shm_free_bytes(folder: Path) -> int:
+    """Free bytes of the filesystem holding ``folder`` (/dev/shm: 64 MB by default in Docker). A named
+    probe, so that tests can stand in a tiny budget for a full /dev/shm (which cannot be made safely)."""
+    return shutil.disk_usage(folder).free
+
+
+def weights_nbytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]) -> int:
+    """Bytes of the tensors of ``specs`` (``(name, dtype, shape)``) once cast to ``dtype`` (None: as they are)."""
+    total = 0
+    for _, d, shape in specs:
+        total += math.prod(shape) * ((dtype or d) if d.is_floating_point else d).itemsize
+    return total
+
+
+def write_safetensors(
+    named_weights: Iterable[tuple[str, torch.Tensor]], path: str | os.PathLike, dtype: Optional[torch.dtype] = None
+) -> int:
+    """Write tensors to ``path`` (CPU, contiguous; tied tensors copied apart; floating-point ones cast
+    to ``dtype`` one at a time, the server's dtype, so the file holds what it loads). Returns bytes written."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -52,7 +74,8 @@ def write_safetensors(named_weights: Iterable[tuple[str, torch.Tensor]], path: s
     for name, t in named_weights:
         if name in tensors:
             raise ValueError(f"named_weights: duplicate tensor name {name!r}")
-        t = t.detach().to("cpu").contiguous()
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        t = t.detach().to(device="cpu", dtype=cast).contiguous()
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen_storage:  # safetensors refuses shared storage (tied embeddings)
             t = t.clone()
@@ -127,14 +150,21 @@ class WeightFolder:
     def file(self) -> Path:
         return self.folder / "model.safetensors"
 
-    def write(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    def write(self, named_weights: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> dict:
         """Write the tensors (see ``write_safetensors``); returns ``{"bytes", "write_s"}``."""
         t0 = time.perf_counter()
-        written = write_safetensors(named_weights, self.file)
+        written = write_safetensors(named_weights, self.file, dtype)
         return {"bytes": written, "write_s": time.perf_counter() - t0}
 
-    async def write_async(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        return await asyncio.to_thread(releasing_openmp_threads(self.write), named_weights)
+    async def write_async(
+        self, named_weights: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None
+    ) -> dict:
+        return await asyncio.to_thread(releasing_openmp_threads(self.write), named_weights, dtype)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a file of ``nbytes`` fits in the folder's free space (the file it replaces counts as free)."""
+        current = self.file.stat().st_size if self.file.exists() else 0
+        return nbytes <= shm_free_bytes(self.folder) + current
 
     def remove(self) -> None:
         """Delete an owned /dev/shm folder (a full model copy in RAM); a disk folder stays."""

@@ -283,6 +283,9 @@ class DeployConfig:
     """With ``weight_sync="distributed"``: the store's port; 0 picks a free one."""
     weight_sync_backend: str = "gloo"
     """With ``weight_sync="distributed"``: ``gloo`` (CPU tensors) or ``nccl`` (both ends on GPUs)."""
+    weight_bucket_mb: float = 256.0
+    """With ``weight_sync="distributed"``: tensors are flattened into buckets of up to this many MiB, one
+    broadcast each (each end holds one bucket of staging memory); 0 sends tensor by tensor."""
     startup_timeout_s: float = 300.0
     """How long to wait for the server's /health after start."""
     request_timeout_s: float = 600.0
@@ -353,6 +356,11 @@ class DeployConfig:
             self.weight_sync_backend in ("gloo", "nccl"),
             "weight_sync_backend",
             f"{self.weight_sync_backend!r} is not one of ('gloo', 'nccl')",
+        )
+        _check(
+            isinstance(self.weight_bucket_mb, (int, float)) and self.weight_bucket_mb >= 0,
+            "weight_bucket_mb",
+            f"must be a number >= 0, got {self.weight_bucket_mb!r}",
         )
         _check(
             0 <= self.weight_sync_master_port < 65536,

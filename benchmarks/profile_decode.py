@@ -22,9 +22,9 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import model_path
-from training.deployment.engine.config import SamplingParams
+from training.deployment.engine.requests import SamplingParams
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from training.deployment.engine.sampling import sample
+from training.deployment.engine.token_sampler import sample
 from training.deployment.engine.sequence import Sequence
 
 

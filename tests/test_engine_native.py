@@ -217,8 +217,8 @@ def test_native_step_runs_on_torchs_openmp_pool():
 def test_native_sampler_draws_what_the_torch_sampler_draws_and_fails_only_broken_rows():
     """Plain rows (temperature alone) at several temperatures, the same per-request seeds on both paths: the same
     tokens and logprobs within 1e-5; a NaN row and a +inf row fail alone."""
-    from training.deployment.engine.config import SamplingParams
-    from training.deployment.engine.sampling import sample
+    from training.deployment.engine.requests import SamplingParams
+    from training.deployment.engine.token_sampler import sample
     from training.deployment.engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(0)

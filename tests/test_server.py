@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.held_engine import HeldEngine
-from training.deployment.engine.config import GenerationResult
+from training.deployment.engine.requests import GenerationResult
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
 from training.deployment.protocol import ParsedRequest
@@ -295,7 +295,7 @@ def test_tool_call_blocks_become_openai_tool_calls():
     assert content == "Let me compute.  done"  # the text outside the block
     assert len(calls) == 1 and calls[0]["id"] != parse_tool_calls(text)[1][0]["id"]  # ids unique per response
     assert parse_tool_calls("plain answer") == ("plain answer", [])
-    from training.deployment.engine.config import SamplingParams
+    from training.deployment.engine.requests import SamplingParams
 
     req = ParsedRequest(
         prompts=[[1, 2]],

@@ -27,7 +27,7 @@ from training.deployment.dist_weights import (
     joined_key,
     make_process_group,
 )
-from training.deployment.engine.config import PartialWeightUpdateError, WeightUpdateError
+from training.deployment.engine.requests import PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import RequestError
 
 

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from training.deployment.engine.config import (
+from training.deployment.engine.requests import (
     EngineError,
     PartialWeightUpdateError,
     SequenceFailedError,

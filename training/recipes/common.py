@@ -39,7 +39,7 @@ import aiohttp
 import torch
 
 from training.deployment.group import DeploymentGroup
-from training.deployment.sampler import DeploymentRequestError
+from training.deployment.client import DeploymentRequestError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, WAIT_POLL_S, Config
 from training.recipes.resources import (

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (
+from training.deployment.engine.requests import (
     EngineConfig,
     GenerationResult,
     PartialWeightUpdateError,
@@ -36,7 +36,7 @@ from training.deployment.engine.config import (
 )
 from training.deployment.engine.kv_cache import SlotState
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix, lean_supported
-from training.deployment.engine.sampling import SampleOutput, sample
+from training.deployment.engine.token_sampler import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus
 

@@ -421,3 +421,33 @@ def test_a_sequence_that_fails_inside_a_step_fails_alone(tiny_model_path, hf_mod
     for prompt, res in zip((PROMPT, PROMPT[:5], [42] * 7), results):
         assert res.output_token_ids == hf_greedy(hf_model, prompt, 8)
     assert stats["requests_failed"] == 1 and stats["running"] == 0 and stats["free_slots"] == 16
+
+
+def test_a_row_with_a_sampling_field_the_c_sampler_does_not_know_goes_to_the_torch_sampler(monkeypatch):
+    """The C sampler takes a row only when every field it sets is one the C path handles: a field added to
+    SamplingParams (here by a subclass, as a new field would be) and set on a row sends the batch to the
+    torch sampler instead of being silently ignored; left at its default it does not."""
+    from dataclasses import dataclass
+
+    from training.deployment.engine import token_sampler
+
+    @dataclass
+    class WithNewField(SamplingParams):
+        typical_p: float = 1.0
+
+    calls = []
+    real = token_sampler.sample_plain
+    monkeypatch.setattr(token_sampler, "sample_plain", lambda *a: calls.append(1) or real(*a))
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    batch, seqs = rows(logits, WithNewField(temperature=0.8, seed=3, stop=["x"], max_tokens=5), 4)
+    sample(batch, seqs, native=True)
+    assert calls == [1]  # the new field at its default, and only fields the C path handles set
+
+    calls.clear()
+    batch, seqs = rows(logits, WithNewField(temperature=0.8, typical_p=0.5), 4)
+    out = sample(batch, seqs, native=True)
+    assert calls == [] and out.failed == [None] * 4
+    assert not token_sampler._plain(WithNewField(typical_p=0.5))
+    assert not token_sampler._plain(SamplingParams(top_logprobs=2))
+    assert token_sampler._plain(SamplingParams(temperature=0.5, stop_token_ids=[3], ignore_eos=True))

@@ -42,7 +42,7 @@ def main() -> None:
     path = model_path(a.model)
     config = AutoConfig.from_pretrained(path)
     dtype, native = getattr(torch, a.dtype), a.kernel == "native"
-    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), "torch")
+    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), native=False)
     if native:
         from training.deployment.engine.native import NativeDecoder
 

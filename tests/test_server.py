@@ -76,6 +76,12 @@ def test_ready_line_health_and_models(server):
     assert call(server, "GET", "/weight_version")[1] == {"weight_version": 0}
     status, stats = call(server, "GET", "/stats")
     assert status == 200 and isinstance(stats, dict) and stats.get("paused") is False
+    # the execution path build_runner chose (the C step where it builds on CPU fp32), logged once at start
+    assert stats["execution_path"] in ("native", "torch") and stats["execution_path_reason"]
+    assert f"engine path: {'native C decode step' if stats['execution_path'] == 'native' else 'lean forward'}" in (
+        server.log_path.read_text()
+    )
+    assert stats["execution_path_reason"] in server.log_path.read_text()
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ def settings(inflight_available: bool) -> list[tuple[str, bool, int, str, bool]]
 
 
 def main() -> None:
-    from training.deployment.sampler import Completion
+    from training.deployment.client import Completion
 
     p = base_parser(__doc__)
     p.add_argument("--steps", type=int, default=6)

@@ -125,7 +125,7 @@ def main() -> None:
         a.model, a.clients, a.completions, a.groups, a.group_prompts, a.vllm = "tiny", "4", "4,8", 1, "32,64", "no"
     from benchmarks.engine_throughput import vllm_available
     from training.deployment.factory import make_deployment
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 
     path = model_path(a.model)

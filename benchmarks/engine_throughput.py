@@ -66,7 +66,7 @@ def bench_server(
 ) -> tuple[dict, list]:
     """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
     from training.deployment.factory import make_deployment
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 
     max_c = max(reqs_by_c)

@@ -27,7 +27,7 @@ WORKLOAD = {"tiny": (16, 64), "smollm2": (8, 48), "quick": (8, 32)}
 def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int) -> list[list]:
     """``batches`` lists of (full token ids, prompt length, sampler logprobs)."""
     from training.deployment.embedded import EmbeddedDeployment
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 
     rng = random.Random(0)

@@ -22,9 +22,9 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import model_path
-from training.deployment.engine.config import SamplingParams
+from training.deployment.engine.requests import SamplingParams
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from training.deployment.engine.sampling import sample
+from training.deployment.engine.token_sampler import sample
 from training.deployment.engine.sequence import Sequence
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     path = model_path(a.model)
     config = AutoConfig.from_pretrained(path)
     dtype, native = getattr(torch, a.dtype), a.kernel == "native"
-    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), "torch")
+    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), native=False)
     if native:
         from training.deployment.engine.native import NativeDecoder
 

@@ -99,7 +99,7 @@ METHOD = {
     "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
     "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
     "`python -m benchmarks.run_all --add line.json`.",
-    "sampling_cost": "`engine.sampling.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
+    "sampling_cost": "`engine.token_sampler.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
     "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
     "`temperature=1` sampling in the same run. The model's decode step is not included.",

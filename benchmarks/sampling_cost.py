@@ -2,7 +2,7 @@
 
     python -m benchmarks.sampling_cost [--quick] [--repeats 5]
 
-``training.deployment.engine.sampling.sample`` on a SmolLM2-shaped batch (32 rows × 49,152
+``training.deployment.engine.token_sampler.sample`` on a SmolLM2-shaped batch (32 rows × 49,152
 vocabulary, fp32 random logits, rows with 64 prompt and 128 output tokens of history), every row
 using the same fields. The variants are timed interleaved (one call of each per round, after one
 untimed round); figure = median ms per call; ratio = variant / plain ``temperature=1`` in the same
@@ -41,9 +41,9 @@ NATIVE = {"temperature=1, C sampler (the native step's)"}
 
 def main() -> None:
     args = base_parser(__doc__).parse_args()
-    from training.deployment.engine.config import SamplingParams
+    from training.deployment.engine.requests import SamplingParams
     from training.deployment.engine.native import native_available
-    from training.deployment.engine.sampling import sample
+    from training.deployment.engine.token_sampler import sample
     from training.deployment.engine.sequence import Sequence
 
     native_ok = native_available(torch.device("cpu"), torch.float32) is None

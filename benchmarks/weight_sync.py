@@ -44,7 +44,7 @@ def reset_peak(pid: int) -> bool:
 
 
 async def _generate_once(base_url: str, prompt: list[int]) -> int:
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
 
     sampler = DeploymentSampler(base_url)
     try:

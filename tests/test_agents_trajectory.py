@@ -24,7 +24,7 @@ from training.agents import (
 )
 from training.agents.tools import FunctionTool
 from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutSetup, flatten_result, validate_sample
 

@@ -22,7 +22,7 @@ from training.agents import (
 )
 from training.agents.tools import FunctionTool
 from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.utils import DeployConfig
 from training.utils.rl.credit import discounted
 from training.utils.rl.rollout import RolloutRun, RolloutSetup, flatten_result

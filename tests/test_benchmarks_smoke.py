@@ -154,7 +154,7 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
     from benchmarks import trl_grpo
     from benchmarks.end_to_end import chat_prompts, example_config
     from training.deployment.embedded import EmbeddedDeployment
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
     from training.utils.rl.rollout import RolloutSetup
 

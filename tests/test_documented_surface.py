@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.proxy import ProxyServer
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes.single_turn import exact_match_reward, make_single_turn_rollout_fn

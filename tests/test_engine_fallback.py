@@ -7,6 +7,12 @@ shorter than the sequences) are built offline with the tiny tokenizer.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +64,9 @@ def test_fallback_batches_decode_and_matches_serial_and_transformers(fallback_mo
 
     (together, stats, runner), alone = run_engine(fallback_model, batched), run_engine(fallback_model, serial)
     assert runner == "HFModelRunner"
+    model_type = "gpt2" if "gpt2" in fallback_model else "mistral"
+    assert stats["execution_path"] == "hf_fallback"  # chosen by build_runner, and said why
+    assert f"model_type {model_type!r} is not one of" in stats["execution_path_reason"]
     assert stats["max_running"] > 1 and stats["steps"] < sum(LENGTHS) / 2  # one forward per step, not per row
     model = AutoModelForCausalLM.from_pretrained(fallback_model, dtype=torch.float32).eval()
     for prompt, n, a, b in zip(PROMPTS, LENGTHS, together, alone):
@@ -87,3 +96,41 @@ def test_fallback_shares_cached_prefixes(fallback_model):
         0, len(prompt) :
     ].tolist()
     assert turn2.output_token_ids == ref
+
+
+def test_a_cached_hub_id_resolves_to_its_snapshot_folder_and_takes_the_lean_forward(tmp_path, tiny_model_path):
+    """A Hugging Face cache (the real layout: ``models--org--name/refs/main`` naming a snapshot folder) built in
+    tmp_path and named by HF_HUB_CACHE, holding the tiny model: the hub id resolves to the snapshot folder and
+    the engine runs the lean forward, not the transformers fallback; an id that is not cached comes back as is
+    (whoever loads it downloads it, as before). In a child process: huggingface_hub reads HF_HUB_CACHE at import."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--test-org--tiny-qwen3"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_model_path, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    script = """
+import json
+import logging
+logging.basicConfig(level=logging.INFO)
+from training.deployment.engine.engine import LLMEngine
+from training.models.hub_cache import local_model_path
+from training.utils.config import EngineConfig
+
+engine = LLMEngine(EngineConfig(model="test-org/tiny-qwen3", max_batch_size=2, max_model_len=64))
+print(json.dumps({
+    "model_path": engine.model_path,
+    "path": engine.execution_path.name,
+    "runner": type(engine.runner).__name__,
+    "missing": local_model_path("test-org/not-in-the-cache"),
+}))
+"""
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["model_path"]).resolve() == snapshot.resolve()
+    assert out["runner"] == "LeanModelRunner" and out["path"] in ("native", "torch")
+    assert out["missing"] == "test-org/not-in-the-cache"
+    assert "engine path: " in proc.stderr

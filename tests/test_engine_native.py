@@ -48,8 +48,8 @@ def odd_llama_path(tmp_path_factory, tiny_model_path) -> str:
 def runners(path: str, slots: int = 12, max_len: int = 96) -> tuple[LeanModelRunner, LeanModelRunner]:
     """A torch-step and a native-step runner over the same weights."""
     cfg = AutoConfig.from_pretrained(path)
-    make = lambda kernel: LeanModelRunner(path, cfg, slots, max_len, torch.float32, torch.device("cpu"), kernel)  # noqa: E731
-    torch_runner, native_runner = make("torch"), make("native")
+    make = lambda native: LeanModelRunner(path, cfg, slots, max_len, torch.float32, torch.device("cpu"), native)  # noqa: E731
+    torch_runner, native_runner = make(False), make(True)
     assert torch_runner.native is None and native_runner.native is not None
     return torch_runner, native_runner
 
@@ -180,7 +180,11 @@ def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, mo
 
 
 def test_without_a_working_compiler_auto_falls_back_and_native_names_why(tmp_path, monkeypatch, tiny_model_path):
-    """``CC=false`` (a compiler that fails, for real): ``auto`` keeps the torch step, ``native`` refuses with the reason."""
+    """``CC=false`` (a compiler that fails, for real): ``auto`` keeps the torch step and says why (the path
+    build_runner chose), ``native`` refuses with the reason."""
+    from training.deployment.engine.runners import build_runner
+    from training.utils.config import EngineConfig
+
     import training.deployment.engine.native as native
 
     monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
@@ -190,10 +194,15 @@ def test_without_a_working_compiler_auto_falls_back_and_native_names_why(tmp_pat
         reason = native.native_available(torch.device("cpu"), torch.float32)
         assert reason is not None and "compiling native_decode.c failed" in reason
         cfg = AutoConfig.from_pretrained(tiny_model_path)
-        make = lambda kernel: LeanModelRunner(  # noqa: E731
-            tiny_model_path, cfg, 2, 32, torch.float32, torch.device("cpu"), kernel
+        make = lambda kernel: build_runner(  # noqa: E731
+            EngineConfig(model=tiny_model_path, max_batch_size=2, max_model_len=32, decode_kernel=kernel),
+            cfg,
+            tiny_model_path,
+            torch.device("cpu"),
+            torch.float32,
         )
-        assert make("auto").native is None
+        runner, path = make("auto")
+        assert runner.native is None and path.name == "torch" and "compiling native_decode.c failed" in path.reason
         with pytest.raises(ValueError, match="decode_kernel='native' cannot run here: compiling"):
             make("native")
         monkeypatch.setenv("CC", "no-such-compiler-here")
@@ -217,8 +226,8 @@ def test_native_step_runs_on_torchs_openmp_pool():
 def test_native_sampler_draws_what_the_torch_sampler_draws_and_fails_only_broken_rows():
     """Plain rows (temperature alone) at several temperatures, the same per-request seeds on both paths: the same
     tokens and logprobs within 1e-5; a NaN row and a +inf row fail alone."""
-    from training.deployment.engine.config import SamplingParams
-    from training.deployment.engine.sampling import sample
+    from training.deployment.engine.requests import SamplingParams
+    from training.deployment.engine.token_sampler import sample
     from training.deployment.engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(0)

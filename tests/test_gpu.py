@@ -24,7 +24,7 @@ from tests.test_recipes import config as recipe_config
 from tests.test_trainer import _mask_loss, _sequences
 from tests.test_weight_sync_distributed import greedy as server_greedy
 from tests.test_weight_sync_distributed import hf_model, max_logprob_error, perturbed
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.metrics import read_metrics
 

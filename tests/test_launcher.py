@@ -12,7 +12,7 @@ import torch
 
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.server_process import DeploymentStartError
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.utils.config import DeployConfig, EngineConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]

@@ -20,7 +20,7 @@ from tests.conftest import selects_only_gpu_tests
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.group import DeploymentGroup
 from training.deployment.placement import TORCHRUN_VARS, ReplicaPlacement, plan_placement, server_env
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.deployment.sglang import SGLangDeployment
 from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import dist as dist_utils

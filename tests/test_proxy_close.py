@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.proxy import make_proxy_rollout_fn
 from training.utils.rl.rollout import RolloutSetup
 

@@ -170,7 +170,7 @@ def test_transitions_credit_and_agent_selection(server, tiny_model_path):
     setup_hooks = []
 
     async def go():
-        from training.deployment.sampler import DeploymentSampler
+        from training.deployment.client import DeploymentSampler
 
         sampler = DeploymentSampler(server.base_url)
         setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0, "max_tokens": 8})
@@ -222,7 +222,7 @@ def test_sync_agent_stitched_and_failures(server):
         return "no calls"
 
     async def go():
-        from training.deployment.sampler import DeploymentSampler
+        from training.deployment.client import DeploymentSampler
 
         sampler = DeploymentSampler(server.base_url)
         setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0})

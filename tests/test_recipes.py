@@ -357,7 +357,7 @@ def test_every_policy_loss_runs_end_to_end(tiny_model_path, server, tmp_path, lo
 
 
 def test_deployment_failures_are_retried_once_and_rollout_bugs_are_not(tiny_model_path, server, tmp_path):
-    from training.deployment.sampler import DeploymentRequestError
+    from training.deployment.client import DeploymentRequestError
 
     attempts = {}
 
@@ -389,7 +389,7 @@ def test_deployment_failures_are_retried_once_and_rollout_bugs_are_not(tiny_mode
 
 def test_two_embedded_replicas_share_work_keep_affinity_and_sync_together(tiny_model_path, tmp_path, monkeypatch):
     """num_replicas=2: both replicas generate, a session sticks to one, and both serve the last version."""
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
 
     seen = {}
 

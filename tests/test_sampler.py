@@ -10,7 +10,7 @@ from aiohttp import web
 
 from training.deployment.embedded import EmbeddedDeployment
 from training.utils.http import free_port
-from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
+from training.deployment.client import Completion, DeploymentRequestError, DeploymentSampler
 from training.utils.config import DeployConfig, EngineConfig
 from training.utils.rl.rollout import RolloutSetup
 
@@ -261,7 +261,7 @@ def test_constructor_validates_arguments():
 
 
 def test_replica_choice_is_sticky_per_session_and_least_loaded_otherwise():
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
 
     s = DeploymentSampler(["http://127.0.0.1:1/v1", "http://127.0.0.1:2"])
     assert s.base_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from training.deployment.engine import AsyncEngine, EngineConfig, EngineError, SamplingParams
-from training.deployment.engine.config import SequenceFailedError
-from training.deployment.engine.sampling import _process, sample
+from training.deployment.engine.requests import SequenceFailedError
+from training.deployment.engine.token_sampler import _process, sample
 from training.deployment.engine.sequence import Sequence
 
 PROMPT = [300, 301, 302, 303, 7, 8, 9, 10, 11, 12, 13]
@@ -84,7 +84,7 @@ def test_draws_follow_the_renormalised_kept_distribution(fields):
 def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monkeypatch):
     """Rows whose kept prefix fits in the CANDIDATES sorted by topk, and rows that spill past them
     (flat distributions), draw exactly the tokens a whole-vocabulary sort gives, in any mix."""
-    from training.deployment.engine import sampling
+    from training.deployment.engine import token_sampler as sampling
 
     V, n = 3000, 64
     g = torch.Generator().manual_seed(0)
@@ -117,7 +117,7 @@ def test_a_plain_row_draws_the_first_token_whose_cumulative_mass_exceeds_u(vocab
     """The block-wise draw (no running sum over the whole vocabulary) picks the token a float64
     running sum picks, for draws landing in every block; zero-probability tokens, including whole
     masked blocks and the ends of blocks, are never drawn."""
-    from training.deployment.engine import sampling
+    from training.deployment.engine import token_sampler as sampling
 
     n = 4000
     g = torch.Generator().manual_seed(1)
@@ -264,7 +264,7 @@ def test_a_row_with_non_finite_logits_or_nothing_to_sample_fails_alone():
 )
 @pytest.mark.unit
 def test_out_of_range_fields_raise_engine_error_naming_them(fields, name):
-    from training.deployment.engine.config import validate_request
+    from training.deployment.engine.requests import validate_request
 
     with pytest.raises(EngineError) as e:
         validate_request([1, 2], SamplingParams(**fields), vocab_size=1000, max_model_len=256)
@@ -421,3 +421,33 @@ def test_a_sequence_that_fails_inside_a_step_fails_alone(tiny_model_path, hf_mod
     for prompt, res in zip((PROMPT, PROMPT[:5], [42] * 7), results):
         assert res.output_token_ids == hf_greedy(hf_model, prompt, 8)
     assert stats["requests_failed"] == 1 and stats["running"] == 0 and stats["free_slots"] == 16
+
+
+def test_a_row_with_a_sampling_field_the_c_sampler_does_not_know_goes_to_the_torch_sampler(monkeypatch):
+    """The C sampler takes a row only when every field it sets is one the C path handles: a field added to
+    SamplingParams (here by a subclass, as a new field would be) and set on a row sends the batch to the
+    torch sampler instead of being silently ignored; left at its default it does not."""
+    from dataclasses import dataclass
+
+    from training.deployment.engine import token_sampler
+
+    @dataclass
+    class WithNewField(SamplingParams):
+        typical_p: float = 1.0
+
+    calls = []
+    real = token_sampler.sample_plain
+    monkeypatch.setattr(token_sampler, "sample_plain", lambda *a: calls.append(1) or real(*a))
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    batch, seqs = rows(logits, WithNewField(temperature=0.8, seed=3, stop=["x"], max_tokens=5), 4)
+    sample(batch, seqs, native=True)
+    assert calls == [1]  # the new field at its default, and only fields the C path handles set
+
+    calls.clear()
+    batch, seqs = rows(logits, WithNewField(temperature=0.8, typical_p=0.5), 4)
+    out = sample(batch, seqs, native=True)
+    assert calls == [] and out.failed == [None] * 4
+    assert not token_sampler._plain(WithNewField(typical_p=0.5))
+    assert not token_sampler._plain(SamplingParams(top_logprobs=2))
+    assert token_sampler._plain(SamplingParams(temperature=0.5, stop_token_ids=[3], ignore_eos=True))

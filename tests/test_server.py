@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.held_engine import HeldEngine
-from training.deployment.engine.config import GenerationResult
+from training.deployment.engine.requests import GenerationResult
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
 from training.deployment.protocol import ParsedRequest
@@ -76,6 +76,12 @@ def test_ready_line_health_and_models(server):
     assert call(server, "GET", "/weight_version")[1] == {"weight_version": 0, "dtype": "float32"}
     status, stats = call(server, "GET", "/stats")
     assert status == 200 and isinstance(stats, dict) and stats.get("paused") is False
+    # the execution path build_runner chose (the C step where it builds on CPU fp32), logged once at start
+    assert stats["execution_path"] in ("native", "torch") and stats["execution_path_reason"]
+    assert f"engine path: {'native C decode step' if stats['execution_path'] == 'native' else 'lean forward'}" in (
+        server.log_path.read_text()
+    )
+    assert stats["execution_path_reason"] in server.log_path.read_text()
 
 
 @pytest.mark.parametrize(
@@ -295,7 +301,7 @@ def test_tool_call_blocks_become_openai_tool_calls():
     assert content == "Let me compute.  done"  # the text outside the block
     assert len(calls) == 1 and calls[0]["id"] != parse_tool_calls(text)[1][0]["id"]  # ids unique per response
     assert parse_tool_calls("plain answer") == ("plain answer", [])
-    from training.deployment.engine.config import SamplingParams
+    from training.deployment.engine.requests import SamplingParams
 
     req = ParsedRequest(
         prompts=[[1, 2]],

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.held_engine import HeldEngine
-from training.deployment.engine.config import GenerationDelta, GenerationResult, SamplingParams
+from training.deployment.engine.requests import GenerationDelta, GenerationResult, SamplingParams
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.protocol import ParsedRequest
 from training.deployment.responses import build_chat_response

@@ -14,7 +14,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from training.deployment.sampler import DeploymentRequestError
+from training.deployment.client import DeploymentRequestError
 from training.deployment.sglang import (
     SGLangDeployment,
     SGLangSampler,

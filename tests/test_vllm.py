@@ -19,7 +19,7 @@ import torch
 from tests.test_recipes import config as recipe_config
 from training.deployment.factory import make_deployment, make_sampler
 from training.deployment.server_process import DeploymentStartError
-from training.deployment.sampler import DeploymentSampler
+from training.deployment.client import DeploymentSampler
 from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import DeployConfig, EngineConfig
 
@@ -92,7 +92,7 @@ def test_attach_to_a_dead_url_names_it():
 
 
 def test_sampler_labels_versionless_answers_with_the_version_noted_before_sending():
-    from training.deployment.sampler import _completion
+    from training.deployment.client import _completion
 
     ch = {"index": 0, "token_ids": [3], "finish_reason": "stop"}
     assert _completion([1], ch, [-0.5], "", {}, 0, sent_under=4).weight_version == 4

@@ -11,10 +11,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DeploymentSampler": "training.deployment.sampler",
-    "Completion": "training.deployment.sampler",
-    "DeploymentRequestError": "training.deployment.sampler",
-    "build_deployment_sampler": "training.deployment.sampler",
+    "DeploymentSampler": "training.deployment.client",
+    "Completion": "training.deployment.client",
+    "DeploymentRequestError": "training.deployment.client",
+    "build_deployment_sampler": "training.deployment.client",
     "DeploymentGroup": "training.deployment.group",
     "push_weights": "training.deployment.group",
     "make_deployment": "training.deployment.factory",

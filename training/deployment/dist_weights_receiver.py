@@ -28,8 +28,8 @@ from training.deployment.dist_weights import (
     make_process_group,
     sync_device,
 )
+from training.deployment.engine.requests import PartialWeightUpdateError, WeightUpdateError
 from training.deployment.weight_buckets import plan_buckets
-from training.deployment.engine.config import PartialWeightUpdateError, WeightUpdateError
 from training.deployment.protocol import RequestError
 
 

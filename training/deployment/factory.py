@@ -41,7 +41,7 @@ def make_deployment(
 def make_sampler(base_urls: list[str], cfg: DeployConfig, tokenizer: Any = None) -> Any:
     """The ``DeploymentSampler`` for ``cfg.engine`` (SGLang's samples through its native /generate),
     with the retry and timeout settings of ``cfg``."""
-    from training.deployment.sampler import DeploymentSampler
+    from training.deployment.client import DeploymentSampler
 
     kwargs = dict(
         api_key=cfg.api_key,

@@ -10,7 +10,7 @@ Replicas: with ``cfg.base_url`` None the group launches ``cfg.num_replicas`` ser
 at construction when the placement cannot work; logged once) (each supervised: a dead one is restarted with the latest weights; each locked with
 ``cfg.api_key``, a random one when none is given); with URLs it
 attaches one server-process object per URL. The sampler balances requests over them with
-session affinity (``sampler.py``).
+session affinity (``client.py``).
 
 ``push`` is the whole weight sync, for every engine:
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from training.deployment.engine.config import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
+from training.deployment.engine.requests import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
 from training.deployment.fields import refusal
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 

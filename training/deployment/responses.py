@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from training.deployment.engine.config import GenerationResult
+from training.deployment.engine.requests import GenerationResult
 from training.deployment.protocol import ParsedRequest
 from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 

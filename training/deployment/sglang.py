@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from training.deployment.responses import parse_tool_calls
-from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler
+from training.deployment.client import Completion, DeploymentRequestError, DeploymentSampler
 from training.deployment.server_process import ServerProcess
 from training.deployment.weight_sync import WeightSyncError
 from training.utils.config import DeployConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from training.deployment.group import DeploymentGroup
-from training.deployment.sampler import DeploymentRequestError
+from training.deployment.client import DeploymentRequestError
 from training.recipes.config import WAIT_POLL_S, Config
 from training.recipes.resources import CpuShare
 from training.recipes.step_metrics import StepCounters, StepTimer

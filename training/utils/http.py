@@ -15,7 +15,7 @@
   complete request for ``IDLE_CONNECTION_TIMEOUT_S`` (half-open or slow-header clients).
 
 The sampler keeps one pooled session per event loop for its many requests
-(``training/deployment/sampler.py``); one-off control calls open a session per call.
+(``training/deployment/client.py``); one-off control calls open a session per call.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ See README.md in this folder for the file map and invariants.
 """
 
 from training.deployment.engine.async_engine import AsyncEngine
-from training.deployment.engine.config import (
+from training.deployment.engine.requests import (
     EngineConfig,
     EngineError,
     GenerationResult,

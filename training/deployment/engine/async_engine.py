@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (
+from training.deployment.engine.requests import (
     EngineConfig,
     GenerationDelta,
     GenerationResult,

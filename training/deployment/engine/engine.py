@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.deployment.engine.config import (
+from training.models.hub_cache import local_model_path
+from training.deployment.engine.requests import (
     EngineConfig,
     GenerationResult,
     PartialWeightUpdateError,
@@ -35,8 +35,9 @@ from training.deployment.engine.config import (
     validate_request,
 )
 from training.deployment.engine.kv_cache import SlotState
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix, lean_supported
-from training.deployment.engine.sampling import SampleOutput, sample
+from training.deployment.engine.model_runner import PrefillItem, SharedPrefix
+from training.deployment.engine.runners import build_runner
+from training.deployment.engine.token_sampler import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus
 
@@ -93,35 +94,16 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.hf_config = AutoConfig.from_pretrained(config.model)
-        local = Path(config.model).is_dir() and any(Path(config.model).glob("*.safetensors"))
-        reason = lean_supported(self.hf_config) if local else "not a local safetensors folder"
+        self.model_path = local_model_path(config.model)
+        """``config.model``, or the cached snapshot folder of a hub id (so that it gets the lean forward)."""
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         num_slots = config.max_batch_size + config.prefix_cache_slots
-        if config.use_lean_forward and reason is None:
-            self.runner = LeanModelRunner(
-                config.model,
-                self.hf_config,
-                num_slots,
-                config.max_model_len,
-                self.dtype,
-                self.device,
-                config.decode_kernel,
-            )
-            if self.device.type == "cuda" and config.cuda_graph_batch_sizes:
-                from training.deployment.engine.cuda_graphs import CudaGraphDecoder
-
-                self.runner.graphs = CudaGraphDecoder(
-                    self.runner, config.cuda_graph_batch_sizes, config.max_batch_size, config.max_model_len
-                )
-        else:
-            if config.use_lean_forward:
-                log.info("transformers forward fallback: %s", reason)
-            from training.deployment.engine.hf_runner import HFModelRunner
-
-            self.runner = HFModelRunner(config.model, self.dtype, self.device, num_slots, config.max_model_len)
+        self.runner, self.execution_path = build_runner(
+            config, self.hf_config, self.model_path, self.device, self.dtype
+        )
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
         self.scheduler = Scheduler(
             num_slots,
             config.max_batch_size,
@@ -352,5 +334,7 @@ class LLMEngine:
             "free_slots": t.num_slots - len(s.running),
             "weight_version": self.weight_version,
             "pending_weight_updates": len(self.pending_updates),
+            "execution_path": self.execution_path.name,
+            "execution_path_reason": self.execution_path.reason,
             **self.counters,
         }

@@ -213,7 +213,7 @@ def sample_plain(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, reported logprob, ok) per row of fp32 CPU logits, sampled at temperature alone (T > 0).
 
-    sampling.py's plain-row draw (inverse CDF over blocks of 256) and logprob (``log_softmax(z / T)``)
+    token_sampler.py's plain-row draw (inverse CDF over blocks of 256) and logprob (``log_softmax(z / T)``)
     in two reads of each row; ok is False for a row with no finite mass (NaN or +inf logits).
     """
     logits_BV, temps_B, u_B = logits_BV.contiguous(), temps_B.float().contiguous(), u_B.float().contiguous()

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from training.deployment.engine.config import GenerationResult, SamplingParams
+from training.deployment.engine.requests import GenerationResult, SamplingParams
 
 _ids = itertools.count()
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from training.deployment.engine.config import WeightUpdateError
+from training.deployment.engine.requests import WeightUpdateError
 
 TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"

@@ -9,6 +9,6 @@ def make_rollout_fn(setup):
         ...   # c.full_tokens, c.prompt_len, c.inference_logprobs, c.finish_reason
 """
 
-from training.deployment.sampler import Completion, DeploymentRequestError, DeploymentSampler, build_deployment_sampler
+from training.deployment.client import Completion, DeploymentRequestError, DeploymentSampler, build_deployment_sampler
 
 __all__ = ["build_deployment_sampler", "DeploymentSampler", "Completion", "DeploymentRequestError"]

@@ -135,7 +135,7 @@ class RolloutSetup:
     """What the recipe hands ``make_rollout_fn`` once, before the first rollout."""
 
     sampler: Any
-    """A ``training.deployment.sampler.DeploymentSampler`` bound to the deployment."""
+    """A ``training.deployment.client.DeploymentSampler`` bound to the deployment."""
     tokenizer: Any
     """The policy's Hugging Face tokenizer (for chat templates and stop ids; never to re-tokenize outputs)."""
     sampling_kwargs: dict[str, Any] = field(default_factory=dict)

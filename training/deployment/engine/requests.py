@@ -34,7 +34,7 @@ class PartialWeightUpdateError(RuntimeError):
 
 @dataclass
 class SamplingParams:
-    """How one request samples. The reported logprob is the model's, at ``temperature`` (see sampling.py).
+    """How one request samples. The reported logprob is the model's, at ``temperature`` (see token_sampler.py).
 
     Processing order (as vLLM): ``min_tokens`` mask, ``logit_bias``, repetition / frequency /
     presence penalties, temperature, ``min_p``, ``top_k``, ``top_p``, then one draw. None of

@@ -32,6 +32,8 @@ every token masked) is reported in ``SampleOutput.failed``; the engine ends that
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
@@ -47,6 +49,14 @@ CANDIDATES = 256
 """Tokens sorted per row for top-k / top-p / min-p before falling back to the whole vocabulary (_sample_truncated)."""
 DRAW_BLOCK = 256
 """Tokens per block of a plain row's inverse-CDF draw (_draw_blocked)."""
+NATIVE_SAMPLER_FIELDS = frozenset(
+    {"temperature", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output"}
+)
+"""The request fields a row may set (to anything but their default) and still go to the C sampler: the
+temperature (it draws at it), the seed (the row's generator supplies u), and the fields the engine applies
+outside sampling (stop conditions, the output text). Any other field set on a row, including one added to
+``SamplingParams`` later and not listed here, sends the batch to the torch sampler (``_plain``), so the C
+path can never silently ignore a field."""
 _LOWEST = torch.finfo(torch.float32).min
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -124,8 +134,29 @@ def sample(logits_BV: torch.Tensor, seqs: Seq[Sequence], native: bool = False) -
 
 
 def _plain(p) -> bool:
-    """Temperature alone (no processing, truncation or alternatives), in the range the C sampler takes as is."""
-    return SHIFT_BELOW_T <= p.temperature < float("inf") and not (p.needs_processing or p.truncates or p.top_logprobs)
+    """Temperature alone, in the range the C sampler takes as is: every field the row sets away from its
+    default is in ``NATIVE_SAMPLER_FIELDS`` (no processing, truncation, alternatives or unknown field)."""
+    if not SHIFT_BELOW_T <= p.temperature < float("inf"):
+        return False
+    defaults = _field_defaults(type(p))
+    return all(getattr(p, name) == default for name, default in defaults.items())
+
+
+@functools.cache
+def _field_defaults(cls: type) -> dict[str, object]:
+    """Default value of every dataclass field of ``cls`` that the C sampler does not handle (no default: a
+    sentinel no value equals, so such a field always counts as set)."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in NATIVE_SAMPLER_FIELDS:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = object()
+    return out
 
 
 def _sample_plain_native(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleOutput:

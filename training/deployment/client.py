@@ -1,0 +1,433 @@
+"""aiohttp client for the deployment: token-in / token-out sampling with logprobs.
+
+``DeploymentSampler`` talks to any server with the vLLM-style RL fields (the embedded server,
+vLLM, SGLang): it always asks for ``return_token_ids`` and sampled-token ``logprobs`` and
+returns ``Completion`` objects whose ``full_tokens`` are exactly the server's ids.
+
+Failure policy: connection errors and 5xx answers are retried (``max_retries`` times); a 4xx
+answer raises ``DeploymentRequestError`` at once with the server's message and field; a request
+that exceeds ``timeout_s`` raises ``DeploymentRequestError`` (not retried: the server is busy).
+
+Replica failover: a replica that refuses connections is marked down for ``down_s`` seconds and
+skipped by ``pick_replica``; the failed request is retried at once on a live replica (sessions
+pinned to the dead one are re-mapped over the live ones). When every replica is down, or there
+is only one, retries wait ``backoff_s * 2**attempt`` between attempts. A down mark expires by
+itself: the next request tries the replica again and a success brings it back.
+One ``aiohttp.ClientSession`` is created lazily per event loop and shared by every sampler
+made with ``with_defaults``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import aiohttp
+
+from training.utils.http import SESSION_HEADER, auth_headers, session_headers
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Completion", "DeploymentRequestError", "DeploymentSampler", "SESSION_HEADER", "build_deployment_sampler"]
+
+
+class DeploymentRequestError(RuntimeError):
+    """The deployment refused or failed a request. ``status`` is the HTTP status (None: no answer)."""
+
+    def __init__(self, message: str, *, status: Optional[int] = None, param: Optional[str] = None, url: str = ""):
+        super().__init__(f"{url}: HTTP {status}: {message}" if status else f"{url}: {message}")
+        self.status = status
+        self.param = param
+        self.server_message = message
+
+
+@dataclass
+class Completion:
+    """One sampled completion: the server's exact token ids and the sampler's logprobs."""
+
+    full_tokens: list[int]
+    """Prompt + output ids, exactly as the server saw and produced them."""
+    prompt_len: int
+    """Number of prompt tokens at the start of ``full_tokens``."""
+    inference_logprobs: list[float]
+    """Sampler logprob of each output token (one per ``output_tokens`` entry)."""
+    finish_reason: str
+    """``stop``, ``length``, ``tool_calls`` (chat with tools) or ``abort``."""
+    text: str
+    """Decoded output (for chat: ``message.content``, the text outside parsed tool-call blocks)."""
+    weight_version: int
+    """Weight version that produced this completion: the OLDEST one among its tokens."""
+    message: Optional[dict] = None
+    """Chat only: the OpenAI-style assistant message (``content``, ``tool_calls``)."""
+    cached_tokens: int = 0
+    """Prompt tokens the server reused from its KV cache (per request, shared by its choices)."""
+    token_weight_versions: Optional[list[int]] = None
+    """Per output token (parallel to ``output_tokens``): the weight version that produced it, as the
+    server reports it (in-flight updates mix versions). A server that reports no version at all
+    (vLLM, SGLang) gets the version the request was sent under for every token, the same rule as
+    ``weight_version``; None when the server reports a version but not per token."""
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.full_tokens[self.prompt_len :]
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.full_tokens[: self.prompt_len]
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """Parsed tool calls of a chat completion (empty for plain completions)."""
+        return list((self.message or {}).get("tool_calls") or [])
+
+
+def _normalise_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class _HttpClient:
+    """One ClientSession per event loop, created on first use, shared by related samplers."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self.in_flight: dict[str, int] = {}
+        """Requests in flight per replica URL (shared by related samplers: the load balancer's view)."""
+        self.noted_weight_version = 0
+        """The newest weight version known to be served everywhere (``note_weight_version``)."""
+        self.down_until: dict[str, float] = {}
+        """Replica URL -> monotonic time until which it is skipped (it refused a connection)."""
+
+    def _drop_dead(self) -> None:
+        for loop in [lp for lp in self._sessions if lp.is_closed()]:
+            sess = self._sessions.pop(loop)
+            connector = sess.connector
+            sess.detach()  # its loop is gone: nothing can be awaited; drop sockets without warnings
+            if connector is not None:
+                try:
+                    connector._close()
+                except Exception:  # transports of a closed loop may refuse; they die with it
+                    pass
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        self._drop_dead()
+        sess = self._sessions.get(loop)
+        if sess is None or sess.closed:
+            sess = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), connector=aiohttp.TCPConnector(limit=0)
+            )
+            self._sessions[loop] = sess
+        return sess
+
+    def __del__(self) -> None:
+        try:
+            self._drop_dead()
+        except Exception:
+            pass
+
+    async def close(self) -> None:
+        self._drop_dead()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        sess = self._sessions.pop(loop, None)
+        if sess is not None and not sess.closed:
+            await sess.close()
+
+
+class DeploymentSampler:
+    """Client of one deployment, or of several replicas of it. Sampling kwargs: max_tokens, temperature,
+    top_p, stop, seed, ...
+
+    With several URLs a request with a session id always goes to the same replica (a stable hash
+    of the id, so its KV cache is reused there); any other request goes to the replica with the
+    fewest requests in flight. The id travels as both ``x-multi-turn-session-id`` and
+    ``x-session-affinity`` (``training.utils.http.session_headers``).
+    """
+
+    def __init__(
+        self,
+        base_url: Union[str, Sequence[str]],
+        *,
+        api_key: Optional[str] = None,
+        model: Optional[str] = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+        down_s: float = 5.0,
+        sampling_defaults: Optional[dict] = None,
+        _client: Optional[_HttpClient] = None,
+    ):
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one URL")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_url: must start with http:// or https://, got {url!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.base_urls = [_normalise_url(u) for u in urls]
+        """Every replica, in the order given."""
+        self.base_url = self.base_urls[0]
+        """The first replica (the only one, in the common case)."""
+        self.api_key = api_key
+        self.model = model
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.down_s = down_s
+        """Seconds a replica that refused a connection is skipped before it is tried again."""
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self._client = _client or _HttpClient(timeout_s)
+
+    def with_defaults(self, **sampling: Any) -> "DeploymentSampler":
+        """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""
+        return type(self)(
+            self.base_urls,
+            api_key=self.api_key,
+            model=self.model,
+            timeout_s=self.timeout_s,
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
+            down_s=self.down_s,
+            sampling_defaults={**self.sampling_defaults, **sampling},
+            _client=self._client,
+        )
+
+    async def close(self) -> None:
+        """Close this event loop's session (other samplers made by ``with_defaults`` share it)."""
+        await self._client.close()
+
+    def note_weight_version(self, version: int) -> None:
+        """Record that every replica now serves ``version`` (call after a weight sync has returned).
+
+        A server whose answers carry no ``weight_version`` (vLLM's and SGLang's OpenAI APIs) gets
+        its completions labelled with the version noted when the request was *sent*. A sync only
+        moves versions forward, so that label is never newer than the weights that produced any
+        of the completion's tokens (it may be older: conservative for the off-policy gate).
+        Shared with every sampler made by ``with_defaults``.
+        """
+        self._client.noted_weight_version = int(version)
+
+    def _headers(self, session_id: Optional[str]) -> dict[str, str]:
+        return auth_headers(self.api_key, session_headers(session_id))
+
+    def live_replicas(self) -> list[str]:
+        """Replicas not marked down (every replica when all are down: someone has to be tried)."""
+        now = time.monotonic()
+        live = [u for u in self.base_urls if self._client.down_until.get(u, 0.0) <= now]
+        return live or list(self.base_urls)
+
+    def mark_down(self, url: str) -> None:
+        """Skip ``url`` for ``down_s`` seconds (it refused a connection)."""
+        if len(self.base_urls) > 1 and self._client.down_until.get(url, 0.0) <= time.monotonic():
+            log.warning("replica %s is down; sending its requests to the other replicas for %.0f s", url, self.down_s)
+        self._client.down_until[url] = time.monotonic() + self.down_s
+
+    def pick_replica(self, session_id: Optional[str]) -> str:
+        """The replica for one request: the session's own (stable hash), else the least loaded live one.
+
+        A session whose replica is down is hashed over the live replicas instead (and returns to its
+        own replica once that is back).
+        """
+        if len(self.base_urls) == 1:
+            return self.base_url
+        live = self.live_replicas()
+        if session_id:
+            digest = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big")
+            own = self.base_urls[digest % len(self.base_urls)]
+            return own if own in live else live[digest % len(live)]
+        return min(live, key=lambda u: self._client.in_flight.get(u, 0))
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[dict] = None,
+        session_id: Optional[str] = None,
+        base_url: Optional[str] = None,
+    ) -> dict:
+        """Send one JSON request with the retry and failover policy; return the decoded JSON answer.
+
+        ``base_url`` pins the replica (no failover); by default ``pick_replica`` chooses it, again
+        for every attempt.
+        """
+        in_flight = self._client.in_flight
+        last: Optional[BaseException] = None
+        failed: Optional[str] = None
+        for attempt in range(self.max_retries + 1):
+            base = base_url or self.pick_replica(session_id)
+            if attempt and base == failed:  # no other replica to go to: back off
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            in_flight[base] = in_flight.get(base, 0) + 1
+            try:
+                return await self._attempt(method, base + path, body, session_id)
+            except aiohttp.ClientConnectionError as e:
+                last = e
+                self.mark_down(base)
+            except DeploymentRequestError as e:
+                if e.status is None or e.status < 500:
+                    raise
+                last = e
+            finally:
+                in_flight[base] -= 1
+            failed = base
+            log.warning("deployment %s%s attempt %d/%d failed: %s", base, path, attempt + 1, self.max_retries + 1, last)
+        raise DeploymentRequestError(
+            f"gave up after {self.max_retries + 1} attempts: {last}",
+            url=failed or "",
+            status=getattr(last, "status", None),
+        ) from last
+
+    async def _attempt(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
+        """One HTTP exchange: the JSON answer, or ``DeploymentRequestError`` with the status (connection errors pass)."""
+        try:
+            async with self._client.session().request(
+                method, url, json=body, headers=self._headers(session_id)
+            ) as resp:
+                if resp.status < 400:
+                    return await resp.json(content_type=None)
+                message, param = _error_message(await resp.text())
+                raise DeploymentRequestError(message, status=resp.status, param=param, url=url)
+        except asyncio.TimeoutError as e:
+            raise DeploymentRequestError(f"no answer within {self.timeout_s} s", url=url) from e
+
+    def _body(self, n: int, sampling: dict) -> dict:
+        body = {**self.sampling_defaults, **sampling, "n": n, "return_token_ids": True}
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def sample_with_prompt_tokens(
+        self, prompt_ids: list[int], n: int = 1, *, session_id: Optional[str] = None, **sampling: Any
+    ) -> list[Completion]:
+        """Sample ``n`` completions of a token-id prompt via /v1/completions."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids: must not be empty")
+        body = self._body(n, sampling)
+        body["prompt"] = list(prompt_ids)
+        if body.get("logprobs") is None:
+            body["logprobs"] = 0  # 0 = the sampled tokens' logprobs, no alternatives
+        sent_under = self._client.noted_weight_version
+        out = await self.request("POST", "/v1/completions", body, session_id)
+        cached = _cached(out)
+        result = []
+        for ch in sorted(out["choices"], key=lambda c: c["index"]):
+            prompt = ch.get("prompt_token_ids") or list(prompt_ids)
+            lps = (ch.get("logprobs") or {}).get("token_logprobs")
+            result.append(_completion(prompt, ch, lps, ch.get("text", ""), out, cached, sent_under=sent_under))
+        return result
+
+    async def chat(
+        self,
+        messages: list[dict],
+        n: int = 1,
+        *,
+        tools: Optional[list[dict]] = None,
+        session_id: Optional[str] = None,
+        **sampling: Any,
+    ) -> list[Completion]:
+        """Sample ``n`` chat completions via /v1/chat/completions (template applied by the server)."""
+        body = self._body(n, sampling)
+        body["messages"] = messages
+        body["logprobs"] = True
+        if tools:
+            body["tools"] = tools
+        sent_under = self._client.noted_weight_version
+        out = await self.request("POST", "/v1/chat/completions", body, session_id)
+        cached = _cached(out)
+        result = []
+        for ch in sorted(out["choices"], key=lambda c: c["index"]):
+            prompt = ch.get("prompt_token_ids") or out.get("prompt_token_ids")
+            if prompt is None:
+                raise DeploymentRequestError(
+                    "the server returned no prompt_token_ids (needs return_token_ids)", url=self.base_url
+                )
+            content = (ch.get("logprobs") or {}).get("content")
+            lps = None if content is None else [c["logprob"] for c in content]
+            msg = ch.get("message") or {}
+            result.append(
+                _completion(prompt, ch, lps, msg.get("content") or "", out, cached, message=msg, sent_under=sent_under)
+            )
+        return result
+
+    async def health(self) -> dict:
+        """GET /health of the first replica."""
+        return await self.request("GET", "/health", base_url=self.base_url)
+
+    async def weight_version(self) -> int:
+        """The weight version served now (the oldest one when replicas differ)."""
+        versions = await asyncio.gather(*(self.request("GET", "/weight_version", base_url=u) for u in self.base_urls))
+        return min(int(v["weight_version"]) for v in versions)
+
+
+def _error_message(text: str) -> tuple[str, Optional[str]]:
+    import json
+
+    try:
+        err = json.loads(text).get("error", {})
+        if isinstance(err, dict):
+            return str(err.get("message", text)), err.get("param")
+        return str(err), None
+    except (ValueError, AttributeError):
+        return text[:2000], None
+
+
+def _cached(out: dict) -> int:
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def _completion(
+    prompt: list[int],
+    ch: dict,
+    lps: Optional[list[float]],
+    text: str,
+    out: dict,
+    cached: int,
+    message: Optional[dict] = None,
+    sent_under: int = 0,
+) -> Completion:
+    """One choice as a ``Completion``; ``sent_under`` labels it when the server reports no version."""
+    tokens = ch.get("token_ids")
+    if tokens is None:
+        raise DeploymentRequestError("the server returned no token_ids (needs return_token_ids support)")
+    if lps is None or len(lps) != len(tokens):
+        raise DeploymentRequestError(
+            f"the server returned {0 if lps is None else len(lps)} logprobs for {len(tokens)} tokens"
+        )
+    version = ch.get("weight_version", out.get("weight_version"))
+    per_token = ch.get("token_weight_versions")
+    if per_token is not None:
+        if len(per_token) != len(tokens):
+            raise DeploymentRequestError(
+                f"the server returned {len(per_token)} token_weight_versions for {len(tokens)} tokens"
+            )
+        per_token = [int(v) for v in per_token]
+    elif version is None:
+        per_token = [sent_under] * len(tokens)
+    return Completion(
+        full_tokens=list(prompt) + list(tokens),
+        prompt_len=len(prompt),
+        inference_logprobs=[float(x) for x in lps],
+        finish_reason=ch.get("finish_reason") or "stop",
+        text=text,
+        weight_version=sent_under if version is None else int(version),
+        message=message,
+        cached_tokens=cached,
+        token_weight_versions=per_token,
+    )
+
+
+def build_deployment_sampler(setup: Any) -> DeploymentSampler:
+    """The sampler a rollout function uses: ``setup.sampler`` with the recipe's sampling defaults."""
+    return setup.sampler.with_defaults(**setup.sampling_kwargs)

@@ -39,6 +39,7 @@ from training.deployment.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits, check_weight_path
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.streaming import ChunkStream
 from training.utils.http import JsonBodyError, bearer_ok, parse_json_body, session_id_of
@@ -143,8 +144,8 @@ async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body
     loop: a long prompt no longer stalls /health and every other request (one thread: HF tokenizers are
     not safe to call concurrently)."""
     pool = request.app[SETTINGS_KEY]["tokenize_pool"]
-    names = request.app[SETTINGS_KEY]["served_names"]
-    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names)
+    names, limits = request.app[SETTINGS_KEY]["served_names"], request.app[SETTINGS_KEY]["limits"]
+    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names, limits)
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
@@ -279,9 +280,7 @@ def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
     served is refused (409) unless ``force`` is true: a stale trainer must not roll weights back."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    path, version = body.get("path"), body.get("weight_version")
-    if not isinstance(path, str) or not path:
-        raise RequestError("'path' must be a non-empty string", "path")
+    path, version = check_weight_path(body.get("path")), body.get("weight_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise RequestError(f"'weight_version' must be an integer, got {version!r}", "weight_version")
     wait = body.get("wait_for_inflight", True)
@@ -303,15 +302,21 @@ def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
 
 def _confined(path: str, roots: list[Path]) -> Path:
     """``path`` with symlinks resolved, if it lies under one of ``roots``; the error never says
-    whether a path outside them exists."""
-    resolved = Path(path).resolve()
+    whether a path outside them exists, nor names a folder of the server."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, ValueError, RuntimeError):  # a symlink loop, an unreadable component...
+        raise RequestError("'path' cannot be resolved on the server", "path") from None
     if not any(resolved.is_relative_to(r) for r in roots):
-        raise RequestError(
-            f"'path' is not under the server's weight folders ({', '.join(map(str, roots))}; "
-            "set them with --weight-dir)",
-            "path",
-        )
+        raise RequestError("'path' is not under the server's weight folders (set them with --weight-dir)", "path")
     return resolved
+
+
+def _is_file(path: Path, *, folder_ok: bool) -> bool:
+    try:
+        return path.is_file() or (folder_ok and path.is_dir())
+    except OSError:
+        return False
 
 
 @releasing_openmp_threads
@@ -338,7 +343,10 @@ async def _load_checked(path: Path, shown: str) -> tuple[dict, float]:
     try:
         tensors = await asyncio.to_thread(_read_weights, path)
     except Exception as e:  # a file that is not safetensors, truncated, unreadable: the client's mistake
-        raise RequestError(f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {e}", "path") from e
+        detail = str(e).replace(str(path), shown)  # the client's own path, never the resolved one
+        raise RequestError(
+            f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {detail}", "path"
+        ) from e
     if not tensors:
         raise RequestError(f"no safetensors tensors at {shown!r}", "path")
     return await asyncio.to_thread(_finite_tensors, tensors), time.perf_counter() - t0
@@ -348,7 +356,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     path, version, wait = _update_fields(request, await _read_json(request))
     resolved = _confined(path, request.app[SETTINGS_KEY]["weight_dirs"])
-    if not resolved.exists():
+    if not _is_file(resolved, folder_ok=True):
         raise RequestError(f"'path' {path!r} does not exist on the server", "path")
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
@@ -362,7 +370,7 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     path, version, wait = _update_fields(request, await _read_json(request))
     resolved = _confined(path, shm_roots())
-    if not resolved.is_file() or resolved.suffix != ".safetensors":
+    if not _is_file(resolved, folder_ok=False) or resolved.suffix != ".safetensors":
         raise RequestError(f"'path' {path!r} is not an existing .safetensors file", "path")
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
@@ -374,9 +382,9 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
 
 async def init_weight_update_group(request: web.Request) -> web.Response:
     """Join the trainer's weight-update group (rank >= 1); replaces any previous group."""
-    from training.deployment.dist_weights_receiver import WeightUpdateGroup, parse_group_body
+    from training.deployment.dist_weights_receiver import WeightUpdateGroup, in_daemon_thread, parse_group_body
 
-    spec = parse_group_body(await _read_json(request))
+    spec = parse_group_body(await _read_json(request), request.app[SETTINGS_KEY]["limits"])
     peers = request.app[SETTINGS_KEY]["weight_peers"]
     if spec.master_addr not in peers:
         raise RequestError(
@@ -402,7 +410,8 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         try:
             # blocks until every rank joined (the loop keeps serving); gives up after the body's timeout_s
-            await asyncio.wait_for(asyncio.to_thread(group.join), spec.timeout_s)
+            # a daemon thread: a join still blocked at shutdown never holds up the process's exit
+            await asyncio.wait_for(in_daemon_thread(group.join), spec.timeout_s)
         except Exception as e:
             group.close()
             reason = (
@@ -432,7 +441,7 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     """Validate the metadata, wait for the trainer's go, receive the tensors into the engine."""
-    from training.deployment.dist_weights_receiver import parse_update_body
+    from training.deployment.dist_weights_receiver import in_daemon_thread, parse_update_body
 
     engine, state = request.app[ENGINE_KEY], request.app[DIST_KEY]
     runner = engine.engine.runner
@@ -445,7 +454,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     state["busy"] = True
     try:
         try:
-            go = await asyncio.to_thread(group.accept_and_wait_go, plan.update_id)
+            go = await in_daemon_thread(group.accept_and_wait_go, plan.update_id)
         except Exception as e:
             raise RequestError(
                 f"lost the trainer before the transfer started (old weights kept): {e}", status=503
@@ -487,6 +496,7 @@ def create_app(
     manage_engine: bool = True,
     weight_dirs: Optional[list[str]] = None,
     weight_peers: Optional[list[str]] = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> web.Application:
     """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
 
@@ -497,7 +507,8 @@ def create_app(
 
     ``weight_dirs``: the folders ``/update_weights_from_disk`` may read (symlinks resolved; default
     the temp dir, /dev/shm, the working directory and the served model's own folder). ``weight_peers``: the hosts
-    ``/init_weight_update_group`` may connect to (default loopback only).
+    ``/init_weight_update_group`` may connect to (default loopback only). ``limits``: the
+    per-request limits (``request_limits.py``).
     """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
@@ -520,6 +531,7 @@ def create_app(
         "started": int(time.time()),
         "weight_dirs": [Path(d).resolve() for d in dirs],
         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
+        "limits": limits,
         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
     }
     app[DIST_KEY] = {"group": None, "busy": False}

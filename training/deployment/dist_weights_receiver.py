@@ -34,14 +34,18 @@ from training.deployment.request_error import RequestError
 from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits, check_join_timeout
 
 
-def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, pending: Optional[set] = None) -> "asyncio.Future[Any]":
     """Run a blocking call (a join, a store wait) in a daemon thread; await its result.
 
     Unlike ``asyncio.to_thread`` the thread is never joined at exit: a peer that never comes
-    cannot hold up SIGTERM. Cancelling the await leaves the thread to end at its own timeout.
+    cannot hold up SIGTERM. Cancelling the future leaves the thread to end at its own timeout.
+    ``pending``: a set that holds the future until it is done (the server cancels them at shutdown).
     """
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
+    if pending is not None:
+        pending.add(fut)
+        fut.add_done_callback(pending.discard)
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
         if fut.done():

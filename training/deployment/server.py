@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", object)
 SETTINGS_KEY = web.AppKey("settings", dict)
 DIST_KEY = web.AppKey("dist_weights", dict)
-"""The torch.distributed weight-update state: ``group`` (or None) and ``busy`` (a join or update runs)."""
+"""The torch.distributed weight-update state: ``group`` (or None), ``busy`` (a join or update runs) and
+``waits`` (the blocking joins / store waits in flight, cancelled at shutdown)."""
 _OPEN_PATHS = ("/health",)
 """Paths that never require the API key."""
 
@@ -411,7 +412,7 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
         try:
             # blocks until every rank joined (the loop keeps serving); gives up after the body's timeout_s
             # a daemon thread: a join still blocked at shutdown never holds up the process's exit
-            await asyncio.wait_for(in_daemon_thread(group.join), spec.timeout_s)
+            await asyncio.wait_for(in_daemon_thread(group.join, pending=state["waits"]), spec.timeout_s)
         except Exception as e:
             group.close()
             reason = (
@@ -454,7 +455,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     state["busy"] = True
     try:
         try:
-            go = await in_daemon_thread(group.accept_and_wait_go, plan.update_id)
+            go = await in_daemon_thread(group.accept_and_wait_go, plan.update_id, pending=state["waits"])
         except Exception as e:
             raise RequestError(
                 f"lost the trainer before the transfer started (old weights kept): {e}", status=503
@@ -534,7 +535,7 @@ def create_app(
         "limits": limits,
         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
     }
-    app[DIST_KEY] = {"group": None, "busy": False}
+    app[DIST_KEY] = {"group": None, "busy": False, "waits": set()}
     app.add_routes(
         [
             web.post("/v1/completions", completions),
@@ -557,6 +558,12 @@ def create_app(
             _app[DIST_KEY]["group"].close()
 
     app.on_cleanup.append(_close_group)
+
+    async def _cancel_group_waits(_app: web.Application) -> None:  # a join must not hold up a shutdown
+        for wait in list(_app[DIST_KEY]["waits"]):
+            wait.cancel()
+
+    app.on_shutdown.append(_cancel_group_waits)
 
     async def _close_tokenizer_thread(app: web.Application) -> None:
         app[SETTINGS_KEY]["tokenize_pool"].shutdown(wait=False, cancel_futures=True)

@@ -149,6 +149,13 @@ def test_chat_template_kwargs_take_only_template_variables(server):
     assert status == 200, body
 
 
+def test_the_rendered_chat_prompt_is_measured_before_it_is_tokenized(server):
+    """Short messages, but tools that render to more text than the context can hold."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 5000, "parameters": {}}}]
+    out = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": tools})
+    assert_400(out, "messages", "the rendered prompt has", "limit 4096 characters")
+
+
 def test_too_many_sequences_in_one_request_is_400_naming_the_limit(server):
     limit = DEFAULT_LIMITS.max_sequences_per_request
     prompts = [[1, 2, 3]] * 8

@@ -238,6 +238,14 @@ def _control_body(rng: random.Random, path: str) -> dict:
         field = rng.choice(sorted(BAD_GROUP_VALUES))
         body[field] = rng.choice(BAD_GROUP_VALUES[field])
         return body
+    if path == "/update_weights_from_distributed":  # metadata only: with no group joined nothing is received
+        body = {"names": ["model.embed_tokens.weight"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": 1}
+        body["update_id"] = "u1"
+        for _ in range(rng.randrange(1, 3)):
+            body[rng.choice(["names", "dtypes", "shapes", "weight_version", "update_id", "wait_for_inflight"])] = (
+                rng.choice(_weird_values(rng) + [["x"] * 10_000, [[2**62] * 8], "\x00", "a" * 200])
+            )
+        return body
     body = {"path": rng.choice(ODD_PATHS), "weight_version": rng.choice([1, -1, 2**63, "1", None])}
     if rng.random() < 0.2:
         body["force"] = rng.choice([True, "yes", 1])
@@ -341,6 +349,7 @@ QUICK_PATHS = [
     "/update_weights_from_disk",
     "/update_weights_from_shm",
     "/init_weight_update_group",
+    "/update_weights_from_distributed",
 ]
 
 

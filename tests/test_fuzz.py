@@ -1,9 +1,12 @@
 """Seeded fuzzing of the inference server and the recording proxy: every bad request is a 4xx.
 
 Each target gets malformed JSON, wrong types, extreme numbers, huge and deeply nested bodies,
-invalid UTF-8, lone surrogates, disconnects mid-body and bursts. The test asserts that no answer
-is a 5xx, that no request hangs, and that a valid greedy request afterwards returns exactly what
-it returned before the fuzzing.
+invalid UTF-8, lone surrogates, disconnects mid-body and bursts; the server also gets odd
+``chat_template_kwargs``, odd paths for the weight endpoints, odd group joins (timeout, port,
+rank) and requests at or past its limits (``request_limits.py``). The tests assert that no answer
+is a 5xx, that no request hangs, and that a valid greedy request (the canary) returns exactly what
+it returned before. The quick test (a few hundred requests, in batches with the canary between
+them) runs in the suite; the long ones are ``slow``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from training.deployment.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer
 from training.utils import DeployConfig, EngineConfig
 
-pytestmark = pytest.mark.slow
-
 API_KEY = "fuzz-key"
 PROMPT = [5, 17, 42, 99, 7]
 SERVER_REQUESTS = 1000
+QUICK_BATCHES = 6
+QUICK_BATCH_REQUESTS = 50
 PROXY_REQUESTS = 500
 REQUEST_TIMEOUT_S = 60.0
 
@@ -141,6 +144,124 @@ def _body(rng: random.Random, chat: bool) -> bytes:
         return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
+ODD_PATHS = [
+    "",
+    "/dev/shm/w\x00.safetensors",
+    "/tmp/\x00",
+    "/tmp/" + "a/" * 2100 + "w.safetensors",
+    "/dev/shm/" + "n" * 256 + ".safetensors",
+    "/dev/shm/../../etc/passwd",
+    "../../../../../../etc/shadow",
+    "/proc/self/mem",
+    "/dev/shm/fuzz-missing.safetensors",
+    "/dev/shm/fuzz-missing/",
+    "\\\\server\\share",
+    "~/.ssh/id_rsa",
+    "é" * 300,
+    "\ud800",
+    123,
+    None,
+    ["/dev/shm/x"],
+]
+"""Weight paths that must each get a 4xx (none names an existing folder: a folder is read whole)."""
+
+BAD_GROUP_VALUES = {
+    "timeout_s": [1e-300, 5e-324, 0, -1, 0.5, 2147483648, 1e308, 3601, True, "5", None, [], {}],
+    "master_port": [0, -1, 65536, 2**63, 1.5, "29500", None, True],
+    "rank": [0, -1, 2, 2**31, 1.0, "1", None],
+    "world_size": [0, 1, -5, 2**20, "2", None],
+    "master_addr": ["", 5, None, "a" * 300, "127.0.0.1\x00", "\u2603" * 10, "10.0.0.1"],
+    "backend": ["mpi", "", None, 1, "NCCL"],
+}
+"""For each field of an ``/init_weight_update_group`` body: values that must be refused before any join."""
+
+ODD_TEMPLATE_KWARGS = [
+    {"return_tensors": "pt"},
+    {"padding": "max_length", "max_length": 20_000_000},
+    {"tokenize": False},
+    {"return_dict": True},
+    {"truncation": True, "max_length": 1},
+    {"tokenizer_kwargs": {"padding": True}},
+    {"return_assistant_tokens_mask": True},
+    {"continue_final_message": True},
+    {"add_generation_prompt": "yes"},
+    {"messages": []},
+    {"tools": [{}]},
+    {"chat_template": "{{ 1 }}"},
+    {"bos_token": "x" * 100},
+    {"enable_thinking": [1] * 1000},
+    {"\x00": 1},
+    "not an object",
+    [1, 2],
+]
+
+
+def _extreme_body(rng: random.Random, chat: bool) -> dict:
+    """A generation body at or beyond a limit: huge lists within the body cap, many stops, many sequences."""
+    base: dict = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": list(PROMPT)}
+    base.update(max_tokens=2, temperature=0.0)
+    kind = rng.randrange(9)
+    if kind == 0:
+        base["chat_template_kwargs" if chat else "stop"] = rng.choice(
+            ODD_TEMPLATE_KWARGS if chat else [["x"] * 300_000]
+        )
+    elif kind == 1:
+        base["stop"] = ["s" * rng.choice([10, 5000, 100_000])] * rng.choice([1, 65, 1000])
+    elif kind == 2:
+        base["stop_token_ids"] = list(range(rng.choice([1025, 200_000])))
+    elif kind == 3:
+        base["n"] = rng.choice([257, 1000, 2**31])
+    elif kind == 4 and not chat:
+        base["prompt"] = [list(PROMPT)] * rng.choice([8, 256]) if rng.random() < 0.5 else [1] * 300_000
+        base["n"] = rng.choice([129, 256])
+    elif kind == 4:
+        base["messages"] = [{"role": "user", "content": "m"}] * rng.choice([10_000, 100_000])
+    elif kind == 5:
+        base["logit_bias"] = {str(i): 1 for i in range(rng.choice([1000, 50_000]))}
+    elif kind == 6:
+        base["max_tokens"] = rng.choice([0, -1, 10**6, 2**64 - 1, 2**63])
+    elif kind == 7:
+        base["seed"] = rng.choice([2**64, -(2**63) - 1, 2**64 - 1])
+        base["n"] = 2
+    else:
+        base["chat_template_kwargs" if chat else "prompt"] = (
+            rng.choice(ODD_TEMPLATE_KWARGS) if chat else "\x00" * rng.choice([1, 10_000])
+        )
+    return base
+
+
+def _control_body(rng: random.Random, path: str) -> dict:
+    """An odd body for a weight endpoint: a bad path, or a group join with one field out of range."""
+    if path == "/init_weight_update_group":
+        body = {"master_addr": "127.0.0.1", "master_port": 29555, "rank": 1, "world_size": 2, "backend": "gloo"}
+        body["timeout_s"] = 2
+        field = rng.choice(sorted(BAD_GROUP_VALUES))
+        body[field] = rng.choice(BAD_GROUP_VALUES[field])
+        return body
+    if path == "/update_weights_from_distributed":  # metadata only: with no group joined nothing is received
+        body = {"names": ["model.embed_tokens.weight"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": 1}
+        body["update_id"] = "u1"
+        for _ in range(rng.randrange(1, 3)):
+            body[rng.choice(["names", "dtypes", "shapes", "weight_version", "update_id", "wait_for_inflight"])] = (
+                rng.choice(_weird_values(rng) + [["x"] * 10_000, [[2**62] * 8], "\x00", "a" * 200])
+            )
+        return body
+    body = {"path": rng.choice(ODD_PATHS), "weight_version": rng.choice([1, -1, 2**63, "1", None])}
+    if rng.random() < 0.2:
+        body["force"] = rng.choice([True, "yes", 1])
+    return body
+
+
+def _quick_body(rng: random.Random, path: str) -> bytes:
+    """One request of the quick fuzz: the generic malformations, or an extreme / control body."""
+    if path in ("/v1/completions", "/v1/chat/completions"):
+        chat = "chat" in path
+        body = _body(rng, chat) if rng.random() < 0.5 else json.dumps(_extreme_body(rng, chat)).encode()
+    else:
+        body = json.dumps(_control_body(rng, path)).encode("utf-8", "surrogatepass")
+    return body
+
+
 async def _raw(url: str, path: str, head_extra: bytes, body: bytes, close_early: bool) -> None:
     """Send bytes over a plain socket (disconnect mid-body when ``close_early``)."""
     u = urlparse(url)
@@ -156,16 +277,27 @@ async def _raw(url: str, path: str, head_extra: bytes, body: bytes, close_early:
     writer.close()
 
 
-async def _fuzz(url: str, paths: list[str], n: int, seed: int, headers: dict, extra_headers: list[bytes]) -> dict:
+async def _fuzz(
+    url: str,
+    paths: list[str],
+    n: int,
+    seed: int,
+    headers: dict,
+    extra_headers: list[bytes],
+    make_body=None,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> dict:
+    """Send ``n`` fuzzed requests (``make_body(rng, path)``, default ``_body``); statuses and failures
+    (a 5xx, or no answer within ``timeout_s``)."""
     rng = random.Random(seed)
     statuses: dict[int, int] = {}
     failures: list[str] = []
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
         async def one(i: int) -> None:
             path = rng.choice(paths)
-            body = _body(rng, chat="chat" in path or "messages" in path)
+            body = make_body(rng, path) if make_body else _body(rng, chat="chat" in path or "messages" in path)
             try:
                 if i % 50 == 7:  # a client that goes away mid-body
                     await _raw(url, path, b"", body, close_early=True)
@@ -181,7 +313,7 @@ async def _fuzz(url: str, paths: list[str], n: int, seed: int, headers: dict, ex
                     if resp.status >= 500:
                         failures.append(f"{path} {body[:300]!r} -> {resp.status} {text[:300]}")
             except asyncio.TimeoutError:
-                failures.append(f"{path} {body[:300]!r} -> no answer within {REQUEST_TIMEOUT_S} s")
+                failures.append(f"{path} {body[:300]!r} -> no answer within {timeout_s} s")
             except (aiohttp.ClientError, ConnectionError, socket.error):
                 pass  # our own disconnects
 
@@ -209,6 +341,46 @@ def server(tiny_model_path, tmp_path_factory):
         yield dep
 
 
+QUICK_PATHS = [
+    "/v1/completions",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions",
+    "/update_weights_from_disk",
+    "/update_weights_from_shm",
+    "/init_weight_update_group",
+    "/update_weights_from_distributed",
+]
+
+
+def test_quick_fuzz_is_all_4xx_or_2xx_and_the_canary_never_changes(server):
+    """A few hundred seeded odd requests in batches; the greedy canary is answered identically
+    before and after every batch, no answer is a 5xx and none takes over 30 s."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    canary = asyncio.run(_greedy(server.base_url, "/v1/completions", headers))
+    statuses: dict[int, int] = {}
+    for batch in range(QUICK_BATCHES):
+        out = asyncio.run(
+            _fuzz(
+                server.base_url,
+                QUICK_PATHS,
+                QUICK_BATCH_REQUESTS,
+                seed=4321 + batch,
+                headers=headers,
+                extra_headers=[],
+                make_body=_quick_body,
+                timeout_s=30.0,
+            )
+        )
+        assert out["failures"] == [], f"batch {batch}:\n" + "\n".join(out["failures"][:20])
+        for code, count in out["statuses"].items():
+            statuses[code] = statuses.get(code, 0) + count
+        assert asyncio.run(_greedy(server.base_url, "/v1/completions", headers)) == canary, f"after batch {batch}"
+    assert sum(statuses.values()) >= QUICK_BATCHES * QUICK_BATCH_REQUESTS * 0.9, statuses
+    assert statuses.get(400, 0) > QUICK_BATCHES * QUICK_BATCH_REQUESTS // 2, statuses  # the fuzz hits validation
+
+
+@pytest.mark.slow
 def test_server_answers_every_fuzzed_request_below_500_and_still_serves(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     before = asyncio.run(_greedy(server.base_url, "/v1/completions", headers))
@@ -225,6 +397,7 @@ def test_server_answers_every_fuzzed_request_below_500_and_still_serves(server):
     assert asyncio.run(_greedy(server.base_url, "/v1/completions", headers)) == before
 
 
+@pytest.mark.slow
 def test_proxy_answers_every_fuzzed_request_below_500_and_still_serves(server):
     async def go():
         async with ProxyServer([server.base_url], upstream_api_key=API_KEY) as proxy:

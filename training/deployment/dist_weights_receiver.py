@@ -10,9 +10,11 @@ disk/shm update would be swapped in. The protocol is described in ``dist_weights
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,44 @@ from training.deployment.dist_weights import (
     sync_device,
 )
 from training.deployment.engine.requests import PartialWeightUpdateError, WeightUpdateError
+from training.deployment.request_error import RequestError
+from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits, check_join_timeout
 from training.deployment.weight_buckets import plan_buckets
-from training.deployment.protocol import RequestError
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, pending: Optional[set] = None) -> "asyncio.Future[Any]":
+    """Run a blocking call (a join, a store wait) in a daemon thread; await its result.
+
+    Unlike ``asyncio.to_thread`` the thread is never joined at exit: a peer that never comes
+    cannot hold up SIGTERM. Cancelling the future leaves the thread to end at its own timeout.
+    ``pending``: a set that holds the future until it is done (the server cancels them at shutdown).
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    if pending is not None:
+        pending.add(fut)
+        fut.add_done_callback(pending.discard)
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name=f"weight-group-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return fut
 
 
 @dataclass
@@ -52,12 +90,13 @@ def _int_field(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int:
     return v
 
 
-def parse_group_body(body: Any) -> GroupSpec:
-    """Validate an init body; ``RequestError`` names the field."""
+def parse_group_body(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GroupSpec:
+    """Validate an init body before any connection is tried; ``RequestError`` names the field
+    (``timeout_s`` in [1, ``limits.max_join_timeout_s``], ports 1..65535, rank in [1, world_size))."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     addr = body.get("master_addr")
-    if not isinstance(addr, str) or not addr:
+    if not isinstance(addr, str) or not addr or len(addr) > 253 or "\x00" in addr or not addr.isprintable():
         raise RequestError("'master_addr' must be a non-empty host name or address", "master_addr")
     port = _int_field(body, "master_port", 1, 65535)
     world = _int_field(body, "world_size", 2, 1 << 16)
@@ -65,10 +104,8 @@ def parse_group_body(body: Any) -> GroupSpec:
     backend = body.get("backend", "gloo")
     if backend not in BACKENDS:
         raise RequestError(f"'backend' must be one of {BACKENDS}, got {backend!r}", "backend")
-    timeout = body.get("timeout_s", 600.0)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise RequestError(f"'timeout_s' must be a positive number, got {timeout!r}", "timeout_s")
-    return GroupSpec(addr, port, rank, world, backend, float(timeout))
+    timeout = check_join_timeout(body.get("timeout_s", min(600.0, limits.max_join_timeout_s)), limits)
+    return GroupSpec(addr, port, rank, world, backend, timeout)
 
 
 @dataclass

@@ -18,6 +18,14 @@ from typing import Any, Optional
 
 from training.deployment.engine.requests import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
 from training.deployment.fields import refusal
+from training.deployment.request_error import RequestError
+from training.deployment.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    check_sequences,
+    check_stop,
+    check_template_kwargs,
+)
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 
 MAX_N = 256
@@ -27,19 +35,6 @@ MAX_PROMPTS = 256
 MAX_CHARS_PER_TOKEN = 32
 """A prompt's text may have at most this many characters per token of the context length; longer text
 cannot fit and is refused before it is tokenized (a 10 MB prompt used to stall the server)."""
-
-
-class RequestError(Exception):
-    """A client error: ``status`` (400 unless told), the problem, the offending field."""
-
-    def __init__(
-        self, message: str, param: Optional[str] = None, *, status: int = 400, err_type: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.err_type = err_type
 
 
 @dataclass
@@ -212,8 +207,10 @@ def _sampling(
     top_logprobs: int,
     default_max_tokens: Optional[int],
     max_tokens_names: tuple[str, ...],
+    num_prompts: int,
+    limits: RequestLimits,
 ) -> tuple[SamplingParams, Optional[int], int]:
-    """Shared sampling fields -> (SamplingParams without seed, seed, n)."""
+    """Shared sampling fields -> (SamplingParams without seed, seed, n); ``limits`` bounds n × prompts and stops."""
     max_tokens, name_used = None, max_tokens_names[0]
     for name in max_tokens_names:
         if body.get(name) is not None:
@@ -233,6 +230,7 @@ def _sampling(
             name_used,
         )
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
+    check_sequences(n, num_prompts, limits)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise RequestError(
@@ -242,12 +240,14 @@ def _sampling(
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    stop = _stop(body)
+    check_stop(stop, stop_token_ids, limits)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0),
         top_p=_float(body, "top_p", 1.0),
         seed=None,
-        stop=_stop(body),
+        stop=stop,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
         top_k=_top_k(body),
@@ -285,8 +285,10 @@ def _as_dict(body: Any, endpoint: str) -> dict:
 # ---------------------------------------------------------------- /v1/completions
 
 
-def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
-    """Validate a /v1/completions body against the engine's vocabulary and context length."""
+def parse_completion_request(
+    body: Any, engine: Any, served_names: tuple[str, ...], limits: RequestLimits = DEFAULT_LIMITS
+) -> ParsedRequest:
+    """Validate a /v1/completions body against the engine's vocabulary and context length (and ``limits``)."""
     body = _as_dict(body, "completions")
     model = _check_model(body, served_names)
     if "prompt" not in body:
@@ -320,7 +322,15 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     stream = _bool(body, "stream", False)
     params, seed, n = _sampling(
-        body, max(len(p) for p in prompts), engine.max_model_len, engine.vocab_size, logprobs or 0, 16, ("max_tokens",)
+        body,
+        max(len(p) for p in prompts),
+        engine.max_model_len,
+        engine.vocab_size,
+        logprobs or 0,
+        16,
+        ("max_tokens",),
+        len(prompts),
+        limits,
     )
     _validate(prompts, params, engine)
     return ParsedRequest(
@@ -370,8 +380,14 @@ def _check_tools_size(tools: Optional[list[dict]], config: Any) -> None:
         )
 
 
-def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) -> ParsedRequest:
-    """Validate a /v1/chat/completions body and render its messages with the chat template."""
+def parse_chat_request(
+    body: Any, engine: Any, served_names: tuple[str, ...], limits: RequestLimits = DEFAULT_LIMITS
+) -> ParsedRequest:
+    """Validate a /v1/chat/completions body and render its messages with the chat template.
+
+    ``chat_template_kwargs`` may set only the template's own variables (``request_limits``); the
+    rendered text is measured before it is tokenized (as ``apply_chat_template(tokenize=True)``
+    would: no special tokens added)."""
     body = _as_dict(body, "chat")
     model = _check_model(body, served_names)
     messages = body.get("messages")
@@ -409,6 +425,7 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
             "are not rendered (the model's own template is used)",
             "chat_template_kwargs",
         )
+    check_template_kwargs(template_kwargs, engine.tokenizer, tools or None)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     continue_final = _bool(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
@@ -416,17 +433,25 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
             "'continue_final_message': true needs 'add_generation_prompt': false", "continue_final_message"
         )
     try:
-        ids = engine.tokenizer.apply_chat_template(
+        text = engine.tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
             **template_kwargs,
         )
     except Exception as e:  # jinja errors name the template problem
         raise RequestError(f"the chat template could not render 'messages': {e}", "messages") from e
+    if not isinstance(text, str):
+        raise RequestError("the chat template did not render to text", "messages")
+    if len(text) > max_chars:
+        raise RequestError(
+            f"the rendered prompt has {len(text)} characters; it cannot fit max_model_len={engine.max_model_len} "
+            f"tokens (limit {max_chars} characters)",
+            "chat_template_kwargs" if template_kwargs else "messages",
+        )
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise RequestError("'messages' rendered to an empty prompt", "messages")
     prompt = _token_ids(list(ids), engine.vocab_size, "messages")
@@ -443,6 +468,8 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
         (top or 0) if wants_logprobs else 0,
         None,
         ("max_completion_tokens", "max_tokens"),
+        1,
+        limits,
     )
     _validate([prompt], params, engine)
     return ParsedRequest(

@@ -24,15 +24,20 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Optional
 
 from aiohttp import web
 
+from training.deployment.request_limits import RequestLimits
 from training.utils.cli import OverrideError, field_docs, field_types, parse_value
 from training.utils.config import EngineConfig
 from training.utils.http import IDLE_CONNECTION_TIMEOUT_S, close_idle_connections
 
 READY_PREFIX = "DEPLOYMENT READY"
+SHUTDOWN_DEADLINE_S = 20.0
+"""After SIGTERM / SIGINT the process exits within this long, even if a weight-group join or an
+engine step is still blocked (it is then ended with exit status 1)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a connection that has had no request in progress (incomplete headers, or idle keep-alive) "
         "for this many seconds",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="concurrent connections served; more get a 503 with Retry-After (GET /health still answers) "
+        "(default: the file-descriptor limit less 256, at most 4096)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--engine-config",
@@ -103,7 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
             if f.default is not dataclasses.MISSING
             else docs.get(f.name, ""),
         )
+    limits = p.add_argument_group("per-request limits (RequestLimits; a 400 naming the limit above them)")
+    docs, types_ = field_docs(RequestLimits), field_types(RequestLimits)
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=f.default,
+            type=functools.partial(_flag_value, annotation=types_[f.name], name=f.name),
+            help=f"{docs.get(f.name, '')} (default {f.default!r})",
+        )
     return p
+
+
+def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """The ``RequestLimits`` the flags give."""
+    try:
+        return RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
+    except ValueError as e:
+        raise SystemExit(f"request limits: {e}") from None
 
 
 def _flag_value(raw: str, annotation, name: str):
@@ -149,6 +179,7 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event, interval_s: float 
 
 async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -> None:
     """Start engine and HTTP server, print the ready line, run until a stop signal."""
+    from training.deployment.connection_limit import CappedTCPSite, default_max_connections
     from training.deployment.engine import AsyncEngine
     from training.deployment.server import create_app
 
@@ -161,6 +192,7 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
         manage_engine=False,
         weight_dirs=args.weight_dir,
         weight_peers=args.weight_peer,
+        limits=request_limits_from_args(args),
     )
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0, handler_cancellation=True)
@@ -171,7 +203,13 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
         loop.add_signal_handler(sig, stop.set)
     watcher = reaper = None
     try:
-        site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+        site = CappedTCPSite(
+            runner,
+            args.host,
+            args.port,
+            max_connections=args.max_connections or default_max_connections(),
+            health=lambda: {"status": "ok", "weight_version": engine.weight_version},
+        )
         await site.start()
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
         name = args.served_model_name or engine.model_name
@@ -185,12 +223,22 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
             watcher = asyncio.create_task(_watch_parent(args.exit_with_parent, stop))
         await stop.wait()
     finally:
+        deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _exit_now)  # never cancelled (see below)
+        deadline.daemon = True
+        deadline.start()
         for task in (watcher, reaper):
             if task is not None:
                 task.cancel()
         await runner.cleanup()
         await engine.shutdown()
         print("deployment server stopped", flush=True)
+        # the daemon timer keeps running: it also bounds the interpreter's own exit (thread joins, atexit)
+
+
+def _exit_now() -> None:
+    """The shutdown deadline passed: end the process (a blocked thread cannot hold it up)."""
+    print(f"deployment server: shutdown took over {SHUTDOWN_DEADLINE_S:g} s; exiting now", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

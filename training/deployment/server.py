@@ -38,6 +38,7 @@ from training.deployment.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.server_context import (
     ENGINE_KEY,
@@ -117,8 +118,8 @@ async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body
     loop: a long prompt no longer stalls /health and every other request (one thread: HF tokenizers are
     not safe to call concurrently)."""
     pool = request.app[SETTINGS_KEY]["tokenize_pool"]
-    names = request.app[SETTINGS_KEY]["served_names"]
-    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names)
+    names, limits = request.app[SETTINGS_KEY]["served_names"], request.app[SETTINGS_KEY]["limits"]
+    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names, limits)
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
@@ -269,6 +270,7 @@ def create_app(
     manage_engine: bool = True,
     weight_dirs: Optional[list[str]] = None,
     weight_peers: Optional[list[str]] = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> web.Application:
     """Build the aiohttp app. ``manage_engine``: start the engine on app startup, shut it down on cleanup.
 
@@ -279,7 +281,8 @@ def create_app(
 
     ``weight_dirs``: the folders ``/update_weights_from_disk`` may read (symlinks resolved; default
     the temp dir, /dev/shm, the working directory and the served model's own folder). ``weight_peers``: the hosts
-    ``/init_weight_update_group`` may connect to (default loopback only).
+    ``/init_weight_update_group`` may connect to (default loopback only). ``limits``: the
+    per-request limits (``request_limits.py``).
     """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
@@ -302,9 +305,10 @@ def create_app(
         "started": int(time.time()),
         "weight_dirs": [Path(d).resolve() for d in dirs],
         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
+        "limits": limits,
         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
     }
-    app[DIST_KEY] = {"group": None, "busy": False}
+    app[DIST_KEY] = {"group": None, "busy": False, "waits": set()}
     app.add_routes(
         [
             web.post("/v1/completions", completions),
@@ -324,6 +328,12 @@ def create_app(
             _app[DIST_KEY]["group"].close()
 
     app.on_cleanup.append(_close_group)
+
+    async def _cancel_group_waits(_app: web.Application) -> None:  # a join must not hold up a shutdown
+        for wait in list(_app[DIST_KEY]["waits"]):
+            wait.cancel()
+
+    app.on_shutdown.append(_cancel_group_waits)
 
     async def _close_tokenizer_thread(app: web.Application) -> None:
         app[SETTINGS_KEY]["tokenize_pool"].shutdown(wait=False, cancel_futures=True)

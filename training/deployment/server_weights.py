@@ -19,11 +19,13 @@ from aiohttp import web
 from training.deployment.engine.requests import PartialWeightUpdateError
 from training.deployment.protocol import RequestError
 from training.utils.openai_errors import error_response
+from training.deployment.request_limits import check_weight_path
 from training.deployment.server_context import ENGINE_KEY, SETTINGS_KEY, read_json
 from training.utils.openmp import releasing_openmp_threads
 
 DIST_KEY = web.AppKey("dist_weights", dict)
-"""The torch.distributed weight-update state: ``group`` (or None) and ``busy`` (a join or update runs)."""
+"""The torch.distributed weight-update state: ``group`` (or None), ``busy`` (a join or update runs) and
+``waits`` (the blocking joins / store waits in flight, cancelled at shutdown)."""
 
 LOOPBACK_PEERS = ("127.0.0.1", "localhost", "::1")
 """Hosts ``/init_weight_update_group`` may connect to unless the server was given others."""
@@ -40,9 +42,7 @@ def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
     served is refused (409) unless ``force`` is true: a stale trainer must not roll weights back."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    path, version = body.get("path"), body.get("weight_version")
-    if not isinstance(path, str) or not path:
-        raise RequestError("'path' must be a non-empty string", "path")
+    path, version = check_weight_path(body.get("path")), body.get("weight_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise RequestError(f"'weight_version' must be an integer, got {version!r}", "weight_version")
     wait = body.get("wait_for_inflight", True)
@@ -64,15 +64,21 @@ def _update_fields(request: web.Request, body: Any) -> tuple[str, int, bool]:
 
 def _confined(path: str, roots: list[Path]) -> Path:
     """``path`` with symlinks resolved, if it lies under one of ``roots``; the error never says
-    whether a path outside them exists."""
-    resolved = Path(path).resolve()
+    whether a path outside them exists, nor names a folder of the server."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, ValueError, RuntimeError):  # a symlink loop, an unreadable component...
+        raise RequestError("'path' cannot be resolved on the server", "path") from None
     if not any(resolved.is_relative_to(r) for r in roots):
-        raise RequestError(
-            f"'path' is not under the server's weight folders ({', '.join(map(str, roots))}; "
-            "set them with --weight-dir)",
-            "path",
-        )
+        raise RequestError("'path' is not under the server's weight folders (set them with --weight-dir)", "path")
     return resolved
+
+
+def _is_file(path: Path, *, folder_ok: bool) -> bool:
+    try:
+        return path.is_file() or (folder_ok and path.is_dir())
+    except OSError:
+        return False
 
 
 @releasing_openmp_threads
@@ -99,7 +105,10 @@ async def _load_checked(path: Path, shown: str) -> tuple[dict, float]:
     try:
         tensors = await asyncio.to_thread(_read_weights, path)
     except Exception as e:  # a file that is not safetensors, truncated, unreadable: the client's mistake
-        raise RequestError(f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {e}", "path") from e
+        detail = str(e).replace(str(path), shown)  # the client's own path, never the resolved one
+        raise RequestError(
+            f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {detail}", "path"
+        ) from e
     if not tensors:
         raise RequestError(f"no safetensors tensors at {shown!r}", "path")
     return await asyncio.to_thread(_finite_tensors, tensors), time.perf_counter() - t0
@@ -109,7 +118,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     path, version, wait = _update_fields(request, await read_json(request))
     resolved = _confined(path, request.app[SETTINGS_KEY]["weight_dirs"])
-    if not resolved.exists():
+    if not _is_file(resolved, folder_ok=True):
         raise RequestError(f"'path' {path!r} does not exist on the server", "path")
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
@@ -123,7 +132,7 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     path, version, wait = _update_fields(request, await read_json(request))
     resolved = _confined(path, shm_roots())
-    if not resolved.is_file() or resolved.suffix != ".safetensors":
+    if not _is_file(resolved, folder_ok=False) or resolved.suffix != ".safetensors":
         raise RequestError(f"'path' {path!r} is not an existing .safetensors file", "path")
     t0 = time.perf_counter()
     tensors, read_s = await _load_checked(resolved, path)
@@ -135,9 +144,9 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
 
 async def init_weight_update_group(request: web.Request) -> web.Response:
     """Join the trainer's weight-update group (rank >= 1); replaces any previous group."""
-    from training.deployment.dist_weights_receiver import WeightUpdateGroup, parse_group_body
+    from training.deployment.dist_weights_receiver import WeightUpdateGroup, in_daemon_thread, parse_group_body
 
-    spec = parse_group_body(await read_json(request))
+    spec = parse_group_body(await read_json(request), request.app[SETTINGS_KEY]["limits"])
     peers = request.app[SETTINGS_KEY]["weight_peers"]
     if spec.master_addr not in peers:
         raise RequestError(
@@ -163,7 +172,8 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         try:
             # blocks until every rank joined (the loop keeps serving); gives up after the body's timeout_s
-            await asyncio.wait_for(asyncio.to_thread(group.join), spec.timeout_s)
+            # a daemon thread: a join still blocked at shutdown never holds up the process's exit
+            await asyncio.wait_for(in_daemon_thread(group.join, pending=state["waits"]), spec.timeout_s)
         except Exception as e:
             group.close()
             reason = (
@@ -193,7 +203,7 @@ async def init_weight_update_group(request: web.Request) -> web.Response:
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     """Validate the metadata, wait for the trainer's go, receive the tensors into the engine."""
-    from training.deployment.dist_weights_receiver import parse_update_body
+    from training.deployment.dist_weights_receiver import in_daemon_thread, parse_update_body
 
     engine, state = request.app[ENGINE_KEY], request.app[DIST_KEY]
     runner = engine.engine.runner
@@ -206,7 +216,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     state["busy"] = True
     try:
         try:
-            go = await asyncio.to_thread(group.accept_and_wait_go, plan.update_id)
+            go = await in_daemon_thread(group.accept_and_wait_go, plan.update_id, pending=state["waits"])
         except Exception as e:
             raise RequestError(
                 f"lost the trainer before the transfer started (old weights kept): {e}", status=503

@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.models.hub_cache import local_model_path
+from training.utils.hub_cache import local_model_path
 from training.deployment.engine.requests import (
     EngineConfig,
     GenerationResult,

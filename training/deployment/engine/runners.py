@@ -8,7 +8,7 @@
 | ``hf_fallback`` | ``use_lean_forward=False``, or the model is not a local safetensors folder (a hub id not in the local cache), or its architecture is not Llama / Qwen2 / Qwen3 | transformers' forward over the same slot cache (hf_runner.py): any causal LM it can load, slower |
 
 A hub id (``Qwen/Qwen3-0.6B``) is resolved to its cached snapshot folder by the engine first
-(``training.models.hub_cache.local_model_path``), so a cached model takes the lean path.
+(``training.utils.hub_cache.local_model_path``), so a cached model takes the lean path.
 The choice is logged once at start (``engine path: ...``) and reported by ``GET /stats``
 (``execution_path``, ``execution_path_reason``).
 """

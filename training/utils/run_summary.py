@@ -66,10 +66,15 @@ def run_summary(log_path: str | Path, result: dict[str, Any], start_step: int, w
     if rollouts.exists():
         lines.append(f"  rollouts:     {rollouts}")
     lines.append(f"  plot:         python -m training.plot {shlex.quote(str(log_path))}   (writes curves.png there)")
-    command = rerun_command()
     if has_checkpoint(log_path):
-        again = f"{command} log_path={shlex.quote(str(log_path))}" if command else "the same command"
-        lines.append(f"  train longer: {again} max_steps=<more> (resumes from its newest checkpoint)")
+        lines.append(f"  checkpoints:  {log_path / 'checkpoints'}")
+        command = rerun_command()
+        if command is None:
+            again = "the same command with a larger max_steps"
+        else:
+            kept = [a for a in command.split(" ") if not a.startswith(("max_steps=", "log_path="))]
+            again = " ".join([*kept, f"log_path={shlex.quote(str(log_path))}", "max_steps=<more>"])
+        lines.append(f"  train longer: {again}   (resumes from the newest checkpoint)")
     return "\n".join(lines)
 
 

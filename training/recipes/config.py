@@ -88,7 +88,8 @@ class Config:
     synchronous_training: bool = False
     """Drain every in-flight rollout before each step and submit nothing while training."""
     weight_sync_interval: int = 1
-    """Push weights to the deployment every this many steps (needs max_head_offpolicy_versions >= interval - 1)."""
+    """Push weights to the deployment every this many steps, and before each eval (needs max_head_offpolicy_versions
+    >= interval - 1)."""
     # -- off-policy pacing (async_rl_loop; see training/utils/rl/gate.py for the bound and the window) --
     stale_policy: str = "wait"
     """``wait``: the trainer waits for the oldest groups so every rollout is trained within the bound (nothing dropped);
@@ -128,7 +129,8 @@ class Config:
     eval_rows: Optional[Union[list, str]] = None
     """Held-out rows (list or .jsonl path); each is rolled out once at every eval."""
     eval_interval: int = 0
-    """Evaluate before training, every this many steps and at the end (0 = never)."""
+    """Evaluate before training, every this many steps and at the end (0 = never), on the weights of that step (they
+    are pushed first)."""
     dcp_save_interval: int = 0
     """Write a DCP checkpoint every this many steps (0 = off; a final one is written when > 0)."""
     keep_checkpoints: int = 2

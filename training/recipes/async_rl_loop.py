@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -31,7 +32,6 @@ from training.recipes.config import Config
 from training.recipes.context import RunContext
 from training.recipes.run import RolloutFnFactory, run_recipe
 from training.recipes.step_metrics import StepTimer, batch_metrics
-from training.utils import dist
 from training.utils.cache_folder import cache_dir
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
@@ -280,7 +280,7 @@ NOTICE_MARKER = "async_rl_loop_notice_shown"
 def show_notice(cfg: Config) -> bool:
     """Log ``EXPERIMENTAL_NOTICE`` per ``cfg.show_experimental_notice`` (None: once per installation, marked by
     ``NOTICE_MARKER`` in ``cache_dir()``); only rank 0 logs it. True if it was logged."""
-    if not dist.is_main_rank() or cfg.show_experimental_notice is False:
+    if os.environ.get("RANK", "0") != "0" or cfg.show_experimental_notice is False:  # before the process group exists
         return False
     marker = cache_dir() / NOTICE_MARKER
     if cfg.show_experimental_notice is None:

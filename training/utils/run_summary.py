@@ -48,15 +48,15 @@ def run_summary(log_path: str | Path, result: dict[str, Any], start_step: int, w
     rows = read_metrics(log_path) if metrics.exists() else []
     steps = result.get("steps", 0)
     trained = steps - start_step
-    lines = [
-        f"run finished: {trained} step(s) trained this time"
-        + (f" (resumed at step {start_step}, now at step {steps})" if start_step else f", {steps} in all")
-        + f", in {_wall(wall_s)}"
-    ]
+    if start_step:
+        head = f"{trained} step(s) trained this time (resumed at step {start_step}, now at step {steps})"
+    else:
+        head = f"{steps} step(s)"
+    lines = [f"run finished: {head}, in {_wall(wall_s)}"]
     for key, name in (("rollout/reward_mean", "reward (rollouts)"), ("eval/reward_mean", "eval reward")):
         shown = _first_last(rows, key)
         if shown is not None:
-            lines.append(f"  {name}: {shown} (first -> last step)")
+            lines.append(f"  {name}: {shown}" + (" (first -> last)" if "->" in shown else ""))
     if result.get("final_model"):
         lines.append(f"  final model:  {result['final_model']}")
     if result.get("output_model"):

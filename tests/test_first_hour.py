@@ -51,6 +51,31 @@ def test_has_learning_signal_keeps_equal_returns_with_different_call_credit():
     assert not has_learning_signal(_group([1.0], [[1.0]]))  # one completion: no group to compare
 
 
+@pytest.mark.unit
+def test_summary_names_what_was_trained_and_where_everything_is(tmp_path, monkeypatch):
+    from training.utils.run_summary import log_summary, run_summary
+
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_000003" / "recipe_state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_000003")
+    rows = [{"step": 0, "eval/reward_mean": 0.25}] + [{"step": k, "rollout/reward_mean": 0.1 * k} for k in range(3)]
+    rows.append({"step": 3, "eval/reward_mean": 0.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["train.py", "max_steps=3", "seed=1"])
+    text = run_summary(run, {"steps": 3, "final_model": str(run / "final")}, start_step=1, wall_s=75.0)
+    assert text.splitlines()[0] == (
+        "run finished: 2 step(s) trained this time (resumed at step 1, now at step 3), in 1 min 15 s"
+    )
+    assert "reward (rollouts): 0.000 -> 0.200 (first -> last)" in text
+    assert "eval reward: 0.250 -> 0.500 (first -> last)" in text
+    assert f"final model:  {run / 'final'}" in text and f"metrics:      {run / 'metrics.jsonl'}" in text
+    assert f"python -m training.plot {run}" in text
+    assert f"train longer: python train.py seed=1 log_path={run} max_steps=<more>" in text
+    log_summary(run, text)
+    assert (run / "summary.txt").read_text() == text + "\n"
+
+
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 

@@ -175,6 +175,7 @@ def resolve_log_path(
         return log_path
     for candidate in _numbered(log_path):
         if policy == "resume_or_new" and _resumable(candidate, config, ignore, resume_anyway):
+            check_log_path(candidate, config, has_checkpoint=True, ignore=ignore, resume_anyway=True)  # logs changes
             if candidate != log_path:
                 log.warning("%s holds a run with other settings; resuming the matching run in %s", log_path, candidate)
             return candidate

@@ -91,7 +91,7 @@ def run_ours_here(overrides: list[str]) -> dict:
     t0 = time.perf_counter()
     result = async_rl_loop.main(cfg, rollout_fn_factory=rollout.make_rollout_fn, rows=EXAMPLE / "data.jsonl")
     train_s = time.perf_counter() - t0
-    steps = [m for m in read_metrics(cfg.log_path) if "train/loss" in m]
+    steps = [m for m in read_metrics(result["log_path"]) if "train/loss" in m]  # the folder it wrote to
     return {
         "side": "ours",
         "step_s": [m["perf/step_time_s"] for m in steps],

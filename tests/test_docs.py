@@ -1,14 +1,21 @@
 """Documentation stays true: skills' front matter, relative links, and every ```python block runs.
 
 Scope: ``README.md`` (when it exists) and ``skills/**/*.md``. Each python block is exec'd in a
-fresh namespace whose ``__name__`` is ``"docs_snippet"``, so code under
-``if __name__ == "__main__":`` (anything that would start training) is skipped. A failure
-names the file and the block number (1-based, in file order).
+fresh namespace whose ``__name__`` is ``"docs_snippet"``, from a fresh empty folder (as a user
+pastes it), so code under ``if __name__ == "__main__":`` (anything that would start training) is
+skipped. Each ``python -m training.*`` line of a shell block runs as written, in a fresh folder
+holding a small run in ``runs/my_run``. A failure names the file and the block number (1-based, in
+file order).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -71,6 +78,29 @@ def front_matter(path: Path) -> dict:
     return data
 
 
+SHELL_LANGS = ("bash", "sh", "shell", "console")
+
+
+def shell_commands(text: str) -> list[str]:
+    """The ``python -m training.*`` lines of the shell blocks of ``text`` (comments cut), in order."""
+    out = []
+    for m in FENCE_RE.finditer(text):
+        if m.group(1).lower() in SHELL_LANGS:
+            for line in m.group(2).splitlines():
+                line = line.split("  #", 1)[0].strip()
+                if line.startswith("python -m training."):
+                    out.append(line)
+    return out
+
+
+def shell_cases() -> list:
+    return [
+        pytest.param(path, cmd, id=f"{path.relative_to(ROOT)}: {cmd}")
+        for path in doc_files()
+        for cmd in shell_commands(path.read_text())
+    ]
+
+
 def snippet_cases() -> list:
     cases = []
     for path in doc_files():
@@ -131,8 +161,9 @@ def test_relative_links_resolve(path: Path):
 
 
 @pytest.mark.parametrize("path,index,code", snippet_cases())
-def test_python_snippet_runs(path: Path, index: int, code: str):
-    """Exec one block in a fresh namespace; ``__main__`` guards keep training from starting."""
+def test_python_snippet_runs(path: Path, index: int, code: str, tmp_path, monkeypatch):
+    """Exec one block in a fresh namespace, in an empty folder; ``__main__`` guards keep training from starting."""
+    monkeypatch.chdir(tmp_path)
     rel = path.relative_to(ROOT)
     name = f"{rel} python block {index}"
     try:
@@ -141,3 +172,19 @@ def test_python_snippet_runs(path: Path, index: int, code: str):
     except BaseException as e:  # noqa: BLE001 - SystemExit too: a snippet must not exit
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3))
         pytest.fail(f"{name} failed: {type(e).__name__}: {e}\n{tb}", pytrace=False)
+
+
+@pytest.mark.parametrize("path,command", shell_cases())
+def test_shell_command_runs_as_written(path: Path, command: str, tmp_path):
+    """A documented ``python -m training.*`` command, run in a fresh folder with a two-step run in ``runs/my_run``."""
+    run = tmp_path / "runs" / "my_run"
+    run.mkdir(parents=True)
+    rows = [{"step": k, "rollout/reward_mean": 0.1 * k, "train/loss": 1.0, "perf/step_time_s": 2.0} for k in range(2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = shlex.split(command)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    proc = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"{path.relative_to(ROOT)}: {command!r} failed:\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr

@@ -256,6 +256,47 @@ def test_rl_loop_pushes_weights_every_weight_sync_interval_steps(tiny_model_path
     assert [int(v) for v in rec.versions[::2]] == [0, 0, 2, 2, 4]
 
 
+def test_eval_scores_the_weights_of_the_step_it_reports(tiny_model_path, server, tmp_path, monkeypatch):
+    """With ``weight_sync_interval=2`` the final eval after step 3 still runs on version 3 (pushed for it)."""
+    pushed = []
+    real = recipes_context.RunContext.sync_weights
+
+    async def spy(self, version, **kw):
+        pushed.append(version)
+        return await real(self, version, **kw)
+
+    monkeypatch.setattr(recipes_context.RunContext, "sync_weights", spy)
+    rec = Recorder()
+    eval_rows = [dict(r, id=100 + i) for i, r in enumerate(ROWS[:2])]
+    cfg = config(
+        tiny_model_path,
+        server,
+        tmp_path,
+        max_steps=3,
+        weight_sync_interval=2,
+        max_head_offpolicy_versions=1,
+        prompt_groups_per_step=1,
+        eval_rows=eval_rows,
+        eval_interval=3,
+    )
+    eval_versions = []
+
+    def factory(setup):
+        rollout_fn = rec(setup)
+
+        async def recorded(row):
+            result = await rollout_fn(row)
+            if row["id"] >= 100:
+                eval_versions.append(int(result.text))  # Recorder's text: the version that sampled it
+            return result
+
+        return recorded
+
+    rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert pushed == [0, 2, 3]  # the initial push, after step 2 (the interval), after step 3 (for the eval)
+    assert eval_versions == [0, 0, 3, 3]  # the eval before step 0, and the final one on the final weights
+
+
 def test_resume_continues_at_next_step_with_next_rows(tiny_model_path, server, tmp_path):
     kw = dict(synchronous_training=True, shuffle_rows=False, dcp_save_interval=1)
     first = Recorder()

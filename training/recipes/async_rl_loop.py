@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ from training.recipes.config import Config
 from training.recipes.context import RunContext
 from training.recipes.run import RolloutFnFactory, run_recipe
 from training.recipes.step_metrics import StepTimer, batch_metrics
+from training.utils.cache_folder import cache_dir
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
 from training.utils.rl.groups import PromptGroup
@@ -256,6 +258,7 @@ class AsyncRLLoop:
                 m["perf/overlap_fraction"] = min(1.0, hidden / max(busy, 1e-9))
                 m["offpolicy/weight_version"] = float(self.deployed_version)
                 ctx.log_step(step - 1, m, batch)
+                ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
                 last = m
         finally:
             producer.cancel()
@@ -268,9 +271,28 @@ class AsyncRLLoop:
 
 EXPERIMENTAL_NOTICE = (
     "async_rl_loop is experimental: its Config fields and the rollout contract may still change; "
-    "pin a commit if you depend on them"
+    "pin a commit if you depend on them (shown once per installation; show_experimental_notice=true shows it always)"
 )
-_notice_shown = False
+NOTICE_MARKER = "async_rl_loop_notice_shown"
+"""The file in the cache folder whose presence means the notice was shown on this installation."""
+
+
+def show_notice(cfg: Config) -> bool:
+    """Log ``EXPERIMENTAL_NOTICE`` per ``cfg.show_experimental_notice`` (None: once per installation, marked by
+    ``NOTICE_MARKER`` in ``cache_dir()``); only rank 0 logs it. True if it was logged."""
+    if os.environ.get("RANK", "0") != "0" or cfg.show_experimental_notice is False:  # before the process group exists
+        return False
+    marker = cache_dir() / NOTICE_MARKER
+    if cfg.show_experimental_notice is None:
+        if marker.exists():
+            return False
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text("the async_rl_loop experimental notice was shown; delete this file to see it again\n")
+        except OSError:
+            pass  # a read-only cache: the notice shows on every run
+    logger.warning(EXPERIMENTAL_NOTICE)
+    return True
 
 
 def main(
@@ -279,12 +301,9 @@ def main(
     rows: Optional[Rows] = None,
     rollout_extras: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Train with overlapped rollouts; returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
+    """Train with overlapped rollouts; returns ``{"steps", "last_metrics", "final_model", "output_model", "log_path"}``.
 
     ``rows`` default to ``cfg.dataset``; without ``rollout_fn_factory`` the built-in single-turn rollout runs.
-    The first call in a process logs ``EXPERIMENTAL_NOTICE`` once."""
-    global _notice_shown
-    if not _notice_shown:
-        _notice_shown = True
-        logger.warning(EXPERIMENTAL_NOTICE)
+    ``EXPERIMENTAL_NOTICE`` is logged once per installation (``cfg.show_experimental_notice``)."""
+    show_notice(cfg)
     return run_recipe(AsyncRLLoop, cfg, rollout_fn_factory, rows, rollout_extras)

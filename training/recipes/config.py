@@ -9,6 +9,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from training.utils.config import ConfigError, DeployConfig, TensorBoardConfig, TrainerConfig, WandBConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
+from training.utils.run_record import IF_EXISTS
 from training.utils.rl.groups import PromptGroup
 
 STALL_GRACE_S = 120.0
@@ -26,6 +27,8 @@ RESUME_MAY_CHANGE = (
     "export_final_model",
     "output_model_id",
     "resume_with_changed_config",
+    "if_log_path_exists",
+    "show_experimental_notice",
     "deployment",
     "wandb",
     "tensorboard",
@@ -59,7 +62,11 @@ class Config:
     base_model: str
     """A hub id or local folder that ``AutoModelForCausalLM.from_pretrained`` loads, or ``tiny`` / ``smollm2`` (built offline)."""
     log_path: str = "runs/default"
-    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. Rerunning with the same folder resumes from its newest checkpoint (with the same training settings, see config.json); a folder holding a run without a checkpoint is refused."""
+    """Folder for metrics.jsonl, checkpoints, the deployment log and the final model. What a rerun into a folder that holds a run does: ``if_log_path_exists``."""
+    if_log_path_exists: str = "resume_or_new"
+    """When ``log_path`` holds a run: ``resume_or_new`` resumes it if it has a checkpoint and the same training settings
+    (config.json), else writes to a new numbered folder beside it (``runs/x-2``; the log says so); ``resume``: resume
+    or refuse; ``new``: always a free numbered folder; ``overwrite``: delete the old run; ``error``: refuse."""
     learning_rate: Optional[float] = None
     """The same setting as ``trainer.learning_rate`` (either spelling)."""
     policy_loss: Optional[Union[str, Callable]] = None
@@ -82,7 +89,8 @@ class Config:
     synchronous_training: bool = False
     """Drain every in-flight rollout before each step and submit nothing while training."""
     weight_sync_interval: int = 1
-    """Push weights to the deployment every this many steps (needs max_head_offpolicy_versions >= interval - 1)."""
+    """Push weights to the deployment every this many steps, and before each eval (needs max_head_offpolicy_versions
+    >= interval - 1)."""
     # -- off-policy pacing (async_rl_loop; see training/utils/rl/gate.py for the bound and the window) --
     stale_policy: str = "wait"
     """``wait``: the trainer waits for the oldest groups so every rollout is trained within the bound (nothing dropped);
@@ -109,8 +117,10 @@ class Config:
     max_rollout_error_fraction: float = 0.5
     """Stop the run when more than this fraction of a step's rollouts failed (errors, timeouts, invalid)."""
     dynamic_filter_fn: Optional[Callable[[PromptGroup], bool]] = None
-    """Keep a group only if ``fn(pg)`` returns True, e.g. ``lambda pg: len(set(pg.rewards)) > 1`` drops groups whose
-    rewards are all equal (``pg`` also iterates as its list of samples)."""
+    """Keep a group only if ``fn(pg)`` returns True (a dropped group's row is marked done, never trained).
+    ``training.utils.rl.filters.has_learning_signal`` drops the groups whose samples would all get the same advantage,
+    per-call credit included; ``lambda pg: len(set(pg.rewards)) > 1`` looks only at the returns (``pg.rewards``) and
+    also drops a group whose calls differ while its returns are equal. ``pg`` also iterates as its samples."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1
@@ -120,13 +130,17 @@ class Config:
     eval_rows: Optional[Union[list, str]] = None
     """Held-out rows (list or .jsonl path); each is rolled out once at every eval."""
     eval_interval: int = 0
-    """Evaluate before training, every this many steps and at the end (0 = never)."""
+    """Evaluate before training, every this many steps and at the end (0 = never), on the weights of that step (they
+    are pushed first)."""
     dcp_save_interval: int = 0
     """Write a DCP checkpoint every this many steps (0 = off; a final one is written when > 0)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep (older ones are deleted after each write)."""
     export_final_model: bool = True
     """Save the final policy as a Hugging Face folder in <log_path>/final."""
+    show_experimental_notice: Optional[bool] = None
+    """``async_rl_loop``'s "experimental" warning: None = once per installation (a marker in the cache folder), True =
+    every run, False = never."""
     resume_with_changed_config: bool = False
     """Resume from a checkpoint even when training settings differ from <log_path>/config.json (the differences are logged)."""
     output_model_id: Optional[str] = None
@@ -179,6 +193,11 @@ class Config:
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or None")
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.eval_interval >= 0, "eval_interval", "must be >= 0")
+        check(
+            self.if_log_path_exists in IF_EXISTS,
+            "if_log_path_exists",
+            f"{self.if_log_path_exists!r} is not one of {IF_EXISTS}",
+        )
         check(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.max_rows is None or self.max_rows >= 1, "max_rows", f"must be >= 1 or None, got {self.max_rows}")

@@ -2,7 +2,7 @@
 
 ``RunContext`` owns the long-lived parts (trainer, reference model, deployment, rollout function,
 data cursor, metrics) and the operations on them; a loop owns only the order in which they happen:
-collect → ``train`` → ``sync_weights`` → ``finish_step`` → log. ``RolloutFailureError`` is what
+collect → ``train`` → ``sync_weights`` → ``finish_step`` → ``log_step`` → ``checkpoint_step``. ``RolloutFailureError`` is what
 ``accept_group`` raises when too many rollouts of a step failed.
 """
 
@@ -89,6 +89,8 @@ class RunContext:
         release_openmp_threads()  # the models were built on this thread; from here the trainer's thread computes
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""
+        self._checkpoint_s = 0.0
+        """Seconds the last checkpoint took, reported with the next step."""
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
@@ -170,8 +172,9 @@ class RunContext:
         )
 
     def sync_due(self, step_done: int) -> bool:
-        """Weights are pushed after every ``weight_sync_interval``-th step."""
-        return step_done % self.cfg.weight_sync_interval == 0
+        """Weights are pushed after every ``weight_sync_interval``-th step, and before each eval (so that an eval
+        scores the weights of the step it reports)."""
+        return step_done % self.cfg.weight_sync_interval == 0 or self.eval_due(step_done)
 
     async def sync_weights(self, version: int, force: bool = False) -> float:
         """Push the trainer's weights to every replica as ``version``; seconds taken. ``force``: the run's
@@ -221,20 +224,30 @@ class RunContext:
             self.metrics.log(self.start_step, await self.evaluate())
 
     async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
-        """After a trained step: mark its rows done, evaluate and checkpoint when due.
-
-        Returns the ``eval/*`` metrics (empty when no eval was due); the checkpoint is timed in ``timer``."""
+        """After a trained step: mark its rows done and evaluate when due (the loop pushed the step's weights
+        first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due). The previous step's
+        checkpoint time goes into ``timer`` (``perf/checkpoint_s``): the checkpoint is written after the log."""
         for g in groups:
             self.cursor.mark_done(g.position)
-        evals = await self.evaluate() if self.eval_due(step_done) else {}
-        with timer.phase("checkpoint"):
-            if self.checkpoint_due(step_done):
-                self.save_checkpoint(step_done)
-        return evals
+        if self._checkpoint_s:
+            timer.seconds["checkpoint"] = self._checkpoint_s
+            self._checkpoint_s = 0.0
+        return await self.evaluate() if self.eval_due(step_done) else {}
 
     def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
+        """Write step ``step``'s metrics and rollouts. A loop logs a step before ``checkpoint_step``: a run killed in
+        between resumes from the checkpoint before and trains the step again (its rows set aside as replaced), so a
+        step's records are never lost."""
         self.metrics.log(step, m)
         self.metrics.log_rollouts(step, groups)
+
+    def checkpoint_step(self, step_done: int) -> None:
+        """Write the checkpoint after ``step_done`` steps when due (after the step's log; its time is reported in the
+        next step's ``perf/checkpoint_s``)."""
+        if self.checkpoint_due(step_done):
+            t0 = time.perf_counter()
+            self.save_checkpoint(step_done)
+            self._checkpoint_s = time.perf_counter() - t0
 
     def finish_run(self, steps_done: int) -> None:
         """After the loop: the final checkpoint (when checkpoints are on and it was not written yet)."""

@@ -75,6 +75,7 @@ class SyncRLLoop:
                 }
             )
             ctx.log_step(step - 1, m, batch)
+            ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
             last = m
         ctx.finish_run(step)
         return {"steps": step, "last_metrics": last}
@@ -86,7 +87,8 @@ def main(
     rows: Optional[Rows] = None,
     rollout_extras: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Train synchronously (sample, step, sync); returns ``{"steps", "last_metrics", "final_model", "output_model"}``.
+    """Train synchronously (sample, step, sync); returns ``{"steps", "last_metrics", "final_model", "output_model",
+    "log_path"}`` (``log_path``: the folder the run wrote to, see ``if_log_path_exists``).
 
     ``main(cfg)`` alone reads ``cfg.dataset`` (at most ``cfg.max_rows`` rows) and runs the built-in single-turn
     rollout, scored by ``cfg.reward_fn`` (default: exact match against the row's ``answer``)."""

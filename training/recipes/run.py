@@ -24,6 +24,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -44,12 +45,13 @@ from training.recipes.resources import (
 )
 from training.recipes.train_state import TrainState, build_train_state
 from training.utils import dist, loop_watch
-from training.utils.checkpoint import latest_checkpoint, save_checkpoint
+from training.utils.checkpoint import save_checkpoint
 from training.utils.data import Rows, load_rows
 from training.utils.dist import Command
 from training.utils.rl.ppo import receive_and_train
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
-from training.utils.run_record import check_log_path, write_config_record
+from training.utils.run_record import resolve_log_path, write_config_record
+from training.utils.run_summary import log_summary, run_summary
 
 logger = logging.getLogger("training.recipe")
 
@@ -112,6 +114,28 @@ def start_rollouts(
     return deployment, setup, rollout_fn
 
 
+def choose_log_path(cfg: Config, main_rank: bool) -> Path:
+    """The folder this run writes to (``if_log_path_exists``; ``run_record.resolve_log_path``), created, with
+    ``config.json`` written. Under torchrun rank 0 decides first; the others then find the folder it chose."""
+
+    def resolve() -> Path:
+        return resolve_log_path(
+            cfg.log_path,
+            cfg.to_dict(),
+            cfg.if_log_path_exists,
+            ignore=RESUME_MAY_CHANGE,
+            resume_anyway=cfg.resume_with_changed_config,
+        )
+
+    log_path = None
+    if main_rank:
+        log_path = resolve()
+        log_path.mkdir(parents=True, exist_ok=True)
+        write_config_record(log_path, replace(cfg, log_path=str(log_path)).to_dict())
+    dist.barrier()
+    return log_path if log_path is not None else resolve()
+
+
 def run_recipe(
     loop_cls,
     cfg: Config,
@@ -122,8 +146,9 @@ def run_recipe(
     """Set up, run ``loop_cls(ctx).run()`` to the end, export, always stop the deployment.
 
     ``rows`` default to ``cfg.dataset``, ``rollout_fn_factory`` to the built-in single-turn rollout
-    (``resources.py``). Returns ``{"steps", "last_metrics", "final_model", "output_model"}``
-    (``output_model``: the promoted folder, when ``cfg.output_model_id`` is set). Under ``torchrun`` the
+    (``resources.py``). Returns ``{"steps", "last_metrics", "final_model", "output_model", "log_path"}``
+    (``output_model``: the promoted folder, when ``cfg.output_model_id`` is set; ``log_path``: the folder the run
+    wrote to, see ``if_log_path_exists``). Rank 0 ends with the run's summary (``training/utils/run_summary.py``). Under ``torchrun`` the
     ranks other than 0 follow rank 0 and return ``{"steps": <rank 0's steps>, "last_metrics": {},
     "final_model": None}``.
     """
@@ -168,17 +193,9 @@ def _run_recipe(
         rollout_fn_factory = resolve_rollout_factory(cfg, rollout_fn_factory)
         eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
         model_path = resolve_model(cfg.base_model)
-        log_path = Path(cfg.log_path)
-        log_path.mkdir(parents=True, exist_ok=True)
-        check_log_path(
-            log_path,
-            cfg.to_dict(),
-            has_checkpoint=latest_checkpoint(log_path / "checkpoints") is not None,
-            ignore=RESUME_MAY_CHANGE,
-            resume_anyway=cfg.resume_with_changed_config,
-        )
-        if main_rank:
-            write_config_record(log_path, cfg.to_dict())
+        log_path = choose_log_path(cfg, main_rank)
+        cfg = replace(cfg, log_path=str(log_path))
+        t_start = time.perf_counter()
         state = build_train_state(cfg, model_path, len(rows), log_path)
         try:
             if not main_rank:
@@ -208,6 +225,8 @@ def _run_recipe(
                 result["output_model"] = (
                     str(promote_final_model(final, cfg, log_path)) if final and cfg.output_model_id else None
                 )
+                result["log_path"] = str(log_path)
+                log_summary(log_path, run_summary(log_path, result, state.start_step, time.perf_counter() - t_start))
                 return result
             finally:
                 deployment.stop()

@@ -27,8 +27,10 @@ With in-flight weight updates a sample's tokens come from versions ``>= s`` (eac
   fits in this batch. When the oldest finished groups do not meet some ``r_k`` (an older group is
   still running) the trainer waits for it (``offpolicy/trainer_wait_s``).
 
-**Bypass window**: the batch of step ``v`` has ``W_v = B - max(0, max_k r_k)`` slots that younger
-finished groups may take while older ones still run (``offpolicy/bypass_window``); the other
+**Bypass window**: the batch of step ``v`` has ``W_v = max(0, B - max(0, max_k r_k))`` slots that
+younger finished groups may take while older ones still run (``offpolicy/bypass_window``; 0
+whenever the admission window is full, the steady state of a busy run, since then the deadlines
+claim every slot; under ``drop`` more than ``B`` may be due, still 0 slots); the other
 slots belong to the groups the deadlines need. Oldest-first order within the window means a
 finished group is never passed over for a younger one. Filtered and failed groups only lower
 ``N``; nothing in the proof assumes a group finishes in time, only that the trainer waits for it.
@@ -104,7 +106,7 @@ class OffPolicyGate:
     def bypass_window(self, step: int, outstanding_versions: Sequence[int]) -> int:
         """``W_v``: batch slots of step ``step`` that younger groups may take while older ones run."""
         r = self.required(step, outstanding_versions).values()
-        return self.groups_per_step - max([0, *r])
+        return max(0, self.groups_per_step - max([0, *r]))  # > B due now (under ``drop``): still no slot
 
     def plan_batch(
         self,

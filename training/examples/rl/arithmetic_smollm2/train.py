@@ -10,6 +10,7 @@ from pathlib import Path
 from training.recipes.config import Config
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.cli import apply_overrides
+from training.utils.rl.filters import has_learning_signal
 
 HERE = Path(__file__).parent
 
@@ -24,7 +25,8 @@ cfg = Config(
     max_steps=16,
     eval_rows=str(HERE / "eval.jsonl"),
     eval_interval=8,
-    dynamic_filter_fn=lambda pg: len(set(pg.rewards)) > 1,  # drop zero-advantage groups
+    dcp_save_interval=4,  # Ctrl-C, then the same command again, resumes here
+    dynamic_filter_fn=has_learning_signal,  # drop zero-advantage groups
     trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
     deployment=DeployConfig(

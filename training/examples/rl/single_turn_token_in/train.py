@@ -24,6 +24,7 @@ cfg = Config(
     max_steps=120,
     epochs=4,
     eval_interval=30,
+    dcp_save_interval=10,  # Ctrl-C, then the same command again, resumes here
     trainer=TrainerConfig(learning_rate=5e-3),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
 )

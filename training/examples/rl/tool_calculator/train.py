@@ -21,6 +21,7 @@ cfg = Config(
     max_steps=20,
     eval_rows=str(HERE / "eval.jsonl"),
     eval_interval=10,
+    dcp_save_interval=5,  # Ctrl-C, then the same command again, resumes here
     trainer=TrainerConfig(learning_rate=1e-3),
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
 )

@@ -23,6 +23,7 @@ cfg = Config(
     max_steps=6,
     eval_rows=str(HERE / "eval.jsonl"),
     eval_interval=6,
+    dcp_save_interval=3,  # Ctrl-C, then the same command again, resumes here
     trainer=TrainerConfig(learning_rate=5e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
     # an episode is at most 512 tokens (rollout.MAX_TOTAL_TOKENS); 16 slots x 512 keep the KV cache small

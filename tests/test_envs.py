@@ -67,10 +67,13 @@ def assert_exact(sample, calls):
 
 # ---- reasoning-gym -------------------------------------------------------------------------------
 
-rg = pytest.importorskip("reasoning_gym")
+
+@pytest.fixture
+def rg():
+    return pytest.importorskip("reasoning_gym")  # the [envs] extra; the gym tests below run without it
 
 
-def test_reasoning_gym_rows_and_the_library_scorer():
+def test_reasoning_gym_rows_and_the_library_scorer(rg):
     from training.envs import reasoning_gym_dataset, reasoning_gym_rows, reasoning_gym_scorer
 
     ds = reasoning_gym_dataset("basic_arithmetic", size=4, seed=3, min_terms=2, max_terms=2, max_digits=1)
@@ -94,7 +97,7 @@ def test_reasoning_gym_rows_and_the_library_scorer():
         reasoning_gym_dataset({"chain_sum": 1.0}, size=2, max_terms=3)
 
 
-def test_reasoning_gym_rollouts_are_exact_and_scored_by_the_library(deployment, tokenizer):
+def test_reasoning_gym_rollouts_are_exact_and_scored_by_the_library(rg, deployment, tokenizer):
     from training.envs import make_reasoning_gym_rollout_fn, reasoning_gym_dataset, reasoning_gym_rows
 
     ds = reasoning_gym_dataset("chain_sum", size=3, seed=0, min_terms=2, max_terms=2)

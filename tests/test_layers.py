@@ -1,4 +1,4 @@
-"""The import graph points one way: examples, benchmarks → recipes → trainer, deployment, agents, proxy →
+"""The import graph points one way: examples, benchmarks → recipes → envs → trainer, deployment, agents, proxy →
 utils, models. Every import counts, lazy ones inside functions too (a lazy import that hides a cycle is
 still a cycle), so the check reads the source instead of importing it."""
 
@@ -20,6 +20,7 @@ FLOORS = {
     "training.deployment": 1,
     "training.agents": 1,
     "training.proxy": 1,
+    "training.envs": 1.5,  # adapters of environment libraries, built on agents
     "training.recipes": 2,
     "training.examples": 3,
     "training.plot": 3,
@@ -84,6 +85,7 @@ ONLY_IMPORTS = {
     "training.deployment": {"training.deployment", "training.utils"},
     "training.proxy": {"training.proxy", "training.utils"},
     "training.agents": {"training.agents", "training.utils", "training.models"},
+    "training.envs": {"training.envs", "training.agents", "training.utils", "training.models"},
 }
 """The packages each package may import (itself included): the top README's layering sentence as data."""
 

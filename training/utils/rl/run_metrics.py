@@ -19,13 +19,15 @@ written to ``rollouts.jsonl``):
 | ``intermediate_rewards`` | list of float | per-call rewards (tool status, rewards the agent posted) |
 | ``stop_reason`` | str | why the episode ended: ``STOP_REASONS`` of the contract module (``finish``, ``max_steps``, |
 | | | ``timeout``, ``error``, ``length``) |
+| ``reward_components`` | ``{name: float}`` | the reward's parts, e.g. a verifiers rubric's value per reward function |
 
 Names returned (floats; a name appears only when some run carried its key):
 ``agent/episodes`` (runs with any key above), ``agent/labels_new`` / ``_append`` / ``_wipe``
 (sums), ``agent/drift`` (sum), ``agent/calls_per_episode`` (mean), ``agent/tool_calls`` (every
 status but ``unparsable``), ``agent/tool_<status>`` (sum per status), ``agent/tool_errors``
 (every status but ``ok``, unparsable included), ``agent/truncated`` (episodes),
-``agent/intermediate_reward_mean`` (mean per call); and ``rollout/failed/<cause>`` for each
+``agent/intermediate_reward_mean`` (mean per call), ``reward/<name>`` (mean of each reward component
+over the runs that carry it); and ``rollout/failed/<cause>`` for each
 failure cause counted by ``training.utils.rl.groups`` (``timeout``, ``upstream``,
 ``upstream_5xx``, ``agent_<exception>``, ``invalid_<field>``...).
 
@@ -42,7 +44,16 @@ from typing import Iterable, Mapping, Optional
 
 from training.utils.rl.rollout import STOP_REASONS
 
-AGENT_KEYS = ("labels", "drift", "tool_status_counts", "num_calls", "truncated", "intermediate_rewards", "stop_reason")
+AGENT_KEYS = (
+    "labels",
+    "drift",
+    "tool_status_counts",
+    "num_calls",
+    "truncated",
+    "intermediate_rewards",
+    "stop_reason",
+    "reward_components",
+)
 """``RolloutRun.metadata`` keys read here."""
 
 
@@ -53,6 +64,7 @@ def run_metrics(
     out: dict[str, float] = {}
     episodes, calls, intermediate = 0, [], []
     stops: dict[str, float] = {}
+    components: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
         out[name] = out.get(name, 0.0) + float(value)
@@ -79,6 +91,9 @@ def run_metrics(
         if "truncated" in meta:
             add("agent/truncated", 1.0 if meta["truncated"] else 0.0)
         intermediate += [float(x) for x in meta.get("intermediate_rewards") or [] if math.isfinite(float(x))]
+        for name, value in (meta.get("reward_components") or {}).items():
+            if math.isfinite(float(value)):
+                components.setdefault(str(name), []).append(float(value))
         if meta.get("stop_reason") is not None:
             reason = str(meta["stop_reason"])
             stops[reason] = stops.get(reason, 0.0) + 1.0
@@ -88,6 +103,8 @@ def run_metrics(
         out["agent/calls_per_episode"] = sum(calls) / len(calls)
     if intermediate:
         out["agent/intermediate_reward_mean"] = sum(intermediate) / len(intermediate)
+    for name, values in components.items():
+        out[f"reward/{name}"] = sum(values) / len(values)
     for cause, n in (failure_causes or {}).items():
         out[f"rollout/failed/{cause}"] = out.get(f"rollout/failed/{cause}", 0.0) + float(n)
     out.update(stop_reason_fractions(stops, failure_causes))

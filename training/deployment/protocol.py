@@ -19,6 +19,7 @@ from typing import Any, Optional
 from training.deployment.engine.requests import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
 from training.deployment.fields import refusal
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
+from training.utils.tool_parsers import messages_with_tools, tool_rendering
 
 MAX_N = 256
 """Upper bound on ``n`` (choices per prompt) in one request."""
@@ -61,7 +62,10 @@ class ParsedRequest:
     model: str
     """The model name echoed in the response."""
     tools: Optional[list[dict]] = None
-    """Chat only: the tool schemas; rendered into the prompt by the chat template."""
+    """Chat only: the tool schemas; rendered into the prompt (see ``tool_rendering``)."""
+    tool_rendering: Optional[str] = None
+    """Chat with ``tools``: ``template`` (the chat template rendered them) or ``system_prompt`` (the template
+    ignores ``tools``, so the schemas were written into the system message); None without tools."""
     parse_tool_calls: bool = False
     """Chat only: turn ``<tool_call>`` blocks into ``tool_calls`` (``tools`` given, ``tool_choice`` not "none")."""
     stream: bool = False
@@ -415,10 +419,12 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
         raise RequestError(
             "'continue_final_message': true needs 'add_generation_prompt': false", "continue_final_message"
         )
-    try:
+    try:  # a template that ignores ``tools`` gets them in the system message (never silently dropped)
+        rendering = tool_rendering(engine.tokenizer) if tools else None
+        messages, tools_arg = messages_with_tools(engine.tokenizer, messages, tools)
         ids = engine.tokenizer.apply_chat_template(
             messages,
-            tools=tools or None,
+            tools=tools_arg,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
             tokenize=True,
@@ -454,6 +460,7 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
         return_token_ids=_bool(body, "return_token_ids", False),
         model=model,
         tools=tools or None,
+        tool_rendering=rendering,
         parse_tool_calls=parse_calls,
         stream=stream,
         include_usage=_stream_options(body, stream),

@@ -203,10 +203,13 @@ def template_renders_tools(tokenizer: Any, tools: Optional[list[dict]] = None) -
     key = (str(getattr(tokenizer, "name_or_path", "")), template if isinstance(template, str) else repr(template))
     if key not in _RENDERS_TOOLS:
         probe = [{"role": "user", "content": "hi"}]
-        with_tools = tokenizer.apply_chat_template(
-            probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
-        )
         without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        try:  # a template that fails on ``tools`` cannot render them either: the fallback then
+            with_tools = tokenizer.apply_chat_template(
+                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # noqa: BLE001 - jinja errors of any kind
+            with_tools = without
         _RENDERS_TOOLS[key] = with_tools != without and "probe_tool_4f1c" in with_tools
         name = key[0] or "this tokenizer"
         if _RENDERS_TOOLS[key]:

@@ -310,11 +310,12 @@ def test_template_check_takes_sdk_histories_and_template_kwargs(tiny_model_path,
 
 
 @pytest.mark.slow
-def test_template_check_cli_accepts_smollm2(capsys):
+def test_template_check_cli_fails_smollm2_for_dropping_tools(capsys):
     from training.agents.template_check import main
 
-    assert main(["smollm2", "--chat-template-kwargs", "{}"]) == 0
-    assert capsys.readouterr().out.count("appends") == 4
+    assert main(["smollm2", "--chat-template-kwargs", "{}"]) == 1  # every turn appends; its template ignores tools
+    out = capsys.readouterr().out
+    assert out.count("appends") == 4 and "the chat template ignores 'tools'" in out
 
 
 def test_function_tool_schema_comes_from_signature_and_docstring():

@@ -17,6 +17,7 @@ from training.utils.chat_messages import (
     prepare_for_template,
     template_renders_tool_calls,
 )
+from training.utils.tool_parsers import render_prompt_ids, tool_rendering
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
 CONTENT_ONLY_TEMPLATE = (
@@ -152,14 +153,9 @@ def _chat_round_trip(base_url: str, model: str, tokenizer) -> None:
     )
     assert r.choices[0].message.role == "assistant"
     prompt_ids = r.choices[0].model_extra["prompt_token_ids"]
-    expected = tokenizer.apply_chat_template(
-        prepare_for_template(history, tokenizer),
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
+    expected = render_prompt_ids(tokenizer, prepare_for_template(history, tokenizer), tools)  # tools never dropped
     assert prompt_ids == list(expected)
+    assert r.model_extra["tool_rendering"] == tool_rendering(tokenizer)
     assert '"name": "calculator"' in tokenizer.decode(prompt_ids)  # the call stays in the model's context
     with pytest.raises(openai.BadRequestError) as e:
         bad = history[:2] + [

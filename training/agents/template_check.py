@@ -5,8 +5,9 @@
 ``MODEL`` is ``tiny``, ``smollm2`` (the offline aliases of ``training.models.resolve_model``), a
 folder or a hub id. Prints one line per assistant turn of the scripted conversation (tools,
 ``<think>``, two tool messages in a row, a tool-call-only turn with ``content: None``, a follow-up
-user turn) and exits 1 when a turn drifts. The check itself lives on the ground floor
-(``training/utils/template_check.py``) because the proxy runs it too; its names are re-exported here.
+user turn), then whether the template renders ``tools``, and exits 1 when a turn drifts or the
+template drops tools. The check itself lives on the ground floor (``training/utils/template_check.py``)
+because the proxy runs it too; its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from training.utils.template_check import (
     TurnCheck,
     check_template_appends,
     run_template_check,
+    tools_dropped_message,
 )
 
 
@@ -41,10 +43,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from training.models import resolve_model
 
-    checks = check_template_appends(AutoTokenizer.from_pretrained(resolve_model(a.model)), **a.chat_template_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(a.model))
+    checks = check_template_appends(tokenizer, **a.chat_template_kwargs)
     for c in checks:
         print(f"assistant message {c.turn}: {'appends' if c.appends else 'DRIFTS: ' + c.reason}")
-    return 0 if all(c.appends for c in checks) else 1
+    dropped = tools_dropped_message(tokenizer, "tools")
+    print(dropped or "tools: rendered by the chat template")
+    return 0 if all(c.appends for c in checks) and not dropped else 1
 
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "check_template_appends",
     "main",
     "run_template_check",
+    "tools_dropped_message",
 ]
 
 if __name__ == "__main__":

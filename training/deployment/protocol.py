@@ -27,6 +27,7 @@ from training.deployment.request_limits import (
     check_template_kwargs,
 )
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
+from training.utils.tool_parsers import messages_with_tools, tool_rendering
 
 MAX_N = 256
 """Upper bound on ``n`` (choices per prompt) in one request."""
@@ -56,7 +57,10 @@ class ParsedRequest:
     model: str
     """The model name echoed in the response."""
     tools: Optional[list[dict]] = None
-    """Chat only: the tool schemas; rendered into the prompt by the chat template."""
+    """Chat only: the tool schemas; rendered into the prompt (see ``tool_rendering``)."""
+    tool_rendering: Optional[str] = None
+    """Chat with ``tools``: ``template`` (the chat template rendered them) or ``system_prompt`` (the template
+    ignores ``tools``, so the schemas were written into the system message); None without tools."""
     parse_tool_calls: bool = False
     """Chat only: turn ``<tool_call>`` blocks into ``tool_calls`` (``tools`` given, ``tool_choice`` not "none")."""
     stream: bool = False
@@ -432,10 +436,12 @@ def parse_chat_request(
         raise RequestError(
             "'continue_final_message': true needs 'add_generation_prompt': false", "continue_final_message"
         )
-    try:
+    try:  # a template that ignores ``tools`` gets them in the system message (never silently dropped)
+        rendering = tool_rendering(engine.tokenizer) if tools else None
+        messages, tools_arg = messages_with_tools(engine.tokenizer, messages, tools)
         text = engine.tokenizer.apply_chat_template(
             messages,
-            tools=tools or None,
+            tools=tools_arg,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
             tokenize=False,
@@ -481,6 +487,7 @@ def parse_chat_request(
         return_token_ids=_bool(body, "return_token_ids", False),
         model=model,
         tools=tools or None,
+        tool_rendering=rendering,
         parse_tool_calls=parse_calls,
         stream=stream,
         include_usage=_stream_options(body, stream),

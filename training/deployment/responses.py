@@ -4,7 +4,8 @@ Building turns the engine's ``GenerationResult`` objects into OpenAI / vLLM-shap
 the extras an RL trainer needs: per-choice ``token_ids`` / ``token_weight_versions`` / ``prompt_token_ids``
 (``return_token_ids``), the sampled tokens' logprobs and the k most likely alternatives,
 ``stop_reason``, ``usage.prompt_tokens_details.cached_tokens`` and a ``weight_version`` at the
-top level and on every choice.
+top level and on every choice. A chat request with ``tools`` also gets a top-level ``tool_rendering``
+(``template`` or ``system_prompt``: how the schemas reached the prompt, see ``protocol.py``).
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
         "usage": usage(req, [results]),
         "weight_version": response_version([results]),
     }
+    if req.tool_rendering is not None:
+        out["tool_rendering"] = req.tool_rendering
     if req.return_token_ids:
         out["prompt_token_ids"] = list(req.prompts[0])
     return out

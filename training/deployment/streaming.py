@@ -17,7 +17,8 @@ Exact tokens: with ``return_token_ids`` a chunk's choice has the ``token_ids`` i
 ``prompt_token_ids``); with logprobs, the logprobs of exactly
 those tokens. Concatenated over the stream they equal the whole response's lists. The last
 chunk of a choice has its ``weight_version``; ``stream_options.include_usage`` adds a final
-chunk with ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``).
+chunk with ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``). A chat request
+with ``tools`` has ``tool_rendering`` on every chunk, as on the whole response.
 
 Text is decoded incrementally and never shows part of a stop string: text that could be the
 start of one is held back until it is not (or the engine ends the sequence, when the rest
@@ -287,6 +288,8 @@ class ChunkStream:
         }
         if self.req.include_usage:
             out["usage"] = None
+        if self.req.tool_rendering is not None:
+            out["tool_rendering"] = self.req.tool_rendering
         return out
 
     def opening(self) -> list[dict]:

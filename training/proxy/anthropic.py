@@ -12,11 +12,16 @@ WIPE matching on the translated messages), and the chat reply is translated back
 | assistant ``tool_use`` block (``id``, ``name``, ``input``) | ``tool_calls`` entry (``arguments`` = ``input``) |
 | user ``tool_result`` block (``tool_use_id``, ``content``, ``is_error``) | ``tool`` message (``Error: `` if is_error) |
 | ``tools`` (``name``, ``description``, ``input_schema``) | ``tools`` (``function.parameters``) |
-| ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``stream`` | same meaning |
+| ``max_tokens``, ``stop_sequences`` (``stop``), ``temperature``, ``top_p``, ``top_k``, ``stream`` | same meaning |
+| ``tool_choice`` ``auto`` / ``any`` / ``tool`` (``name``) / ``none`` | ``auto`` / ``required`` / named function / ``none`` |
+| ``tool_choice.disable_parallel_tool_use: true`` | ``parallel_tool_calls: false`` |
 | ``stop_reason`` ``end_turn`` / ``max_tokens`` / ``tool_use`` | ``finish_reason`` ``stop``/``length``/``tool_calls`` |
 
-Refused with a 400 naming the field: image and document blocks, ``thinking`` blocks sent back.
-``tool_choice`` and ``metadata`` are ignored. Streaming is synthesised from the full reply
+The translated body then meets the proxy's sampling policy like any chat call (``sampling_policy.py``:
+``top_k`` is refused, a forced ``tool_choice`` is recorded as constrained). Refused with a 400 naming
+the field: image and document blocks, ``thinking`` blocks sent back, ``thinking`` enabled (no thinking
+budget is implemented; ``{"type": "disabled"}`` is accepted), and any top-level field not listed here.
+``metadata`` is accepted and not forwarded (it never changes the tokens). Streaming is synthesised from the full reply
 (``message_start``, one content block per text / tool call with its delta, ``message_delta``,
 ``message_stop``).
 """
@@ -126,6 +131,9 @@ def to_chat_request(body: Any) -> dict:
     for key in ("temperature", "top_p", "top_k"):
         if body.get(key) is not None:
             out[key] = body[key]
+    _check_fields(body)
+    choice = _tool_choice(body.get("tool_choice"))
+    out.update(choice)
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(
@@ -143,6 +151,47 @@ def to_chat_request(body: Any) -> dict:
             }
             for t in tools
         ]
+    return out
+
+
+KNOWN_FIELDS = frozenset(
+    {"model", "messages", "system", "max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k"}
+    | {"tools", "tool_choice", "thinking", "metadata"}
+)
+"""Top-level Messages-API fields the translation maps (or, ``metadata``, accepts as metadata)."""
+
+
+def _check_fields(body: dict) -> None:
+    """400 for a field that would otherwise be silently ignored: unknown fields and enabled ``thinking``."""
+    for name in body:
+        if name not in KNOWN_FIELDS:
+            raise AnthropicRequestError(name, "is not supported by the training proxy (refused rather than ignored)")
+    thinking = body.get("thinking")
+    if thinking is not None and thinking != {"type": "disabled"}:
+        raise AnthropicRequestError(
+            "thinking",
+            f"{thinking!r} is not supported: the served model has no thinking budget to honour; "
+            "omit it or send {'type': 'disabled'}",
+        )
+
+
+def _tool_choice(choice: Any) -> dict:
+    """Anthropic ``tool_choice`` -> the chat fields it means (``tool_choice``, ``parallel_tool_calls``)."""
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise AnthropicRequestError("tool_choice.name", "is required for type 'tool'")
+        mapped = {"type": "function", "function": {"name": choice["name"]}}
+    if mapped is None:
+        raise AnthropicRequestError(
+            "tool_choice", f"must be an object with type auto, any, tool or none, got {choice!r}"
+        )
+    out: dict[str, Any] = {"tool_choice": mapped}
+    if choice.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
     return out
 
 

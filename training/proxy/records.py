@@ -47,6 +47,15 @@ class CallRecord:
     label: Optional[TurnLabel] = None
     posted_rewards: list[float] = field(default_factory=list)
     """Rewards the agent posted for this call (``POST /sessions/{id}/reward``); per-call credit adds them."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """The sampling fields the upstream got (``temperature``, ``top_p`` as forced or sent, ``seed``, ``stop``...;
+    ``sampling_policy.sampling_of``)."""
+    constraint: Optional[dict[str, Any]] = None
+    """Chat calls sampled under constrained decoding: the constraining fields (a forced ``tool_choice``, a
+    ``response_format``); None for ordinary samples (``sampling_policy.constraint_of``)."""
+    trainable: bool = True
+    """False for a constrained call when the proxy runs with ``constrained_calls="exclude"``: its output is
+    kept as context (loss mask 0), never trained on."""
     token_weight_versions: Optional[list[int]] = None
     """Per output token, the weight version that produced it (in-flight updates mix versions); None when the
     upstream reports only ``weight_version`` (then every token has that one: ``output_weight_versions``)."""
@@ -80,6 +89,9 @@ class CallRecord:
             "upstream": self.upstream,
             "cached_tokens": self.cached_tokens,
             "posted_rewards": list(self.posted_rewards),
+            "sampling": dict(self.sampling),
+            "constraint": self.constraint,
+            "trainable": self.trainable,
         }
 
     def to_dict(self) -> dict[str, Any]:

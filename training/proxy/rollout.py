@@ -262,7 +262,8 @@ class ProxyRolloutFn:
             if not res.samples:
                 return None
             return RolloutRun(segments=res.samples, reward=run_reward, metadata=meta)
-        res = build_transitions(calls, reward, self.credit_fn, max_seq_len=self.max_seq_len)
+        trainable = [c for c in calls if c.trainable]  # constrained calls under constrained_calls="exclude" drop out
+        res = build_transitions(trainable, reward, self.credit_fn, max_seq_len=self.max_seq_len)
         meta.update(
             sample_calls=res.calls,
             credited_rewards=res.rewards,

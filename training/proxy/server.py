@@ -46,7 +46,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
-from training.proxy import anthropic
+from training.proxy import anthropic, sampling_policy
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
 from training.proxy.access import auth_middleware, check_session_id, forbidden, named_session, session_key
 from training.proxy.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionTable, SessionTableFull
@@ -95,6 +95,7 @@ class ProxyServer:
         upstream_stream: str = "auto",
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         session_idle_s: float = DEFAULT_SESSION_IDLE_S,
+        constrained_calls: str = "exclude",
     ):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
@@ -104,11 +105,14 @@ class ProxyServer:
         calls, ``auto`` relays the upstream's stream until an upstream refuses ``stream`` (then
         synthesises the stream from a full reply), ``on`` always relays, ``off`` always synthesises.
         ``max_sessions`` / ``session_idle_s`` bound the session table (``sessions.py``).
+        Sampling fields follow ``sampling_policy.py``; ``constrained_calls`` (``exclude`` / ``train``): whether
+        a call sampled under constrained decoding is kept as context only or trained on.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: {strategy!r} is not one of {STRATEGIES}")
         if upstream_stream not in UPSTREAM_STREAM_MODES:
             raise ValueError(f"upstream_stream: {upstream_stream!r} is not one of {UPSTREAM_STREAM_MODES}")
+        self.constrained_calls = sampling_policy.checked_constrained_calls(constrained_calls)
         self.pool = UpstreamPool(
             upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
         )
@@ -314,8 +318,9 @@ class ProxyServer:
         session, err = self._session_of(request, body)
         if err is not None:
             return err
-        if (body.get("n") or 1) != 1:
-            return error_response(400, "'n' must be 1 behind the training proxy (one recorded choice per call)", "n")
+        refused = sampling_policy.refusal(body)
+        if refused is not None:
+            return error_response(400, refused[1], param=refused[0])
         if not isinstance(body.get("stream", False), bool):
             return error_response(400, "'stream' must be a boolean", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
@@ -342,6 +347,9 @@ class ProxyServer:
             chat = anthropic.to_chat_request(body)
         except anthropic.AnthropicRequestError as e:
             return web.json_response(anthropic.error_body(str(e)), status=400)
+        refused = sampling_policy.refusal(chat)
+        if refused is not None:
+            return web.json_response(anthropic.error_body(refused[1]), status=400)
         with self.table.active(session):
             async with self.gate.admitted():
                 out = await self._exchange(request, session, "chat", chat)
@@ -414,6 +422,7 @@ class ProxyServer:
         try:
             agent = request.headers.get(AGENT_HEADER) or body.get("user") or "default"
             record = record_from_reply(reply, endpoint, body, str(agent), url)
+            sampling_policy.flag(record, self._upstream_body(body, endpoint), body, self.constrained_calls)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             session.upstream_errors.append(f"upstream response lacks token-level detail ({type(e).__name__}: {e})")
             return None

@@ -12,6 +12,9 @@ Per chain (the calls that share ``label.chain``), in order:
   prefix, drops the segment's tail from the break on and continues from this call's prompt
   (the dropped tail's generated tokens are lost, the rest stays exact).
 
+A call flagged ``trainable=False`` (constrained decoding under ``constrained_calls="exclude"``)
+adds its output as context (mask 0) instead.
+
 Over-length: a segment longer than ``max_seq_len`` is cut to it (``finish_reason="length"``);
 a segment with no trainable token left is dropped. Invariant (tested): the mask-1 tokens of a
 segment, in order, are the output ids of its calls (their kept prefix where cut), and their
@@ -51,7 +54,7 @@ class SegmentBuilder:
     def add_output(self, call: CallRecord) -> None:
         self.tokens += call.output_ids
         self.logprobs += call.output_logprobs
-        self.loss_mask += [1] * len(call.output_ids)
+        self.loss_mask += [int(call.trainable)] * len(call.output_ids)  # an excluded constrained call: context
         self.weight_versions += call.output_weight_versions
         self.calls.append(call.index)
         self.finish_reason = call.finish_reason

@@ -11,6 +11,11 @@ agent drifts there: the next prompt does not start with what the model saw and p
 (``TrajectoryEngine`` never re-renders, so it is unaffected; a black-box agent behind the proxy
 gets a new segment at that turn).
 
+A template that ignores ``tools`` (``tools_dropped_message``: rendering with and without tool schemas
+gives the same prompt) fails the check too: the drift check above then runs on the system-prompt
+fallback the server uses for such templates (``tool_rendering: "system_prompt"``), which the model
+was never trained on through its template.
+
 ``run_template_check`` is what the rollout factories call before training
 (``make_proxy_rollout_fn``, ``make_agent_rollout_fn``): ``warn`` logs each drifting turn with its
 reason, ``error`` raises ``TemplateCheckError``, ``off`` skips. On the command line:
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from training.utils.chat_messages import assistant_text, prepare_for_template
-from training.utils.tool_parsers import messages_with_tools
+from training.utils.tool_parsers import messages_with_tools, template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +170,7 @@ def run_template_check(
         logger.warning(message)
         return []
     drifting = [c for c in checks if not c.appends]
+    dropped = tools_dropped_message(tokenizer, where)
     if drifting:
         turns = "; ".join(f"assistant message {c.turn}: {c.reason}" for c in drifting)
         message = (
@@ -174,4 +180,24 @@ def run_template_check(
         if mode == "error":
             raise TemplateCheckError(message)
         logger.warning(message)
+    if dropped:
+        if mode == "error":
+            raise TemplateCheckError(dropped)
+        logger.warning(dropped)
     return checks
+
+
+def tools_dropped_message(tokenizer: Any, where: str = "rollout") -> str:
+    """Empty when the chat template renders ``tools``; else why that fails the check and the fallback in use."""
+    try:
+        if template_renders_tools(tokenizer):
+            return ""
+    except Exception as e:  # noqa: BLE001 - a template that cannot render a probe also drops tools
+        return f"{where}: the chat template cannot render tools ({type(e).__name__}: {e})"
+    return (
+        f"{where}: the chat template ignores 'tools' (the prompt is the same with and without tool schemas), so "
+        "tool-using agents would get no tool definitions from it. The deployment server and TrajectoryEngine "
+        "use the system-prompt fallback instead (training.utils.tool_parsers.messages_with_tools; responses say "
+        "tool_rendering='system_prompt'); train on that knowingly (template_check='warn') or give the "
+        "tokenizer a chat template that renders 'tools'"
+    )

@@ -16,15 +16,20 @@ accepted as an alias. A block that is present but malformed never raises: it bec
 of ``ParsedCalls.errors``, which the agent shows the model next turn (``format_parse_error``).
 
 ``render_prompt_ids`` renders messages plus tool schemas through the tokenizer's chat template
-(``tools=``); for templates that ignore ``tools`` it lists the schemas in the system message.
+(``tools=``); for templates that ignore ``tools`` (detected once per template by
+``template_renders_tools``) it lists the schemas in the system message. The deployment server
+uses the same ``messages_with_tools`` and reports which in ``tool_rendering``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,11 +177,55 @@ def to_openai_tool_calls(calls: list[ToolCall]) -> list[dict]:
 # ---------------------------------------------------------------- rendering tools into the prompt
 
 
-def template_renders_tools(tokenizer: Any, tools: list[dict]) -> bool:
-    """True if the chat template writes the tool schemas when given ``tools=``."""
-    probe = [{"role": "user", "content": "hi"}]
-    with_tools = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
-    return with_tools != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+TOOL_RENDERINGS = ("template", "system_prompt")
+"""How tool schemas reach the prompt: the chat template's own ``tools`` rendering, or (templates that
+ignore ``tools``) the system-prompt fallback ``tools_system_text``."""
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool_4f1c",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+_RENDERS_TOOLS: dict[tuple[str, str], bool] = {}
+
+
+def template_renders_tools(tokenizer: Any, tools: Optional[list[dict]] = None) -> bool:
+    """True if the chat template writes tool schemas when given ``tools=``.
+
+    Renders a one-message conversation with and without a probe tool and compares; the answer is
+    cached per (tokenizer name, chat template), and the first answer of a process is logged once.
+    ``tools`` is accepted for compatibility and ignored (the probe decides).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    key = (str(getattr(tokenizer, "name_or_path", "")), template if isinstance(template, str) else repr(template))
+    if key not in _RENDERS_TOOLS:
+        probe = [{"role": "user", "content": "hi"}]
+        without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        try:  # a template that fails on ``tools`` cannot render them either: the fallback then
+            with_tools = tokenizer.apply_chat_template(
+                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # noqa: BLE001 - jinja errors of any kind
+            with_tools = without
+        _RENDERS_TOOLS[key] = with_tools != without and "probe_tool_4f1c" in with_tools
+        name = key[0] or "this tokenizer"
+        if _RENDERS_TOOLS[key]:
+            logger.info("tool schemas of %s are rendered by its chat template", name)
+        else:
+            logger.warning(
+                "the chat template of %s ignores 'tools': tool schemas are rendered by the system-prompt fallback "
+                "(tool_rendering='system_prompt')",
+                name,
+            )
+    return _RENDERS_TOOLS[key]
+
+
+def tool_rendering(tokenizer: Any) -> str:
+    """``template`` when the chat template renders ``tools``, else ``system_prompt`` (see ``TOOL_RENDERINGS``)."""
+    return "template" if template_renders_tools(tokenizer) else "system_prompt"
 
 
 def tools_system_text(tools: list[dict]) -> str:

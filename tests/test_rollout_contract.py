@@ -139,7 +139,7 @@ def test_a_plain_function_or_a_non_callable_is_refused_as_rollout_fn():
 
     for ok in (rollout_fn, functools.partial(rollout_fn), Agent(), lambda row: rollout_fn(row)):
         check_rollout_fn(ok)
-    with pytest.raises(TypeError, match=r"sync_rollout_fn is a plain function; declare it `async def sync_rollout_fn"):
+    with pytest.raises(TypeError, match=r"sync_rollout_fn is a plain `def`; declare it `async def sync_rollout_fn"):
         check_rollout_fn(sync_rollout_fn)
     with pytest.raises(TypeError, match="returned NoneType, not a function"):
         check_rollout_fn(None)

@@ -202,11 +202,10 @@ def check_rollout_fn(rollout_fn: Any) -> None:
         target = type(target).__call__  # an object with a __call__ method
     if inspect.isfunction(target) or inspect.ismethod(target):
         if not (inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target)):
-            name = getattr(target, "__qualname__", repr(target))
-            if getattr(target, "__name__", "") != "<lambda>":
+            name = getattr(target, "__name__", repr(target))
+            if name != "<lambda>":  # a lambda may return a coroutine: it is awaited, and checked then
                 raise TypeError(
-                    f"rollout_fn {name} is a plain function; declare it `async def {name.split('.')[-1]}(row)` "
-                    "(the recipe awaits it)"
+                    f"rollout_fn: {name} is a plain `def`; declare it `async def {name}(row)` (the recipe awaits it)"
                 )
 
 

@@ -290,8 +290,8 @@ def factory(setup):
     return rollout_fn
 
 cfg = config(
-    model, None, Path(tmp), max_steps=3, completions_per_prompt=3, rollout_timeout_s=2.0,
-    max_rollout_error_fraction=0.5, export_final_model=True,
+    model, None, Path(tmp), max_steps=3, completions_per_prompt=3, rollout_timeout_s=6.0,
+    max_rollout_error_fraction=0.5, export_final_model=True, synchronous_training=True,
     deployment=DeployConfig(base_url=url, weight_sync="shm"),
 )
 out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)

@@ -9,6 +9,12 @@ The eight rows and where each is tested:
 6. a kill during a checkpoint write: here;
 7. a malformed sample: here;
 8. Ctrl-C / SIGTERM / SIGKILL: test_exit_cleanup.py (no server, no /dev/shm copy left).
+
+Rows added for issue #29, each a whole run in its own process (it must also exit, and export):
+9. a rollout hung in a worker thread (``asyncio.to_thread``);
+10. a rollout that swallows its cancellation at the deadline;
+11. one sync tool hung in every rollout while another stays healthy (the thread bound is per tool);
+12. a finite but huge reward (1e200): refused at the contract, never reaching the advantages.
 """
 
 import json
@@ -229,3 +235,111 @@ def test_the_server_killed_mid_step_and_during_a_weight_push(tiny_model_path, se
     assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # each row's 2 completions, once
     assert not dep.is_alive()
     assert not list(shm_dir().glob(f"{SHM_PREFIX}{os.getpid()}-*"))
+
+
+FAULT_RUN = """
+import asyncio, json, sys, time
+from pathlib import Path
+import training.agents.tools as tools_module
+from tests.test_fault_matrix import config, sampling_rollout
+from tests.test_recipes import ROWS
+from training.agents.tools import FunctionTool, ToolManager
+from training.recipes import async_rl_loop
+from training.utils import DeployConfig
+from training.utils.tool_parsers import ToolCall
+
+model, url, tmp, fault = sys.argv[1:5]
+tools_module.MAX_TOOL_THREADS = 4  # so that the hung tool fills its bound within the run
+
+def hung_lookup(key: str) -> str:
+    \"\"\"Never returns.\"\"\"
+    time.sleep(3600)
+    return key
+
+def quick_lookup(key: str) -> str:
+    \"\"\"Returns at once.\"\"\"
+    return key.upper()
+
+tools = ToolManager([FunctionTool(hung_lookup), FunctionTool(quick_lookup)], timeout_s=0.3)
+hit, statuses = [], {"hung_lookup": [], "quick_lookup": []}
+
+def factory(setup):
+    sample = sampling_rollout(setup)
+
+    async def rollout_fn(row):
+        first = row["id"] == 1 and not hit  # row 1's first completion misbehaves, once
+        if first:
+            hit.append(fault)
+        if first and fault == "thread_hang":
+            await asyncio.to_thread(time.sleep, 3600)
+        if first and fault == "swallowed_cancel":
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass
+        if fault == "partial_tool_hang":
+            for name in statuses:
+                call = ToolCall(id=str(len(statuses[name])), name=name, arguments={"key": "x"})
+                statuses[name].append((await tools.execute(call)).status)
+        s = await sample(row)
+        if first and fault == "huge_reward":
+            s.reward = 1e200
+        return s
+
+    return rollout_fn
+
+cfg = config(
+    model, None, Path(tmp), max_steps=3, completions_per_prompt=3, rollout_timeout_s=6.0,
+    max_rollout_error_fraction=0.5, export_final_model=True, synchronous_training=True,
+    deployment=DeployConfig(base_url=url, weight_sync="shm"),
+)
+out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+print(json.dumps({"steps": out["steps"], "final": out["final_model"], "hit": hit, "statuses": statuses}))
+"""
+
+
+@pytest.mark.parametrize(
+    "fault, failure, says",
+    [
+        ("thread_hang", "rollout/timeouts", "worker thread(s) still running ['sleep"),
+        ("swallowed_cancel", "rollout/timeouts", "ignored its cancellation at its deadline"),
+        ("huge_reward", "rollout/invalid", "|reward| must be <= MAX_ABS_REWARD"),
+        ("partial_tool_hang", None, None),
+    ],
+)
+def test_a_misbehaving_rollout_loses_no_row_and_leaves_nothing_behind(
+    tiny_model_path, server, tmp_path, fault, failure, says
+):
+    """Issue #29's rollout faults, each in a whole run in its own process: the misbehaving completion (row 1's
+    first) is counted and dropped, every row is still trained, the final model is exported, and the process
+    exits (before: a hung thread held the exit forever, a swallowed cancel stalled the run, 1e200 overflowed
+    the advantages, one hung tool refused every other sync tool)."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", FAULT_RUN, tiny_model_path, server.base_url, str(tmp_path), fault],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = run.communicate(timeout=400)  # a hang here: something held the exit
+    finally:
+        run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["steps"] == 3 and out["hit"] == [fault]
+    assert out["final"] and (Path(out["final"]) / "config.json").exists()  # the export happened
+    trained = trained_rows(tmp_path / "run")
+    assert set(trained) == set(range(6))  # 3 steps x 2 rows, none lost
+    m = read_metrics(tmp_path / "run")
+    if failure is not None:
+        assert trained.count(1) == 2  # row 1 trained on its two good completions
+        assert sum(r.get(failure, 0) for r in m) == 1
+        assert says in stderr and "data row 1 (id 1)" in stderr
+    else:
+        hung, healthy = out["statuses"]["hung_lookup"], out["statuses"]["quick_lookup"]
+        assert len(healthy) >= 18 and set(healthy) == {"ok"}  # never refused by the hung tool's bound
+        assert set(hung) == {"timeout", "error"} and hung.count("timeout") == 4  # its own bound, then refused
+        assert sorted(trained) == sorted(list(range(6)) * 3)
+    assert not list(shm_dir().glob(f"{SHM_PREFIX}{run.pid}-*"))

@@ -287,3 +287,29 @@ def test_pause_holds_new_calls_and_drain_waits_for_in_flight(server):
 
     session = asyncio.run(go())
     assert len(session.calls) == 2 and len(session.calls[1].output_ids) == 64
+
+
+def test_a_posted_reward_past_the_contract_bound_is_refused_naming_the_field(server):
+    """Issue #29: the proxy accepted a per-call reward of 1e200, which then overflowed the advantages. It refuses
+    what the rollout contract refuses (``MAX_ABS_REWARD``) and keeps what it allows."""
+    import aiohttp
+
+    from training.utils.rl.rollout import MAX_ABS_REWARD
+
+    async def go():
+        async with ProxyServer([server.base_url]) as proxy:
+            c = client_for(proxy, "rw-1")
+            await c.chat.completions.create(model="m", messages=[SYSTEM], max_tokens=2, seed=1)
+            url = f"http://{proxy.host}:{proxy.port}/sessions/rw-1/reward"
+            answers = []
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {proxy.api_key}"}) as http:
+                for reward in (1e200, -MAX_ABS_REWARD * 2, MAX_ABS_REWARD, 0.5):
+                    async with http.post(url, json={"reward": reward}) as r:
+                        answers.append((r.status, await r.json()))
+            return answers, proxy.close_session("rw-1")
+
+    answers, session = asyncio.run(go())
+    assert [status for status, _ in answers] == [400, 400, 200, 200]
+    for _, body in answers[:2]:
+        assert body["error"]["param"] == "reward" and "out of range" in body["error"]["message"]
+    assert session.calls[0].posted_rewards == [MAX_ABS_REWARD, 0.5]

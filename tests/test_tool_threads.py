@@ -60,3 +60,40 @@ def test_a_hung_tool_does_not_keep_the_process_from_exiting():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "timeout" and time.perf_counter() - t0 < 30
+
+
+def test_one_tool_with_every_thread_hung_never_refuses_another_tool():
+    """Issue #29: 64 hung calls of one sync tool used to fill a process-wide bound and refuse every sync
+    tool. The bound is per tool: the hung tool's 65th call is refused naming it, a healthy tool still runs."""
+    from training.agents.tools import MAX_TOOL_THREADS
+    import threading
+
+    release = threading.Event()
+
+    def stuck_fetch(key: str) -> str:
+        """Blocks until the test ends."""
+        release.wait()
+        return key
+
+    def quick_lookup(key: str) -> str:
+        """Returns at once."""
+        return key.upper()
+
+    manager = ToolManager([FunctionTool(stuck_fetch), FunctionTool(quick_lookup)], timeout_s=0.3)
+
+    async def go():
+        stuck = [ToolCall(id=str(i), name="stuck_fetch", arguments={"key": "x"}) for i in range(MAX_TOOL_THREADS)]
+        hung = await manager.execute_all(stuck)
+        one_more = await manager.execute(ToolCall(id="m", name="stuck_fetch", arguments={"key": "x"}))
+        healthy = await manager.execute_all(
+            [ToolCall(id=f"q{i}", name="quick_lookup", arguments={"key": f"k{i}"}) for i in range(8)]
+        )
+        return hung, one_more, healthy
+
+    try:
+        hung, one_more, healthy = asyncio.run(go())
+    finally:
+        release.set()
+    assert [r.status for r in hung] == ["timeout"] * MAX_TOOL_THREADS
+    assert one_more.status == "error" and "stuck_fetch" in one_more.output and "still running" in one_more.output
+    assert [(r.status, r.output) for r in healthy] == [("ok", f"K{i}") for i in range(8)]

@@ -14,8 +14,9 @@ for a tool's fault: every call yields a ``ToolResult`` whose ``status`` is one o
 
 Sync tools run in threads of their own (``run_in_tool_thread``), never in asyncio's default pool,
 which the rest of the process shares: one daemon thread per call, started at once, so a tool's
-deadline counts from the start of the call (no queue wait), and at most ``MAX_TOOL_THREADS`` run
-at a time (more is an ``error`` result naming the hung calls). An async tool is cancelled at its
+deadline counts from the start of the call (no queue wait), and at most ``MAX_TOOL_THREADS`` calls
+of one tool run at a time (more is an ``error`` result naming the hung calls). The bound is per
+tool (per function), so one tool whose calls all hang never refuses the calls of another. An async tool is cancelled at its
 deadline; a sync tool's thread cannot be killed, so its result is discarded and the thread runs on
 until it returns. Being a daemon, a hung one never keeps the process from exiting.
 """
@@ -66,14 +67,26 @@ class ToolResult:
 
 
 MAX_TOOL_THREADS = 64
-"""Sync tool calls running at once in the process (hung ones included); more are refused."""
-_tool_threads = threading.BoundedSemaphore(MAX_TOOL_THREADS)
+"""Sync calls of one tool (one function) running at once in the process, hung ones included; more are refused."""
+_tool_slots: dict[Any, threading.BoundedSemaphore] = {}
+"""One semaphore per tool function (``run_in_tool_thread``'s ``fn``)."""
+_tool_slots_lock = threading.Lock()
+
+
+def _slots_of(fn: Callable[..., Any]) -> threading.BoundedSemaphore:
+    with _tool_slots_lock:
+        slots = _tool_slots.get(fn)
+        if slots is None:
+            slots = _tool_slots[fn] = threading.BoundedSemaphore(MAX_TOOL_THREADS)
+        return slots
 
 
 async def run_in_tool_thread(fn: Callable[..., Any], **kwargs: Any) -> Any:
     """Run a sync tool in a daemon thread of its own and await its result (see the module docstring)."""
-    if not _tool_threads.acquire(blocking=False):
-        raise RuntimeError(f"{MAX_TOOL_THREADS} sync tool calls are still running (hung tools?); refusing another")
+    slots = _slots_of(fn)
+    if not slots.acquire(blocking=False):
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        raise RuntimeError(f"{MAX_TOOL_THREADS} calls of {name} are still running (is it hung?); refusing another")
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -91,7 +104,7 @@ async def run_in_tool_thread(fn: Callable[..., Any], **kwargs: Any) -> Any:
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
             value, error = None, e
         finally:
-            _tool_threads.release()
+            slots.release()
         try:
             loop.call_soon_threadsafe(deliver, value, error)
         except RuntimeError:  # the loop is gone: nobody waits for this result

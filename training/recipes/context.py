@@ -29,7 +29,8 @@ from training.utils.metrics import MetricsLogger
 from training.utils.openmp import release_openmp_threads
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.ppo import train_on_groups
-from training.utils.rl.rollout import RolloutFn, RolloutSetup
+from training.utils.rl.failure_log import FailureLog, row_label
+from training.utils.rl.rollout import RolloutFn, RolloutSetup, RolloutValidationError, result_reward
 
 logger = logging.getLogger("training.recipe")
 
@@ -91,10 +92,14 @@ class RunContext:
         """Training groups being sampled (``run_group`` calls not yet returned)."""
         self._checkpoint_s = 0.0
         """Seconds the last checkpoint took, reported with the next step."""
+        self.failure_log = FailureLog("rollout")
+        """Training rollouts' failures: the first of each kind printed with its traceback, the rest counted."""
+        self.eval_failure_log = FailureLog("eval rollout")
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
-        row = self.rows[self.cursor.row_index(position)]
+        row_index = self.cursor.row_index(position)
+        row = self.rows[row_index]
         self.groups_in_flight += 1
         try:
             return await run_group(
@@ -107,6 +112,8 @@ class RunContext:
                 self.semaphore,
                 self.vocab_size,
                 is_retryable,
+                row_index=row_index,
+                failure_log=self.failure_log,
             )
         finally:
             self.groups_in_flight -= 1
@@ -149,6 +156,7 @@ class RunContext:
 
     def take_counters(self) -> dict[str, float]:
         m = self.counters.metrics()
+        m["rollout/failures_unprinted"] = float(self.failure_log.take_unprinted())
         self.counters = StepCounters()
         return m
 
@@ -199,19 +207,40 @@ class RunContext:
         )
 
     async def evaluate(self) -> dict[str, float]:
-        """Roll out every eval row once with the deployed weights: eval/reward_mean and eval/pass_rate."""
+        """Roll out every eval row once with the deployed weights: eval/reward_mean, eval/pass_rate, eval/failed.
 
-        async def one(row):
+        A failed eval rollout (it raised, timed out, or returned no RolloutSample / RolloutRun / None or a
+        reward the contract refuses: ``result_reward``) scores 0 and is reported like a training failure,
+        naming the row; ``eval/failed`` counts them."""
+        failed = []
+
+        async def one(index: int, row: dict) -> float:
+            label = row_label(row, index)
             async with self.semaphore:
                 try:
                     result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
+                    reward = result_reward(result)
+                except RolloutValidationError as e:
+                    self.eval_failure_log.problem(label, "invalid_" + e.field, f"returned an invalid result: {e}")
+                except asyncio.TimeoutError:
+                    self.eval_failure_log.problem(label, "timeout", "timed out (rollout_timeout_s); it scores 0")
                 except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
-                    logger.warning("eval rollout raised %s: %s", type(e).__name__, e)
-                    return 0.0
-                return float(getattr(result, "reward", 0.0)) if result is not None else 0.0
+                    self.eval_failure_log.exception(label, e)
+                else:
+                    return 0.0 if reward is None else reward  # None: the rollout dropped the row
+            failed.append(index)
+            return 0.0
 
-        rewards = await asyncio.gather(*(one(r) for r in self.eval_rows))
+        rewards = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.eval_rows)))
+        if failed:
+            logger.warning(
+                "eval: %d of %d rollouts failed and scored 0 (eval rows %s); see the first of each kind above",
+                len(failed),
+                len(rewards),
+                sorted(failed)[:10],
+            )
         return {
+            "eval/failed": float(len(failed)),
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards),
         }

@@ -18,7 +18,6 @@ others take part in each training step, weight gather, checkpoint and export tha
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -49,7 +48,8 @@ from training.utils.checkpoint import save_checkpoint
 from training.utils.data import Rows, load_rows
 from training.utils.dist import Command
 from training.utils.rl.ppo import receive_and_train
-from training.utils.rl.rollout import RolloutFn, RolloutSetup
+from training.utils.loop_runner import run_loop
+from training.utils.rl.rollout import RolloutFn, RolloutSetup, check_rollout_fn
 from training.utils.run_record import resolve_log_path, write_config_record
 from training.utils.run_summary import log_summary, run_summary
 
@@ -106,8 +106,7 @@ def start_rollouts(
         )
         deployment.hooks = setup.weight_sync_hooks  # the same list: hooks added by make_rollout_fn count
         rollout_fn = rollout_fn_factory(setup)
-        if not callable(rollout_fn):
-            raise TypeError("rollout_fn_factory(setup) must return an async function rollout_fn(row)")
+        check_rollout_fn(rollout_fn)
     except BaseException:
         deployment.stop()
         raise
@@ -214,7 +213,7 @@ def _run_recipe(
                 cfg, model_path, log_path, state, rollout_fn_factory, rollout_extras or {}, share
             )
             try:
-                result = asyncio.run(
+                result = run_loop(  # never waits for abandoned rollout threads or tasks at exit
                     _run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn, share)
                 )
                 steps = result["steps"]

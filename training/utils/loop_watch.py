@@ -97,27 +97,34 @@ class LoopWatchdog:
         return total
 
 
+CANCEL_GRACE_S = 2.0
+"""How long ``wait_for`` waits for a timed-out awaitable to finish after cancelling it; one that is still
+running then (it swallowed ``CancelledError``) is abandoned, never awaited."""
+
+abandoned: list[asyncio.Task] = []
+"""Tasks that ignored their cancellation at a deadline: left to run, referenced here so they are not
+collected mid-run; ``training.utils.loop_runner.run_loop`` names them at exit and does not wait for them."""
+
+
 async def wait_for(aw: Awaitable[Any], timeout_s: float, watchdog: Optional[LoopWatchdog] = None) -> Any:
     """``asyncio.wait_for(aw, timeout_s)``, except that time the loop was blocked does not count.
 
-    ``watchdog`` defaults to the one watching the running loop; without one this is plain ``wait_for``.
+    ``watchdog`` defaults to the one watching the running loop; without one, blocked time counts.
 
-    Raises ``asyncio.TimeoutError`` (and cancels ``aw``) once ``timeout_s`` of unblocked time passed.
+    Raises ``asyncio.TimeoutError`` once ``timeout_s`` of unblocked time passed, after cancelling ``aw``
+    and waiting at most ``CANCEL_GRACE_S`` for it: one that swallows its cancellation is abandoned
+    (logged, kept in ``abandoned``), so a deadline always returns.
     """
     watchdog = watchdog or _watching.get(asyncio.get_running_loop())
-    if watchdog is None:
-        return await asyncio.wait_for(aw, timeout_s)
     task = asyncio.ensure_future(aw)
     t0 = time.monotonic()
     try:
         while True:
-            remaining = timeout_s - (time.monotonic() - t0 - watchdog.blocked_s_since(t0))
+            blocked = watchdog.blocked_s_since(t0) if watchdog is not None else 0.0
+            remaining = timeout_s - (time.monotonic() - t0 - blocked)
             if remaining <= 0:
                 task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+                await _settle_cancelled(task)
                 raise asyncio.TimeoutError()
             done, _ = await asyncio.wait({task}, timeout=remaining)
             if done:
@@ -125,3 +132,25 @@ async def wait_for(aw: Awaitable[Any], timeout_s: float, watchdog: Optional[Loop
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+async def _settle_cancelled(task: asyncio.Task) -> None:
+    """Wait up to ``CANCEL_GRACE_S`` for a cancelled ``task``; abandon it if it is still running."""
+    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    if done:
+        if not task.cancelled():
+            task.exception()  # retrieved: a late failure of a timed-out call is not reported again
+        return
+    abandoned.append(task)
+    log.warning(
+        "%s ignored its cancellation at its deadline (it catches CancelledError and goes on; re-raise it): "
+        "abandoned, still running (%d abandoned so far)",
+        _describe(task),
+        len(abandoned),
+    )
+
+
+def _describe(task: asyncio.Task) -> str:
+    coro = task.get_coro()
+    code = getattr(coro, "cr_code", None)
+    return f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}()" if code else repr(coro)

@@ -83,6 +83,30 @@ def tracker_scalars(metrics: Mapping[str, object]) -> dict[str, float]:
     }
 
 
+PROMPT_TEXT_CHARS = 200
+"""How much of a row's prompt text ``rollouts.jsonl`` keeps when the row has no ``id``."""
+
+
+def prompt_ref(row: dict) -> dict:
+    """What ``rollouts.jsonl`` keeps of a row to find it again, small: ``{"row_id": ...}`` when the row has
+    an ``id``; else the first ``PROMPT_TEXT_CHARS`` of its ``prompt`` (or its last message's text) as
+    ``prompt``; else the count of its prompt token ids as ``prompt_tokens``; else nothing."""
+    if not isinstance(row, dict):
+        return {}
+    if row.get("id") is not None:
+        return {"row_id": row["id"]}
+    text = row.get("prompt")
+    messages = row.get("messages")
+    if not isinstance(text, str) and isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        text = messages[-1].get("content")
+    if isinstance(text, str):
+        return {"prompt": text[:PROMPT_TEXT_CHARS]}
+    ids = row.get("prompt_token_ids", row.get("prompt_ids"))
+    if isinstance(ids, list):
+        return {"prompt_tokens": len(ids)}
+    return {}
+
+
 class MetricsLogger:
     """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console, wandb and TensorBoard.
 
@@ -161,6 +185,8 @@ class MetricsLogger:
                             {
                                 "step": step,
                                 "row_position": g.position,
+                                "row_index": getattr(g, "row_index", None),
+                                **prompt_ref(g.row),
                                 "completion": completion,
                                 "submit_version": g.submit_version,
                                 "reward": sample.reward,
@@ -193,6 +219,10 @@ class MetricsLogger:
         ):
             if key in m and m[key] is not None:
                 parts.append(fmt.format(m[key]))
+        failed = sum(m.get(k) or 0 for k in ("rollout/errors", "rollout/timeouts", "rollout/invalid"))
+        if failed:
+            unprinted = m.get("rollout/failures_unprinted") or 0
+            parts.append(f"{failed:.0f} rollouts failed" + (f" ({unprinted:.0f} not printed)" if unprinted else ""))
         return " | ".join(p for p in parts if p)
 
     def close(self) -> None:

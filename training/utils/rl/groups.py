@@ -3,8 +3,10 @@
 A failure costs one completion, never the group or the run: an exception, a timeout, a
 malformed result and a ``None`` are each counted on the group, every failure also under its
 cause (``failure_cause``: ``timeout``, ``upstream_5xx``, ``agent``, ``invalid_loss_mask``...);
-the surviving completions form the group. Segments of a ``RolloutRun`` share their run's reward
-and advantage, unless the run credits each segment (``segment_rewards``: see ``advantages.py``).
+the surviving completions form the group. Failures are reported through a ``FailureLog`` (the
+first of each kind with its traceback, the rest counted), naming the data row (``row_label``).
+Segments of a ``RolloutRun`` share their run's reward and advantage, unless the run credits each
+segment (``segment_rewards``: see ``advantages.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Iterator, Optional
 
 from training.utils import loop_watch
 from training.utils.rl.advantages import credited_advantages
+from training.utils.rl.failure_log import FailureLog, row_label
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ class PromptGroup:
     failure_causes: dict[str, int] = field(default_factory=dict)
     """Failed completions (errors, timeouts, invalid results) counted by ``failure_cause``."""
     rollout_seconds: float = 0.0
+    row_index: Optional[int] = None
+    """The row's index in the user's rows (``RowCursor.row_index(position)``), when known."""
 
     @property
     def attempts(self) -> int:
@@ -134,13 +139,18 @@ async def run_group(
     semaphore: asyncio.Semaphore,
     vocab_size: Optional[int] = None,
     is_retryable: Callable[[BaseException], bool] = lambda e: False,
+    row_index: Optional[int] = None,
+    failure_log: Optional[FailureLog] = None,
 ) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
     An exception for which ``is_retryable`` is true (a deployment that went away or answered
-    5xx past the sampler's own retries) is retried once; every other failure costs that completion.
+    5xx past the sampler's own retries) is retried once; every other failure costs that completion
+    and is reported to ``failure_log`` (a fresh one when not given), naming ``row_index``.
     """
-    group = PromptGroup(position=position, row=row, submit_version=submit_version)
+    group = PromptGroup(position=position, row=row, submit_version=submit_version, row_index=row_index)
+    failures = failure_log if failure_log is not None else FailureLog()
+    label = row_label(row, row_index, position)
     t0 = time.perf_counter()
 
     async def one(k: int):
@@ -153,25 +163,28 @@ async def run_group(
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
                     if attempt == 1 or isinstance(e, asyncio.TimeoutError) or not is_retryable(e):
                         return k, e
-                    logger.warning("rollout of row %d hit %r; retrying once", position, e)
+                    logger.warning("rollout of %s hit %r; retrying once", label, e)
 
     for k, result in await asyncio.gather(*(one(k) for k in range(n))):
         if isinstance(result, asyncio.TimeoutError):
             group.timeouts += 1
             group.count_failure("timeout")
-            logger.warning("rollout of row %d timed out after %.1f s", position, timeout_s)
+            failures.problem(
+                label, "timeout", f"timed out after {timeout_s:.1f} s (rollout_timeout_s); that completion is dropped"
+            )
             continue
         if isinstance(result, BaseException):
             group.errors += 1
             group.count_failure(failure_cause(result))
-            logger.warning("rollout of row %d raised %s: %s", position, type(result).__name__, result)
+            failures.exception(label, result)
             continue
         try:
             samples = flatten_result(result, vocab_size)
         except (RolloutValidationError, TypeError) as e:
+            field_name = getattr(e, "field", "type")
             group.invalid += 1
-            group.count_failure("invalid_" + _metric_name(getattr(e, "field", "type")))
-            logger.warning("rollout of row %d returned an invalid result: %s", position, e)
+            group.count_failure("invalid_" + _metric_name(field_name))
+            failures.problem(label, "invalid_" + field_name, f"returned an invalid result: {e}")
             continue
         if not samples:
             group.dropped += 1

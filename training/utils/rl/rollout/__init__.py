@@ -17,6 +17,9 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
 - ``token_weight_versions``, when given, has one entry per trainable token (``loss_mask`` 1),
   in order: the weight version that produced it (``Completion.token_weight_versions`` of each
   call, concatenated).
+- ``reward`` is a real number with ``|reward| <= MAX_ABS_REWARD``: a Python ``int`` / ``float``, or
+  a numpy or torch scalar, converted to ``float`` at validation. ``None``, ``nan``, ``inf``, a bool
+  or anything larger is refused naming the field (a huge reward would overflow the advantages).
 
 ``training.utils.rl.rollout.turn_matching`` (a submodule of this package) classifies the calls
 of a recorded multi-turn episode as NEW, APPEND or WIPE.
@@ -46,7 +49,10 @@ use the same letters.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -56,6 +62,10 @@ STOP_REASONS = ("finish", "max_steps", "timeout", "error", "length")
 environment ended it), ``max_steps`` (the environment's step limit), ``timeout`` (cut at its deadline),
 ``error`` (an exception ended it), ``length`` (the context was full). Failed episodes return no run:
 they reach the metrics as failure causes (``timeout`` → ``timeout``, any other cause → ``error``)."""
+
+MAX_ABS_REWARD = 1e6
+"""The largest ``|reward|`` the contract accepts (a rollout's and a proxy-posted per-call reward alike):
+far above any sensible reward scale, far below where the advantages' squares overflow."""
 
 
 class RolloutValidationError(ValueError):
@@ -159,6 +169,54 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def as_reward(value: Any, field_name: str = "reward") -> float:
+    """``value`` as a float reward, or ``RolloutValidationError`` naming ``field_name``.
+
+    Accepts a Python int / float and a numpy or torch scalar (a 0-d array or a one-element tensor:
+    anything with ``.item()`` giving a number); refuses ``None``, bools, non-finite values and
+    ``|value| > MAX_ABS_REWARD``."""
+    raw = value
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, float):
+        raise RolloutValidationError(
+            field_name, f"{raw!r} ({type(raw).__name__}) is not a number; return a float (e.g. 1.0 for a pass)"
+        )
+    if not math.isfinite(value):
+        raise RolloutValidationError(field_name, f"{raw!r} is not a finite number")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RolloutValidationError(
+            field_name, f"{raw!r} is out of range: |{field_name}| must be <= MAX_ABS_REWARD={MAX_ABS_REWARD:g}"
+        )
+    return value
+
+
+def check_rollout_fn(rollout_fn: Any) -> None:
+    """Refuse at start what cannot be a rollout function: not callable, or a plain (non-``async``) function."""
+    if not callable(rollout_fn):
+        raise TypeError(
+            f"make_rollout_fn(setup) returned {type(rollout_fn).__name__}, not a function: "
+            "return an `async def rollout_fn(row)`"
+        )
+    target = rollout_fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not inspect.isroutine(target):
+        target = type(target).__call__  # an object with a __call__ method
+    if inspect.isfunction(target) or inspect.ismethod(target):
+        if not (inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target)):
+            name = getattr(target, "__name__", repr(target))
+            if name != "<lambda>":  # a lambda may return a coroutine: it is awaited, and checked then
+                raise TypeError(
+                    f"rollout_fn: {name} is a plain `def`; declare it `async def {name}(row)` (the recipe awaits it)"
+                )
+
+
 def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> None:
     """Raise ``RolloutValidationError`` naming the first field that breaks the contract."""
     if not isinstance(sample, RolloutSample):
@@ -189,8 +247,7 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
     for i, lp in enumerate(sample.logprobs):
         if not _finite(lp):
             raise RolloutValidationError("logprobs", f"logprobs[{i}]={lp!r} is not finite")
-    if not _finite(sample.reward):
-        raise RolloutValidationError("reward", f"{sample.reward!r} is not a finite number")
+    sample.reward = as_reward(sample.reward)
     if not _finite(sample.weight) or sample.weight < 0:
         raise RolloutValidationError("weight", f"{sample.weight!r} is not a finite number >= 0")
     versions = sample.token_weight_versions
@@ -208,6 +265,18 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
                 )
 
 
+def result_reward(result: RolloutResult) -> Optional[float]:
+    """The reward of one ``rollout_fn`` result (None for ``None``), or ``RolloutValidationError`` for a
+    result of another type or a reward ``as_reward`` refuses; eval reads only this."""
+    if result is None:
+        return None
+    if not isinstance(result, (RolloutSample, RolloutRun)):
+        raise RolloutValidationError(
+            "rollout result", f"expected RolloutSample, RolloutRun or None, got {type(result).__name__}"
+        )
+    return as_reward(result.reward)
+
+
 def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> list[RolloutSample]:
     """Turn one ``rollout_fn`` result into validated samples ([] for ``None``)."""
     if result is None:
@@ -215,8 +284,7 @@ def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> l
     if isinstance(result, RolloutRun):
         if not result.segments:
             raise RolloutValidationError("segments", "a RolloutRun needs at least one segment")
-        if not _finite(result.reward):
-            raise RolloutValidationError("reward", f"{result.reward!r} is not a finite number")
+        result.reward = as_reward(result.reward)
         if result.return_weights is not None and (
             len(result.return_weights) != len(result.segments) or not all(_finite(g) for g in result.return_weights)
         ):
@@ -225,8 +293,18 @@ def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> l
                 f"{len(result.return_weights)} values for {len(result.segments)} segments, or a non-finite one",
             )
         samples = result.samples()
-    else:
+    elif isinstance(result, RolloutSample):
         samples = [result]
+    else:
+        raise RolloutValidationError(
+            "rollout result",
+            f"expected RolloutSample, RolloutRun or None, got {type(result).__name__}"
+            + (
+                " (build a RolloutSample(tokens=, logprobs=, loss_mask=, reward=) from it)"
+                if isinstance(result, dict)
+                else ""
+            ),
+        )
     for s in samples:
         validate_sample(s, vocab_size)
     return samples

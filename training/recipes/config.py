@@ -177,6 +177,12 @@ class Config:
                 "trainer trains, so rollouts cannot overlap training)"
             )
             self.synchronous_training = True
+        check(
+            not (self.deployment.colocate and self.deployment.sleep_level == 2 and self.weight_sync_interval != 1),
+            "weight_sync_interval",
+            "must be 1 with deployment.colocate and sleep_level=2: a replica that slept at level 2 gets its weights "
+            "back from the push after every step",
+        )
         check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         check(self.ppo_mini_batches >= 1, "ppo_mini_batches", "must be >= 1")
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import aiohttp
 
@@ -168,6 +170,28 @@ class RunContext:
                 seed=cfg.seed + step,
             ),
         )
+
+    @contextlib.asynccontextmanager
+    async def colocated(self, timer: StepTimer) -> AsyncIterator[dict[str, float]]:
+        """Around a step's train and push when ``deployment.colocate``: the replicas sleep at
+        ``deployment.sleep_level`` before, and wake after (also when the step failed). The yielded dict
+        gets the ``colocate/*`` metrics after the wake (the replicas' sleep and wake counts); without
+        ``colocate`` nothing happens and it stays empty."""
+        out: dict[str, float] = {}
+        deploy = self.cfg.deployment
+        if not deploy.colocate:
+            yield out
+            return
+        with timer.phase("sleep"):
+            slept = await self.deployment.sleep(deploy.sleep_level)
+        try:
+            yield out
+        finally:
+            with timer.phase("wake"):
+                woke = await self.deployment.wake_up()
+            out["colocate/freed_bytes"] = float(sum(sum(s.get("freed", {}).values()) for s in slept))
+            out["colocate/server_sleeps"] = float(sum(w.get("sleeps", 0) for w in woke))
+            out["colocate/server_wakes"] = float(sum(w.get("wakes", 0) for w in woke))
 
     def sync_due(self, step_done: int) -> bool:
         """Weights are pushed after every ``weight_sync_interval``-th step."""

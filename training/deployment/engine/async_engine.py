@@ -206,7 +206,9 @@ class AsyncEngine:
             else:
                 result = {"reloaded_weights": self._sleep.level == 2}
                 if self._sleep.level == 2:  # no push since the sleep: the served model folder's weights
-                    log.warning("wake_up after a level-2 sleep with no weight push: reloading %s", self.engine.model_path)
+                    log.warning(
+                        "wake_up after a level-2 sleep with no weight push: reloading %s", self.engine.model_path
+                    )
                     self._sleep.restore_weights()
                     self.engine.runner.load_weights(load_safetensors(self.engine.model_path))
                     self.engine.weight_version = 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
+import torch
 
 from training.deployment.group import DeploymentGroup
 from training.deployment.client import DeploymentRequestError
@@ -188,6 +189,8 @@ class RunContext:
             yield out
         finally:
             with timer.phase("wake"):
+                if torch.cuda.is_available():  # the trainer's freed blocks (grads, activations) go to the engine
+                    torch.cuda.empty_cache()
                 woke = await self.deployment.wake_up()
             out["colocate/freed_bytes"] = float(sum(sum(s.get("freed", {}).values()) for s in slept))
             out["colocate/server_sleeps"] = float(sum(w.get("sleeps", 0) for w in woke))

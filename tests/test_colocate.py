@@ -214,3 +214,41 @@ def test_colocated_async_rl_loop_sleeps_and_wakes_around_every_step(tiny_model_p
     assert all(r["colocate/freed_bytes"] > 0 for r in rows)
     assert [r["offpolicy/weight_version"] for r in rows] == [1.0, 2.0]
     assert sorted(set(rec.versions)) == [0, 1]  # step 2 sampled from the weights pushed while the server slept
+
+
+@pytest.mark.parametrize("use_lean_forward", [True, False], ids=["lean", "hf_fallback"])
+def test_engine_sleep_level_2_and_wake_on_either_runner_gives_identical_greedy_output(
+    tiny_model_path, use_lean_forward
+):
+    """In-process: both runners free their KV cache and weights (the fallback's memory-mapped parameters
+    are swapped out, not resized) and, with no push, wake on the model folder's weights at version 0."""
+    from training.deployment.engine.async_engine import AsyncEngine
+    from training.deployment.engine.requests import SamplingParams
+
+    async def go():
+        engine = AsyncEngine(
+            EngineConfig(
+                model=tiny_model_path,
+                device="cpu",
+                dtype="float32",
+                max_batch_size=4,
+                max_model_len=128,
+                use_lean_forward=use_lean_forward,
+            )
+        )
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            before = await engine.generate(PROMPT, params)
+            freed = await engine.sleep(2)
+            assert freed["kv_cache_bytes"] > 0 and freed["weight_bytes"] > 0 and engine.sleep_level == 2
+            assert (await engine.wake_up())["reloaded_weights"] is True
+            after = await engine.generate(PROMPT, params)
+            assert engine.sleep_level == 0 and engine.weight_version == 0
+            return before, after
+        finally:
+            await engine.shutdown()
+
+    before, after = asyncio.run(go())
+    assert after.output_token_ids == before.output_token_ids
+    assert after.output_logprobs == before.output_logprobs

@@ -8,7 +8,8 @@
 Freeing resizes each tensor's storage to 0 bytes: the tensor objects, their views (``runner.targets``,
 ``cache.k[i]``) and their shapes stay, so whoever holds them needs no new reference; waking resizes the
 storage back (new addresses: the native step's pointer table is rebuilt, CUDA graphs are re-captured on
-first use). The contents do not survive: the KV cache is garbage after a wake (the caller drops every
+first use). A storage that cannot be resized (the transformers fallback's parameters, memory-mapped from
+the checkpoint) has its tensor's ``.data`` swapped for an empty one instead, and back at wake. The contents do not survive: the KV cache is garbage after a wake (the caller drops every
 cached prefix), and level-2 weights must be loaded again (``restore_weights`` then a weight update,
 or ``reload_weights`` from the model folder). Freed memory goes back to the system: ``torch.cuda.empty_cache``
 on CUDA; on CPU ``gc.collect`` and glibc's ``malloc_trim(0)`` (where libc has it).
@@ -61,6 +62,10 @@ class FreedStorages:
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    swapped: list[bool] = field(default_factory=list)
+    """True where the storage could not be resized (a memory-mapped checkpoint's, as transformers loads
+    it): the tensor's ``.data`` was swapped for an empty one instead (the tensor object stays the same)."""
 
     def free(self, tensors) -> int:
         """Free each distinct storage of ``tensors``; returns the bytes freed."""
@@ -68,12 +73,20 @@ class FreedStorages:
         with torch.inference_mode():
             for t in _unique_storages(tensors):
                 s = t.untyped_storage()
-                n = s.nbytes()
+                n, shape = s.nbytes(), tuple(t.shape)
                 if n == 0:
                     continue
-                s.resize_(0)
+                try:
+                    s.resize_(0)
+                    swapped = False
+                except RuntimeError:  # not resizable: swap the data (only whole tensors: the fallback's parameters)
+                    n = t.nbytes
+                    t.data = t.new_empty(0)
+                    swapped = True
                 self.tensors.append(t)
                 self.nbytes.append(n)
+                self.swapped.append(swapped)
+                self.shapes.append(shape)
                 total += n
         return total
 
@@ -81,10 +94,13 @@ class FreedStorages:
         """Give every freed storage its size back (contents undefined); returns the bytes allocated."""
         total = 0
         with torch.inference_mode():
-            for t, n in zip(self.tensors, self.nbytes):
-                t.untyped_storage().resize_(n)
+            for t, n, swapped, shape in zip(self.tensors, self.nbytes, self.swapped, self.shapes):
+                if swapped:
+                    t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+                else:
+                    t.untyped_storage().resize_(n)
                 total += n
-        self.tensors, self.nbytes = [], []
+        self.tensors, self.nbytes, self.swapped, self.shapes = [], [], [], []
         return total
 
     @property

@@ -252,3 +252,20 @@ def test_engine_sleep_level_2_and_wake_on_either_runner_gives_identical_greedy_o
     before, after = asyncio.run(go())
     assert after.output_token_ids == before.output_token_ids
     assert after.output_logprobs == before.output_logprobs
+
+
+def test_colocated_vllm_is_launched_with_sleep_mode(tmp_path):
+    """vLLM's /sleep, /wake_up, /is_sleeping need --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (the command
+    only: driving a real vLLM needs its GPU build, which this suite does not have)."""
+    from training.deployment.vllm import VLLMDeployment
+
+    def launched(colocate):
+        dep = VLLMDeployment(
+            "/models/x", DeployConfig(engine="vllm", colocate=colocate), log_file=str(tmp_path / "v.log")
+        )
+        dep.port = 1234
+        return dep._command(), dep._env()
+
+    cmd, env = launched(True)
+    assert "--enable-sleep-mode" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "--enable-sleep-mode" not in launched(False)[0]

@@ -172,7 +172,7 @@ class Config:
             self.stale_policy in STALE_POLICIES, "stale_policy", f"{self.stale_policy!r} is not one of {STALE_POLICIES}"
         )
         if self.deployment.colocate and not self.synchronous_training:
-            logging.getLogger("training.recipe").info(
+            logging.getLogger("training.recipe").warning(
                 "deployment.colocate=True: synchronous_training forced to True (the engine sleeps while the "
                 "trainer trains, so rollouts cannot overlap training)"
             )

@@ -206,6 +206,15 @@ class DeploymentGroup:
         if self.sampler is not None:
             await self.sampler.close()
 
+    # ------------------------------------------------------------ sleep (colocation)
+    async def sleep(self, level: int) -> list[dict]:
+        """``POST /sleep?level=N`` on every replica at once (seed 002's step 1); each replica's answer."""
+        return list(await asyncio.gather(*(asyncio.to_thread(r.sleep, level) for r in self.replicas)))
+
+    async def wake_up(self) -> list[dict]:
+        """``POST /wake_up`` on every replica at once (seed 002's step 4); each replica's answer."""
+        return list(await asyncio.gather(*(asyncio.to_thread(r.wake_up) for r in self.replicas)))
+
     # ------------------------------------------------------------ weights
     async def push(
         self,

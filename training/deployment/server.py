@@ -5,6 +5,7 @@ Endpoints (see README.md for bodies):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request.
 - ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
 - ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
+- ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: colocation (server_sleep.py).
 - ``POST /init_weight_update_group``, ``POST /update_weights_from_distributed``: the torch.distributed
   path (the trainer broadcasts tensors; see ``dist_weights.py``, ``dist_weights_receiver.py``).
 
@@ -46,6 +47,7 @@ from training.deployment.server_context import (
     SETTINGS_KEY,
     read_json,
 )
+from training.deployment.server_sleep import sleep_routes
 from training.deployment.server_weights import DIST_KEY, LOOPBACK_PEERS, shm_roots, weight_routes
 from training.deployment.streaming import ChunkStream
 from training.utils.http import bearer_ok, session_id_of
@@ -320,6 +322,7 @@ def create_app(
             *weight_routes(),
             web.post("/pause", pause),
             web.post("/resume", resume),
+            *sleep_routes(),
         ]
     )
 

@@ -254,6 +254,29 @@ class ServerProcess:
             return None
         return dtype if isinstance(dtype, str) else None
 
+    # ------------------------------------------------------------ sleep (colocation)
+    def sleep(self, level: int = 1) -> dict:
+        """``POST /sleep?level=N`` (this package's server and vLLM's): free the KV cache (1) or the weights too (2)."""
+        return self._control("POST", "/sleep", params={"level": str(int(level))})
+
+    def wake_up(self) -> dict:
+        """``POST /wake_up``: allocate again what ``sleep`` freed."""
+        return self._control("POST", "/wake_up")
+
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``."""
+        return bool(self._control("GET", "/is_sleeping").get("is_sleeping"))
+
+    def _control(self, method: str, path: str, params: Optional[dict] = None) -> dict:
+        status, text = self._http(method, path, params=params, timeout=max(self.cfg.request_timeout_s, 600.0))
+        if status != 200:
+            raise RuntimeError(f"{self.base_url}{path}: HTTP {status or 'no answer'}: {text[:2000]}")
+        try:
+            out = json.loads(text) if text else {}
+        except ValueError:
+            out = {}
+        return out if isinstance(out, dict) else {}
+
     def note_weights(self, folder: str, weight_version: int, mode: str) -> None:
         """Record the weights now live, to load them again after a restart."""
         self.latest_weights = {"folder": str(folder), "weight_version": int(weight_version), "mode": mode}

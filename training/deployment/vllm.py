@@ -36,6 +36,12 @@ Weight sync, from a folder (``DeploymentGroup.push`` or ``push_weights``):
 5. ``POST /update_weight_version`` (``new_version`` as a string), then ``POST /resume``
    (always, also when a step failed, so a failed sync never leaves the server paused).
 
+Colocation (``cfg.colocate``): the server is launched with ``--enable-sleep-mode`` (and, as always,
+``VLLM_SERVER_DEV_MODE=1``), and ``sleep`` / ``wake_up`` / ``is_sleeping`` drive vLLM's own
+``/sleep?level=N``, ``/wake_up``, ``/is_sleeping``. vLLM's level 2 discards the weights, so a push to a
+level-2 sleeper first wakes the weights alone (``/wake_up?tags=weights``); the KV cache wakes with
+``wake_up``. Not exercised by the test suite (it needs vLLM's GPU build).
+
 NCCL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``) is GPU only and not
 wired here; see training/deployment/README.md for the command to try it on a GPU.
 """
@@ -97,6 +103,8 @@ class VLLMDeployment(ServerProcess):
         self.refresh_tied_output = refresh_tied_output
         """Reload through the worker extension (True) or vLLM's bare ``reload_weights`` (False:
         only to demonstrate the tied-embedding pitfall in tests)."""
+        self.sleep_level = 0
+        """The level of the last ``sleep`` this process sent (0 awake); vLLM's /is_sleeping has no level."""
         self.last_sync: dict[str, float] = {}
         """Timings of the last ``load_weights``: pause_s, reload_s."""
 
@@ -141,12 +149,13 @@ class VLLMDeployment(ServerProcess):
             WORKER_EXTENSION,
             *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []),
             *(["--seed", str(self.cfg.engine_config.seed)] if self.cfg.engine_config.seed is not None else []),
+            *(["--enable-sleep-mode"] if self.cfg.colocate else []),  # /sleep, /wake_up (dev mode: _env)
             *self.extra_args,
         ]
 
     def _env(self) -> dict[str, str]:
         env = super()._env()
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping
         if not self.on_gpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
@@ -156,6 +165,18 @@ class VLLMDeployment(ServerProcess):
             env["VLLM_API_KEY"] = self.api_key  # via env, not argv: keeps the key out of `ps`
         env.update(self.cfg.engine_env)
         return env
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's ``POST /sleep?level=N`` (needs ``--enable-sleep-mode``: launched with it when ``cfg.colocate``).
+        A weight push while asleep at level 2 first wakes the weights alone (``/wake_up?tags=weights``)."""
+        out = super().sleep(level)
+        self.sleep_level = max(self.sleep_level, int(level))
+        return out
+
+    def wake_up(self) -> dict:
+        out = super().wake_up()
+        self.sleep_level = 0
+        return out
 
     async def server_weight_version(self) -> Optional[str]:
         """The version string vLLM reports (``GET /weight_info``); None if it has none."""
@@ -186,6 +207,9 @@ class VLLMDeployment(ServerProcess):
         step. The server is resumed either way."""
         method = RELOAD_METHOD if self.refresh_tied_output else "reload_weights"
         t0 = time.perf_counter()
+        if self.sleep_level == 2:  # vLLM's level 2 discarded the weights: allocate them (KV cache stays asleep)
+            self._post("/wake_up", params={"tags": "weights"})
+            self.sleep_level = 1
         self._post("/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
         t1 = time.perf_counter()
         try:

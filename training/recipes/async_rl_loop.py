@@ -17,7 +17,9 @@ Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``run.py``):
 4. finish: final checkpoint and HF export, stop the deployment.
 
 ``synchronous_training=True`` drains in-flight rollouts before every step and submits nothing
-while training; ``max_head_offpolicy_versions=0`` is strict on-policy.
+while training; ``max_head_offpolicy_versions=0`` is strict on-policy. ``deployment.colocate`` forces
+``synchronous_training`` and wraps train and push in ``RunContext.colocated`` (the replicas sleep, the
+trainer trains, the weights are pushed, the replicas wake).
 """
 
 from __future__ import annotations
@@ -242,12 +244,14 @@ class AsyncRLLoop:
                 self.changed.set()
                 m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
                 busy_train0 = self.busy.read()
-                with timer.phase("train"):
-                    m.update(await ctx.train(batch, step))
-                with timer.phase("weight_sync"):
-                    if ctx.sync_due(step + 1):
-                        await ctx.sync_weights(step + 1)
-                        self.deployed_version = step + 1
+                async with ctx.colocated(timer) as colocate:
+                    with timer.phase("train"):
+                        m.update(await ctx.train(batch, step))
+                    with timer.phase("weight_sync"):
+                        if ctx.sync_due(step + 1):
+                            await ctx.sync_weights(step + 1)
+                            self.deployed_version = step + 1
+                m.update(colocate)
                 self.training = False
                 self.changed.set()
                 hidden = self.busy.read() - busy_train0

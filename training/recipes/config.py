@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -87,7 +88,8 @@ class Config:
     max_head_offpolicy_versions: int = 0
     """O: a sample may be trained at most O weight versions after the version it was submitted under (0 = strict on-policy)."""
     synchronous_training: bool = False
-    """Drain every in-flight rollout before each step and submit nothing while training."""
+    """Drain every in-flight rollout before each step and submit nothing while training. Forced True by
+    ``deployment.colocate`` (the engine sleeps while the trainer trains)."""
     weight_sync_interval: int = 1
     """Push weights to the deployment every this many steps, and before each eval (needs max_head_offpolicy_versions
     >= interval - 1)."""
@@ -182,6 +184,18 @@ class Config:
         )
         check(
             self.stale_policy in STALE_POLICIES, "stale_policy", f"{self.stale_policy!r} is not one of {STALE_POLICIES}"
+        )
+        if self.deployment.colocate and not self.synchronous_training:
+            logging.getLogger("training.recipe").warning(
+                "deployment.colocate=True: synchronous_training forced to True (the engine sleeps while the "
+                "trainer trains, so rollouts cannot overlap training)"
+            )
+            self.synchronous_training = True
+        check(
+            not (self.deployment.colocate and self.deployment.sleep_level == 2 and self.weight_sync_interval != 1),
+            "weight_sync_interval",
+            "must be 1 with deployment.colocate and sleep_level=2: a replica that slept at level 2 gets its weights "
+            "back from the push after every step",
         )
         check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         check(self.ppo_mini_batches >= 1, "ppo_mini_batches", "must be >= 1")

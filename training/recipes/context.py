@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import aiohttp
+import torch
 
 from training.deployment.group import DeploymentGroup
 from training.deployment.client import DeploymentRequestError
@@ -178,6 +181,30 @@ class RunContext:
                 seed=cfg.seed + step,
             ),
         )
+
+    @contextlib.asynccontextmanager
+    async def colocated(self, timer: StepTimer) -> AsyncIterator[dict[str, float]]:
+        """Around a step's train and push when ``deployment.colocate``: the replicas sleep at
+        ``deployment.sleep_level`` before, and wake after (also when the step failed). The yielded dict
+        gets the ``colocate/*`` metrics after the wake (the replicas' sleep and wake counts); without
+        ``colocate`` nothing happens and it stays empty."""
+        out: dict[str, float] = {}
+        deploy = self.cfg.deployment
+        if not deploy.colocate:
+            yield out
+            return
+        with timer.phase("sleep"):
+            slept = await self.deployment.sleep(deploy.sleep_level)
+        try:
+            yield out
+        finally:
+            with timer.phase("wake"):
+                if torch.cuda.is_available():  # the trainer's freed blocks (grads, activations) go to the engine
+                    torch.cuda.empty_cache()
+                woke = await self.deployment.wake_up()
+            out["colocate/freed_bytes"] = float(sum(sum(s.get("freed", {}).values()) for s in slept))
+            out["colocate/server_sleeps"] = float(sum(w.get("sleeps", 0) for w in woke))
+            out["colocate/server_wakes"] = float(sum(w.get("wakes", 0) for w in woke))
 
     def sync_due(self, step_done: int) -> bool:
         """Weights are pushed after every ``weight_sync_interval``-th step, and before each eval (so that an eval

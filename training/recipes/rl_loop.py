@@ -57,12 +57,14 @@ class SyncRLLoop:
                 break
             m = {**batch_metrics(batch), **ctx.take_counters()}
             staleness = float(step - deployed_version)
-            with timer.phase("train"):
-                m.update(await ctx.train(batch, step))
-            with timer.phase("weight_sync"):
-                if ctx.sync_due(step + 1):
-                    await ctx.sync_weights(step + 1)
-                    deployed_version = step + 1
+            async with ctx.colocated(timer) as colocate:
+                with timer.phase("train"):
+                    m.update(await ctx.train(batch, step))
+                with timer.phase("weight_sync"):
+                    if ctx.sync_due(step + 1):
+                        await ctx.sync_weights(step + 1)
+                        deployed_version = step + 1
+            m.update(colocate)
             step += 1
             m.update(await ctx.finish_step(batch, step, timer))
             m.update(timer.metrics(m))

@@ -39,6 +39,7 @@ from training.trainer.logprobs import score_sequences
 from training.trainer.lr_schedule import SCHEDULE_STEP, LrSchedule
 from training.trainer.model import decoder_layers, load_causal_lm, prefix_sharing_supported
 from training.trainer.packing import PackedBatch
+from training.trainer.optimizer_offload import move_optimizer_state
 from training.utils.config import TrainerConfig
 from training.utils.device import resolve_device, resolve_dtype
 
@@ -325,8 +326,13 @@ class PolicyTrainer(_ScoringModel):
             grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         else:
             grad_norm = 0.0
+        offload = self.cfg.offload_optimizer and self.device.type == "cuda"
+        if offload:  # the moments come back from host memory for the step
+            move_optimizer_state(self.optimizer, self.device)
         if math.isfinite(grad_norm):
             self.optimizer.step()
+        if offload:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)

@@ -106,6 +106,9 @@ class TrainerConfig:
     training_shape_id: Optional[str] = None
     """A hosted service's training shape (Fireworks: ``accounts/<a>/trainingShapes/<s>``). Accepted so documented
     configs run unchanged, and logged at start; it has no local effect (``device`` and ``dtype`` decide here)."""
+    offload_optimizer: bool = False
+    """Move AdamW's state (the two moments) to host memory after each optimizer step and back before the next, so
+    a colocated engine (``deployment.colocate``) has that memory while it generates. A no-op on CPU."""
     lora_rank: int = 0
     """LoRA rank r: 0 trains every weight (full fine-tuning); r > 0 freezes the base weights and trains adapters
     ``W + (lora_alpha / r)·BA`` on ``lora_target_modules`` (needs ``peft``: ``pip install -e '.[lora]'``). Weight
@@ -315,7 +318,12 @@ class DeployConfig:
     training/deployment/placement.py."""
     colocate: bool = False
     """Let a replica share a GPU with the trainer (or the reference model). False refuses such a placement at start:
-    both would compete for that GPU's memory."""
+    both would compete for that GPU's memory. True also makes the recipes run seed 002's lifecycle around every
+    training step (the replicas sleep at ``sleep_level``, the trainer trains, the weights are pushed, the replicas
+    wake) and forces ``synchronous_training`` (generation and training cannot overlap on one GPU)."""
+    sleep_level: int = 1
+    """With ``colocate``: what a replica frees while the trainer trains (``POST /sleep?level=N``): 1 its KV cache
+    (and the weight copies derived for speed), 2 its weights too (the push that follows refills them)."""
     gpu_memory_fraction: Optional[float] = None
     """Share of a GPU's memory one replica may take (vLLM ``--gpu-memory-utilization``, SGLang
     ``--mem-fraction-static``); None = the engine's default (vLLM 0.9, SGLang 0.88, embedded: no budget). Replicas
@@ -391,6 +399,7 @@ class DeployConfig:
             "replica_devices",
             f"must be a list of 'cpu', 'cuda:N' or 'cuda:N,M,...', got {self.replica_devices!r}",
         )
+        _check(self.sleep_level in (1, 2), "sleep_level", f"must be 1 or 2, got {self.sleep_level!r}")
         _check(
             self.gpu_memory_fraction is None or 0 < self.gpu_memory_fraction <= 1,
             "gpu_memory_fraction",

@@ -25,6 +25,7 @@ from training.deployment.engine.requests import (
 )
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
 from training.deployment.engine.sequence import Sequence
+from training.deployment.engine.sleep import SLEEP_LEVELS, RunnerSleep
 from training.deployment.engine.weights import load_safetensors, validate_update
 from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
 
@@ -47,6 +48,10 @@ class AsyncEngine:
         self._in_step = False
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._sleep = RunnerSleep(self.engine.runner)
+        self._sleep_ops: list[tuple[int, Callable]] = []
+        """Pending sleep (level 1 / 2) and wake (level 0) requests, applied in order by the engine thread."""
+        self.sleep_counts = {"sleeps": 0, "wakes": 0, "weight_reloads": 0}
         self._num_threads = config.num_threads or torch.get_num_threads()
         """CPU threads of the engine thread's torch ops (OpenMP settings are per thread: handed on in ``_run``)."""
 
@@ -111,10 +116,17 @@ class AsyncEngine:
                 upd.done(RuntimeError("engine shut down before the weight update was applied"))
             self._updates.clear()
             self.engine.pending_updates.clear()
+            for _, done in self._sleep_ops:
+                done(RuntimeError("engine shut down before the sleep / wake was applied"))
+            self._sleep_ops.clear()
 
     def _ready(self) -> bool:
-        if self._inbox or self._aborts:
+        if self._sleep_ops and self._sleep_op_ready():
             return True
+        if (self._inbox and not self._holding()) or self._aborts:
+            return True
+        if self._sleep.level:  # asleep: only weight updates proceed (they land in the restored weights)
+            return bool(self._updates or self.engine.pending_updates)
         if self._paused:  # only a weight update that needs no running step may proceed
             ups = self._updates + self.engine.pending_updates
             return bool(ups) and (not ups[0].wait_for_inflight or not self.engine.scheduler.running)
@@ -130,18 +142,24 @@ class AsyncEngine:
                     self._cond.wait()
                 if self._stopping:
                     return
-                for seq in self._inbox:
-                    self.engine.add(seq)
-                self._inbox.clear()
+                if not self._holding():
+                    for seq in self._inbox:
+                        self.engine.add(seq)
+                    self._inbox.clear()
+                sleep_op = self._sleep_ops.pop(0) if self._sleep_ops and self._sleep_op_ready() else None
                 for seq in self._aborts:
                     self.engine.abort(seq)
                 self._aborts.clear()
                 self.engine.pending_updates.extend(self._updates)
                 self._updates.clear()
-                paused = self._paused
+                paused = self._paused or self._sleep.level > 0
                 self._in_step = True
             try:
-                if paused:
+                if sleep_op is not None:
+                    self._apply_sleep_op(*sleep_op)
+                elif paused:
+                    if self._sleep.level == 2 and self.engine.pending_updates:
+                        self._sleep.restore_weights()  # a push to a level-2 sleeper lands; KV stays freed
                     self.engine._apply_ready_update()
                 else:
                     self.engine.step()
@@ -160,6 +178,73 @@ class AsyncEngine:
             sched.finish(seq, "abort")
             if cb is not None:
                 cb(exc)
+
+    # ----------------------------------------------------------------- sleep / wake
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 the KV cache is freed; 2 the weights too (sleep.py)."""
+        return self._sleep.level
+
+    def _holding(self) -> bool:
+        """New requests stay in the inbox: the engine sleeps or is about to (they run after the wake)."""
+        return self._sleep.level > 0 or any(level > 0 for level, _ in self._sleep_ops)
+
+    def _sleep_op_ready(self) -> bool:
+        """A sleep waits until nothing runs or waits and no update is pending; a wake goes at once."""
+        level, _ = self._sleep_ops[0]
+        if level == 0:
+            return True
+        return not self.engine.has_work() and not self._updates
+
+    def _apply_sleep_op(self, level: int, done: Callable) -> None:
+        """Engine thread: free (level 1 / 2) or re-allocate (0) the runner's memory; ``done(result or exc)``."""
+        try:
+            if level > 0:
+                result = self._sleep.sleep(level)
+                self.engine.scheduler.weights_changed()  # the freed K/V is gone: no cached prefix survives
+                self.sleep_counts["sleeps"] += 1
+            else:
+                result = {"reloaded_weights": self._sleep.level == 2}
+                if self._sleep.level == 2:  # no push since the sleep: the served model folder's weights
+                    log.warning(
+                        "wake_up after a level-2 sleep with no weight push: reloading %s", self.engine.model_path
+                    )
+                    self._sleep.restore_weights()
+                    self.engine.runner.load_weights(load_safetensors(self.engine.model_path))
+                    self.engine.weight_version = 0
+                    self.sleep_counts["weight_reloads"] += 1
+                woke = self._sleep.level > 0
+                self._sleep.wake()
+                self.engine.scheduler.weights_changed()
+                self.sleep_counts["wakes"] += woke
+            done(result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            log.exception("sleep / wake failed")
+            done(exc)
+
+    async def sleep(self, level: int = 1) -> dict:
+        """Finish what runs and waits, then free the KV cache (level 1) or the weights too (level 2).
+
+        Requests that arrive while asleep wait and run after :meth:`wake_up`. A weight update while
+        asleep lands (after level 2 the weights are allocated again and the engine sleeps on at level 1).
+        Returns the bytes freed (``kv_cache_bytes``, ``derived_bytes``, ``weight_bytes``)."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+        return await self._queue_sleep_op(level)
+
+    async def wake_up(self) -> dict:
+        """Re-allocate the KV cache and derived copies (after level 2 with no push since: reload the model
+        folder's weights, version 0); held requests then run. ``{"reloaded_weights": bool}``."""
+        return await self._queue_sleep_op(0)
+
+    async def _queue_sleep_op(self, level: int) -> dict:
+        fut = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("engine is not running: call start() first")
+            self._sleep_ops.append((level, self._deliver(fut)))
+            self._cond.notify_all()
+        return await fut
 
     # ----------------------------------------------------------------- requests
     def _deliver(self, fut: asyncio.Future):

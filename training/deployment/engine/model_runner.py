@@ -219,7 +219,10 @@ class LeanModelRunner:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it."""
+        """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.
+        While the runner sleeps (``sleeping``, sleep.py) nothing is derived: waking rebuilds the copies."""
+        if getattr(self, "sleeping", False):
+            return
         if getattr(self, "native", None) is not None:
             self.native.pack_weights()
         if not self.onednn:

@@ -1,0 +1,191 @@
+"""Sleep and wake of a runner's memory (colocation on one GPU: the engine gives its memory to the trainer).
+
+| level | freed | kept |
+| --- | --- | --- |
+| 1 | the KV cache; the derived weight copies (the native step's packed panels, oneDNN's reordered weights, CUDA graphs, logits buffers) | the weights |
+| 2 | the same, and the weights | nothing but small tables (norm scales, RoPE, biases of the native step) |
+
+Freeing resizes each tensor's storage to 0 bytes: the tensor objects, their views (``runner.targets``,
+``cache.k[i]``) and their shapes stay, so whoever holds them needs no new reference; waking resizes the
+storage back (new addresses: the native step's pointer table is rebuilt, CUDA graphs are re-captured on
+first use). A storage that cannot be resized (the transformers fallback's parameters, memory-mapped from
+the checkpoint) has its tensor's ``.data`` swapped for an empty one instead, and back at wake. The contents do not survive: the KV cache is garbage after a wake (the caller drops every
+cached prefix), and level-2 weights must be loaded again (``restore_weights`` then a weight update,
+or ``reload_weights`` from the model folder). Freed memory goes back to the system: ``torch.cuda.empty_cache``
+on CUDA; on CPU ``gc.collect`` and glibc's ``malloc_trim(0)`` (where libc has it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SLEEP_LEVELS = (1, 2)
+
+
+def _unique_storages(tensors) -> list[torch.Tensor]:
+    """One tensor per distinct storage (views of one fused tensor, tied weights: counted once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.is_mkldnn:
+            continue
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr() or id(s), t)
+    return list(seen.values())
+
+
+def release_host_memory(device: torch.device) -> None:
+    """Return freed memory to the system: the CUDA caching allocator's blocks, or glibc's free heap pages."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # not glibc: the allocator keeps what it keeps
+        pass
+
+
+@dataclass
+class FreedStorages:
+    """Tensors whose storage was resized to 0, and the byte size each had (to restore it)."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    swapped: list[bool] = field(default_factory=list)
+    """True where the storage could not be resized (a memory-mapped checkpoint's, as transformers loads
+    it): the tensor's ``.data`` was swapped for an empty one instead (the tensor object stays the same)."""
+
+    def free(self, tensors) -> int:
+        """Free each distinct storage of ``tensors``; returns the bytes freed."""
+        total = 0
+        with torch.inference_mode():
+            for t in _unique_storages(tensors):
+                s = t.untyped_storage()
+                n, shape = s.nbytes(), tuple(t.shape)
+                if n == 0:
+                    continue
+                try:
+                    s.resize_(0)
+                    swapped = False
+                except RuntimeError:  # not resizable: swap the data (only whole tensors: the fallback's parameters)
+                    n = t.nbytes
+                    t.data = t.new_empty(0)
+                    swapped = True
+                self.tensors.append(t)
+                self.nbytes.append(n)
+                self.swapped.append(swapped)
+                self.shapes.append(shape)
+                total += n
+        return total
+
+    def restore(self) -> int:
+        """Give every freed storage its size back (contents undefined); returns the bytes allocated."""
+        total = 0
+        with torch.inference_mode():
+            for t, n, swapped, shape in zip(self.tensors, self.nbytes, self.swapped, self.shapes):
+                if swapped:
+                    t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+                else:
+                    t.untyped_storage().resize_(n)
+                total += n
+        self.tensors, self.nbytes, self.swapped, self.shapes = [], [], [], []
+        return total
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes)
+
+
+class RunnerSleep:
+    """Frees and restores one runner's memory (``LeanModelRunner`` or ``HFModelRunner``); engine thread only."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.level = 0
+        """0 awake; 1 KV cache (and derived copies) freed; 2 the weights too."""
+        self._kv = FreedStorages()
+        self._derived = FreedStorages()
+        self._weights = FreedStorages()
+
+    # ---- what each level frees -----------------------------------------------------------
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        cache = self.runner.cache
+        return [cache.k_all, cache.v_all]
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        return list(self.runner.targets.values())
+
+    def _free_derived(self) -> int:
+        """Drop the copies made from the weights (rebuilt by ``weights_changed`` at wake)."""
+        r, freed = self.runner, 0
+        for L in getattr(r, "layers", []):
+            for name in [k for k in L if k.endswith("_packed")]:
+                del L[name]  # oneDNN's opaque reordered weights: dropped, re-made at wake
+        if getattr(r, "lm_head_packed", None) is not None:
+            r.lm_head_packed = None
+        if getattr(r, "_logits_buf", None) is not None:
+            freed += r._logits_buf.nbytes
+            r._logits_buf = None
+        native = getattr(r, "native", None)
+        if native is not None:
+            freed += self._derived.free([*(p for ps in native.packed.values() for p in ps), native.lm_head])
+            native._logits = torch.empty(0)
+        graphs = getattr(r, "graphs", None)
+        if graphs is not None:  # graphs hold the old addresses: captured again on first use
+            graphs.graphs.clear()
+            graphs.pool = None
+        return freed
+
+    # ---- transitions ---------------------------------------------------------------------
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free what ``level`` frees (a deeper level on a sleeping runner frees the rest); the bytes freed."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+        freed = {"kv_cache_bytes": 0, "derived_bytes": 0, "weight_bytes": 0}
+        if self.level == 0:
+            freed["kv_cache_bytes"] = self._kv.free(self._kv_tensors())
+            freed["derived_bytes"] = self._free_derived()
+        if level == 2 and self.level < 2:
+            freed["weight_bytes"] = self._weights.free(self._weight_tensors())
+        self.level = max(self.level, level)
+        self.runner.sleeping = True  # a weight update while asleep derives no copies (model_runner.weights_changed)
+        release_host_memory(self.runner.device)
+        return freed
+
+    def restore_weights(self) -> None:
+        """Level 2 → 1: allocate the weight storage again (contents undefined until a weight update fills it)."""
+        if self.level == 2:
+            self._weights.restore()
+            self.level = 1
+
+    def wake(self) -> None:
+        """Allocate the KV cache and the derived copies again and rebuild them from the live weights.
+
+        The weights must be valid (awake at level 1, or restored and loaded after level 2)."""
+        if self.level == 0:
+            return
+        if self.level == 2:
+            raise RuntimeError("wake: the weights are freed; restore_weights() and load them first")
+        self._kv.restore()
+        with torch.inference_mode():
+            for t in self._kv_tensors():
+                t.zero_()
+        self._derived.restore()
+        self.runner.sleeping = False
+        self.runner.weights_changed()  # re-pack the native panels, re-make oneDNN's copies
+        native = getattr(self.runner, "native", None)
+        if native is not None:  # the C side reads raw addresses: point it at the new storage
+            native.model, native._keep = native._struct()
+        self.level = 0

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 from typing import Any, Optional
 
@@ -63,7 +62,7 @@ from training.utils.http import SESSION_HEADER, close_idle_connections, session_
 from training.utils.openai_errors import error_body, error_response
 from training.utils.pause_gate import PauseGate
 from training.utils.request_body import BodyError, read_json_request
-from training.utils.rl.rollout import MAX_ABS_REWARD
+from training.utils.rl.rollout import RolloutValidationError, as_reward
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 from training.utils.sse import end_sse, iter_sse, open_sse, sse_event
 
@@ -242,13 +241,10 @@ class ProxyServer:
         session, err = self._session_of(request, body)
         if err is not None:
             return err
-        reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return error_response(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
-        if abs(reward) > MAX_ABS_REWARD:  # the rollout contract's bound (a huge reward overflows the advantages)
-            return error_response(
-                400, f"'reward' {reward!r} is out of range: |reward| <= {MAX_ABS_REWARD:g}", param="reward"
-            )
+        try:  # the rollout contract's check: a finite number within MAX_ABS_REWARD (a huge one overflows advantages)
+            reward = as_reward(body.get("reward"))
+        except RolloutValidationError as e:
+            return error_response(400, str(e), param="reward")
         agent = request.headers.get(AGENT_HEADER)
         mine = [c.index for c in session.calls if agent is None or c.agent == agent]
         index = body.get("call", mine[-1] if mine else None)

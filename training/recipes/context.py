@@ -105,6 +105,7 @@ class RunContext:
                 self.semaphore,
                 self.vocab_size,
                 is_retryable,
+                seed=self.cfg.seed,
             )
         finally:
             self.groups_in_flight -= 1

@@ -10,6 +10,7 @@ and advantage, unless the run credits each segment (``segment_rewards``: see ``a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -18,6 +19,7 @@ from typing import Callable, Iterator, Optional
 
 from training.utils import loop_watch
 from training.utils.rl.advantages import credited_advantages
+from training.utils.rl.request_seeds import completion_seed_key, seed_scope
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,12 @@ def failure_cause(error: BaseException) -> str:
     return "exception_" + _metric_name(type(error).__name__)
 
 
+def _completion_scope(seed: Optional[int], submit_version: int, position: int, k: int):
+    if seed is None:
+        return contextlib.nullcontext()
+    return seed_scope(*completion_seed_key(seed, submit_version, position, k))
+
+
 async def run_group(
     rollout_fn: RolloutFn,
     row: dict,
@@ -134,11 +142,14 @@ async def run_group(
     semaphore: asyncio.Semaphore,
     vocab_size: Optional[int] = None,
     is_retryable: Callable[[BaseException], bool] = lambda e: False,
+    seed: Optional[int] = None,
 ) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
     An exception for which ``is_retryable`` is true (a deployment that went away or answered
     5xx past the sampler's own retries) is retried once; every other failure costs that completion.
+    ``seed`` (the run's): completion ``k`` runs in ``seed_scope(seed, submit_version, position, k)``, so
+    its requests sample the same tokens after a server restart (``request_seeds.py``).
     """
     group = PromptGroup(position=position, row=row, submit_version=submit_version)
     t0 = time.perf_counter()
@@ -147,7 +158,8 @@ async def run_group(
         async with semaphore:
             for attempt in (0, 1):
                 try:
-                    return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
+                    with _completion_scope(seed, submit_version, position, k):
+                        return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run

@@ -9,7 +9,8 @@ sessions and cached prefixes keep being made and must be evicted). Every ``--sam
 it reads ``GET /stats`` and records the server process's resident memory and open descriptors
 and every engine pool's size. Writes ``<out>.csv`` and ``<out>.png``, prints the table, and
 ``plateau()`` judges it: after warm-up (the first third), the last third's maximum of each series
-is at most the middle third's maximum × 1.05 plus a small slack (``SLACK``).
+is at most the middle third's maximum × 1.05 plus a small slack (``SLACK``). ``<out>.md`` (the run's
+facts and table) is what ``benchmarks/report.py`` puts under BENCHMARKS.md's ``soak`` section.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import random
 import tempfile
 import time
@@ -186,8 +188,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         result = run_soak(ensure_tiny_model("qwen3"), args.minutes, args.clients, args.sample_s, Path(d))
     write_outputs(result, args.out, f"soak: {args.clients} clients, {args.minutes:g} min, tiny model, CPU")
-    print(f"soak: {args.clients} clients for {args.minutes:g} minutes, {result.rows[-1]['requests']} requests")
-    print(table(result))
+    head = (
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.clients} clients for {args.minutes:g} "
+        f"minutes on {os.cpu_count()} cores, tiny model, CPU fp32, {result.rows[-1]['requests']} requests; "
+        f"reproduce: `python -m benchmarks.soak --minutes {args.minutes:g} --clients {args.clients}` "
+        f"(samples: `{args.out.with_suffix('.csv')}`)."
+    )
+    report = f"{head}\n\n![soak]({args.out.with_suffix('.png')})\n\n{table(result)}\n"
+    args.out.with_suffix(".md").write_text(report)
+    print(report)
 
 
 if __name__ == "__main__":

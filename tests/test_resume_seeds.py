@@ -1,6 +1,9 @@
 """A run whose trainer and server are both killed after a checkpoint, resumed, ends with the same
 weights as a run never stopped: the sampling seeds come from (run seed, submit version, data
-position, completion index), not from the server's seed stream that a restart starts over."""
+position, completion index), not from the server's seed stream that a restart starts over.
+
+On-policy (``max_head_offpolicy_versions=0``): with an off-policy head the uninterrupted run submits
+the next step's groups under the previous weights, which a run resumed at that step no longer has."""
 
 import json
 import os
@@ -55,6 +58,7 @@ def _args(log_path: Path) -> list[str]:
         "eval_interval=0",
         "prompt_groups_per_step=2",
         "synchronous_training=true",
+        "max_head_offpolicy_versions=0",  # on-policy: each step's groups are submitted under that step's weights
     ]
 
 

@@ -21,8 +21,10 @@ from training.utils.rl.request_seeds import completion_seed_key, derive_seed, ne
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" / "single_turn_token_in"
 STEPS = 3
-TOLERANCE = 1e-5
-"""Max |Δ| allowed: two uninterrupted runs differ by ~1e-6 (float reduction order in the CPU engine's batches)."""
+TOLERANCE = 5e-5
+"""Max |Δ| of the final weights allowed. Measured on this test's settings: two uninterrupted runs 0.0; killed and
+resumed 2.8e-6 and 6.1e-6 with the same tokens (float noise, e.g. a fresh server's logprobs computed with no
+cached prefix); without the derived seeds 3.1e-3 (other tokens after the restart)."""
 
 
 def test_seeds_depend_on_the_key_and_the_request_count_only():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 METHOD = {
@@ -104,6 +105,15 @@ METHOD = {
     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
     "`temperature=1` sampling in the same run. The model's decode step is not included.",
 }
+
+METHOD_SOAK = (
+    "Bounded memory: the embedded server (tiny model, CPU) under N concurrent clients sending token-in and chat "
+    "completions back to back, a third of them under a fresh session id each (so parked sessions and cached "
+    "prefixes are made and evicted all the time); `GET /stats` `pools` sampled every few seconds. A series levels "
+    "off when the last third's maximum is at most the middle third's × 1.05 plus a small slack. Not run by "
+    "`run_all` (it takes N minutes): `python -m benchmarks.soak` writes `benchmarks/soak.{md,csv,png}`; the same "
+    "check is `pytest -m soak tests/test_soak.py` (`SOAK_MINUTES`, `SOAK_CLIENTS`; default 30 minutes at 128 clients)."
+)
 
 WHY = {
     "async_overlap": "On this machine the server (child process) and the trainer share the same 2 cores, so "
@@ -274,4 +284,7 @@ def render(saved: dict) -> str:
             ]
         when = f", measured {r['date']}" if r.get("date", saved["date"]) != saved["date"] else ""
         out += [f"({r['seconds']} s, {r['repeats']} repetitions per figure{when})", ""]
+    soak = Path(__file__).with_name("soak.md")  # written by benchmarks/soak.py, which run_all does not run
+    if soak.exists():
+        out += ["## soak", "", METHOD_SOAK, "", soak.read_text().strip(), ""]
     return "\n".join(out)

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence, Union
 import aiohttp
 
 from training.utils.http import SESSION_HEADER, auth_headers, session_headers
+from training.utils.rl.request_seeds import next_request_seed
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,10 @@ class DeploymentSampler:
 
     def _body(self, n: int, sampling: dict) -> dict:
         body = {**self.sampling_defaults, **sampling, "n": n, "return_token_ids": True}
+        if body.get("seed") is None:  # inside a recipe's completion: a seed derived from what the request is
+            seed = next_request_seed()
+            if seed is not None:
+                body["seed"] = seed
         if self.model:
             body["model"] = self.model
         return body

@@ -41,6 +41,7 @@ from training.deployment.protocol import (
 )
 from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits
 from training.deployment.responses import build_chat_response, build_completion_response
+from training.deployment.process_stats import process_pools
 from training.deployment.server_context import (
     ENGINE_KEY,
     MAX_BODY_BYTES,
@@ -251,7 +252,10 @@ async def weight_version(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE_KEY].stats(), dumps=lambda o: json.dumps(o, default=str))
+    """The engine's counters and ``pools``: each table's and the process's ``{"size", "bound"}``."""
+    s = request.app[ENGINE_KEY].stats()
+    s["pools"] = {**s.get("pools", {}), **process_pools()}
+    return web.json_response(s, dumps=lambda o: json.dumps(o, default=str))
 
 
 async def pause(request: web.Request) -> web.Response:

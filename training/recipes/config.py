@@ -149,8 +149,10 @@ class Config:
     """Promote the final policy under this name: the exported folder is copied to <log_path>/<output_model_id>, or to
     this path when it contains a '/'; the log says where. None = no promotion."""
     seed: int = 0
-    """Seed of the run: the row shuffle, torch's RNG, each step's PPO mini-batch order (``seed + step``) and the
-    sampler's generators (when ``deployment.engine_config.seed`` is None)."""
+    """Seed of the run: the row shuffle, torch's RNG, each step's PPO mini-batch order (``seed + step``), each training
+    completion's sampling seeds (derived from it, the submit version, the row's position and the completion index:
+    ``training/utils/rl/request_seeds.py``) and the server's own generators for other requests (when
+    ``deployment.engine_config.seed`` is None)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The policy trainer: optimizer, learning-rate schedule, device, micro-batches, LoRA (``trainer.*``)."""
     loss: LossConfig = field(default_factory=LossConfig)

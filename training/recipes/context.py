@@ -117,6 +117,7 @@ class RunContext:
                 is_retryable,
                 row_index=row_index,
                 failure_log=self.failure_log,
+                seed=self.cfg.seed,
             )
         finally:
             self.groups_in_flight -= 1

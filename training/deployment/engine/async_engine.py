@@ -85,6 +85,7 @@ class AsyncEngine:
         with self._cond:
             s = self.engine.stats()
             s["waiting"] += len(self._inbox)
+            s["pools"]["waiting"]["size"] += len(self._inbox)
             s["paused"] = self._paused
             s["num_threads"] = self._num_threads
             return s

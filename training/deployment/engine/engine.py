@@ -337,4 +337,20 @@ class LLMEngine:
             "execution_path": self.execution_path.name,
             "execution_path_reason": self.execution_path.reason,
             **self.counters,
+            "pools": self.pools(),
+        }
+
+    def pools(self) -> dict[str, dict]:
+        """Every table the engine keeps, as ``{"size": n, "bound": m}``: each is bounded by the KV slots or the
+        running cap; ``waiting`` holds one entry per open request (``bound`` None: the server's request limits)."""
+        s = self.scheduler
+        t = s.slots
+        return {
+            "running": {"size": len(s.running), "bound": s.max_running},
+            "waiting": {"size": len(s.waiting), "bound": None},
+            "parked_sessions": {"size": len(t.parked), "bound": t.num_slots},
+            "prefix_cache_slots": {
+                "size": t.count(SlotState.CACHED) + t.count(SlotState.PARKED),
+                "bound": t.num_slots,
+            },
         }

@@ -12,6 +12,7 @@ segment (``segment_rewards``: see ``advantages.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -21,6 +22,7 @@ from typing import Callable, Iterator, Optional
 from training.utils import loop_watch
 from training.utils.rl.advantages import credited_advantages
 from training.utils.rl.failure_log import FailureLog, row_label
+from training.utils.rl.request_seeds import completion_seed_key, seed_scope
 from training.utils.rl.rollout import RolloutFn, RolloutRun, RolloutSample, RolloutValidationError, flatten_result
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,12 @@ def failure_cause(error: BaseException) -> str:
     return "exception_" + _metric_name(type(error).__name__)
 
 
+def _completion_scope(seed: Optional[int], submit_version: int, position: int, k: int):
+    if seed is None:
+        return contextlib.nullcontext()
+    return seed_scope(*completion_seed_key(seed, submit_version, position, k))
+
+
 async def run_group(
     rollout_fn: RolloutFn,
     row: dict,
@@ -141,12 +149,15 @@ async def run_group(
     is_retryable: Callable[[BaseException], bool] = lambda e: False,
     row_index: Optional[int] = None,
     failure_log: Optional[FailureLog] = None,
+    seed: Optional[int] = None,
 ) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
     An exception for which ``is_retryable`` is true (a deployment that went away or answered
     5xx past the sampler's own retries) is retried once; every other failure costs that completion
     and is reported to ``failure_log`` (a fresh one when not given), naming ``row_index``.
+    ``seed`` (the run's): completion ``k`` runs in ``seed_scope(seed, submit_version, position, k)``, so
+    its requests sample the same tokens after a server restart (``request_seeds.py``).
     """
     group = PromptGroup(position=position, row=row, submit_version=submit_version, row_index=row_index)
     failures = failure_log if failure_log is not None else FailureLog()
@@ -157,7 +168,8 @@ async def run_group(
         async with semaphore:
             for attempt in (0, 1):
                 try:
-                    return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
+                    with _completion_scope(seed, submit_version, position, k):
+                        return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run

@@ -1,0 +1,68 @@
+"""``GET /stats`` reports every pool the server keeps with its size and bound, and the sizes stay within
+the bounds when more sessions arrive than there are KV slots (real server, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from training.deployment.embedded import EmbeddedDeployment
+from training.utils.config import DeployConfig, EngineConfig
+
+API_KEY = "pools-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SLOTS = 4  # max_batch_size 2 + prefix_cache_slots 2
+POOLS = ("running", "waiting", "parked_sessions", "prefix_cache_slots", "rss_bytes", "open_fds", "open_sockets")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    cfg = DeployConfig(
+        api_key=API_KEY,
+        startup_timeout_s=300,
+        log_file=str(tmp_path_factory.mktemp("srv") / "server.log"),
+        engine_config=EngineConfig(
+            max_model_len=128, max_batch_size=2, prefix_cache_slots=2, device="cpu", dtype="float32"
+        ),
+    )
+    with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
+        yield dep
+
+
+async def _stats(s: aiohttp.ClientSession, url: str) -> dict:
+    async with s.get(url + "/stats", headers=AUTH) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def _chat(s: aiohttp.ClientSession, url: str, session_id: str) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"hello {session_id}"}], "max_tokens": 3}
+    headers = {**AUTH, "x-multi-turn-session-id": session_id}
+    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
+def test_stats_reports_every_pool_within_its_bound(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await _stats(s, server.base_url)
+            for i in range(3 * SLOTS):  # more sessions than slots: the oldest parked ones are evicted
+                await _chat(s, server.base_url, f"pools-{i}")
+            return before, await _stats(s, server.base_url)
+
+    before, after = asyncio.run(go())
+    for stats in (before, after):
+        pools = stats["pools"]
+        assert set(POOLS) <= set(pools)
+        for name, pool in pools.items():
+            assert set(pool) == {"size", "bound"}, name
+            if pool["bound"] is not None:
+                assert 0 <= pool["size"] <= pool["bound"], (name, pool)
+    pools = after["pools"]
+    assert pools["parked_sessions"]["bound"] == SLOTS and pools["prefix_cache_slots"]["bound"] == SLOTS
+    assert 0 < pools["parked_sessions"]["size"] <= SLOTS  # 12 sessions made, at most 4 kept
+    assert pools["running"] == {"size": 0, "bound": 2}
+    assert pools["rss_bytes"]["size"] > 50 * 2**20  # the server process's (torch and the model loaded), not zero
+    assert pools["open_fds"]["size"] >= pools["open_sockets"]["size"] >= 1  # at least the listening socket

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from training.deployment.engine.requests import MAX_TOP_LOGPROBS, EngineError, SamplingParams, validate_request
 from training.deployment.fields import refusal
+from training.deployment.structured import StructuredOutputError, chat_constraint, response_format
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 
 MAX_N = 256
@@ -322,6 +323,10 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
     params, seed, n = _sampling(
         body, max(len(p) for p in prompts), engine.max_model_len, engine.vocab_size, logprobs or 0, 16, ("max_tokens",)
     )
+    try:
+        params = replace(params, constraint=response_format(body))
+    except StructuredOutputError as e:
+        raise RequestError(str(e), e.param) from None
     _validate(prompts, params, engine)
     return ParsedRequest(
         prompts=prompts,
@@ -338,22 +343,6 @@ def parse_completion_request(body: Any, engine: Any, served_names: tuple[str, ..
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
-
-
-def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
-    """Whether tool calls are parsed: ``auto`` (default) and ``none`` are honoured; forcing a call is refused."""
-    choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
-        return bool(tools)
-    if choice == "none":
-        return False
-    if choice == "required" or isinstance(choice, dict):
-        raise RequestError(
-            f"'tool_choice'={choice!r} is not supported: forcing a tool call needs constrained "
-            "decoding, which this server does not implement; use 'auto' or 'none'",
-            "tool_choice",
-        )
-    raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice")
 
 
 def _check_tools_size(tools: Optional[list[dict]], config: Any) -> None:
@@ -393,7 +382,10 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")
     _check_tools_size(tools, engine.config)
-    parse_calls = _tool_choice(body, tools)
+    try:  # tool_choice 'required' / a named tool, response_format json: the output's grammar
+        parse_calls, constraint = chat_constraint(body, tools)
+    except StructuredOutputError as e:
+        raise RequestError(str(e), e.param) from None
     if body.get("parallel_tool_calls") is False:
         raise RequestError(
             "'parallel_tool_calls': false is not supported: this server does not limit a reply to one tool call",
@@ -444,6 +436,7 @@ def parse_chat_request(body: Any, engine: Any, served_names: tuple[str, ...]) ->
         None,
         ("max_completion_tokens", "max_tokens"),
     )
+    params = replace(params, constraint=constraint)
     _validate([prompt], params, engine)
     return ParsedRequest(
         prompts=[prompt],

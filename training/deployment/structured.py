@@ -1,11 +1,11 @@
-"""Chat fields that constrain the output: ``tool_choice`` and ``response_format`` -> an engine ``Constraint``.
+"""Request fields that constrain the output: ``tool_choice`` and ``response_format`` -> an engine ``Constraint``.
 
 - ``tool_choice``: ``"auto"`` (default when ``tools`` are given) and ``"none"`` only say whether tool calls are
   parsed. ``"required"`` or a named tool (``{"type": "function", "function": {"name": X}}``) constrain the
   output to one Hermes / Qwen tool call, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   whose ``arguments`` match that tool's ``parameters`` schema (any of the tools for ``"required"``, the named
   one otherwise); the reply is parsed into ``tool_calls`` as usual.
-- ``response_format``: ``{"type": "text"}`` (default) is free text; ``{"type": "json_object"}`` is one JSON
+- ``response_format`` (chat and completions): ``{"type": "text"}`` (default) is free text; ``{"type": "json_object"}`` is one JSON
   object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
   (``strict`` or not: the output always matches).
 

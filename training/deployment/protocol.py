@@ -26,6 +26,7 @@ from training.deployment.request_limits import (
     check_stop,
     check_template_kwargs,
 )
+from training.deployment.structured import StructuredOutputError, chat_constraint, response_format
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 from training.utils.tool_parsers import messages_with_tools, tool_rendering
 
@@ -336,6 +337,10 @@ def parse_completion_request(
         len(prompts),
         limits,
     )
+    try:
+        params = replace(params, constraint=response_format(body))
+    except StructuredOutputError as e:
+        raise RequestError(str(e), e.param) from None
     _validate(prompts, params, engine)
     return ParsedRequest(
         prompts=prompts,
@@ -352,22 +357,6 @@ def parse_completion_request(
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
-
-
-def _tool_choice(body: dict, tools: Optional[list[dict]]) -> bool:
-    """Whether tool calls are parsed: ``auto`` (default) and ``none`` are honoured; forcing a call is refused."""
-    choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
-        return bool(tools)
-    if choice == "none":
-        return False
-    if choice == "required" or isinstance(choice, dict):
-        raise RequestError(
-            f"'tool_choice'={choice!r} is not supported: forcing a tool call needs constrained "
-            "decoding, which this server does not implement; use 'auto' or 'none'",
-            "tool_choice",
-        )
-    raise RequestError(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice")
 
 
 def _check_tools_size(tools: Optional[list[dict]], config: Any) -> None:
@@ -413,7 +402,10 @@ def parse_chat_request(
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError("'tools' must be a list of objects", "tools")
     _check_tools_size(tools, engine.config)
-    parse_calls = _tool_choice(body, tools)
+    try:  # tool_choice 'required' / a named tool, response_format json: the output's grammar
+        parse_calls, constraint = chat_constraint(body, tools)
+    except StructuredOutputError as e:
+        raise RequestError(str(e), e.param) from None
     if body.get("parallel_tool_calls") is False:
         raise RequestError(
             "'parallel_tool_calls': false is not supported: this server does not limit a reply to one tool call",
@@ -477,6 +469,7 @@ def parse_chat_request(
         1,
         limits,
     )
+    params = replace(params, constraint=constraint)
     _validate([prompt], params, engine)
     return ParsedRequest(
         prompts=[prompt],

@@ -34,6 +34,7 @@ from training.deployment.engine.requests import (
     SequenceFailedError,
     validate_request,
 )
+from training.deployment.engine.constraints import GrammarMasks
 from training.deployment.engine.kv_cache import SlotState
 from training.deployment.engine.model_runner import PrefillItem, SharedPrefix
 from training.deployment.engine.runners import build_runner
@@ -113,6 +114,8 @@ class LLMEngine:
             self.runner.cache.scratch_slot,
             config.enable_prefix_caching,
         )
+        self.grammars = GrammarMasks(self.tokenizer, self.vocab_size)
+        """Token masks of constrained requests (``SamplingParams.constraint``); unused by other rows."""
         self.weight_version = 0
         self._rng = random.Random(0 if config.seed is None else config.seed)
         self.pending_updates: list[PendingUpdate] = []
@@ -195,6 +198,9 @@ class LLMEngine:
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         native = getattr(self.runner, "native", None) is not None  # the C sampler goes with the C step
+        grammar_errors: list[Optional[str]] = [None] * len(seqs)
+        if any(s.params.constraint is not None for s in seqs):  # masked before sampling: the logprob is the mask's
+            logits, grammar_errors = self.grammars.apply(logits, seqs)
         try:
             out = sample(logits, seqs, native)
         except Exception:  # a bug tied to some row: sample each row alone so only that row fails
@@ -211,7 +217,10 @@ class LLMEngine:
                 ):
                     mine += theirs
         self.counters["tokens_generated"] += len(seqs)
-        for seq, tok, lp, top, failed in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs, out.failed):
+        for seq, tok, lp, top, failed, bad in zip(
+            seqs, out.token_ids, out.logprobs, out.top_logprobs, out.failed, grammar_errors
+        ):
+            failed = bad or failed
             if failed is not None:
                 self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {failed}"))
                 continue
@@ -238,6 +247,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
         params = seq.params
+        if seq.matcher is not None and seq.matcher.advance(token):  # the grammar is complete: nothing may follow
+            return "stop"
         if seq.num_output_tokens >= params.min_tokens:  # before min_tokens no stop condition applies
             if token in seq.stop_ids:
                 seq.stop_reason = token if token in params.stop_token_ids else None

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from training.deployment.engine.constraints import Constraint, check_constraint
 from training.utils.config import EngineConfig  # noqa: F401 - the engine's settings, declared once
 
 MAX_TOP_LOGPROBS = 20
@@ -38,7 +39,8 @@ class SamplingParams:
 
     Processing order (as vLLM): ``min_tokens`` mask, ``logit_bias``, repetition / frequency /
     presence penalties, temperature, ``min_p``, ``top_k``, ``top_p``, then one draw. None of
-    them changes the reported logprob: it is ``log_softmax(logits / T)`` of the raw logits.
+    them changes the reported logprob: it is ``log_softmax(logits / T)`` of the raw logits, except
+    that a ``constraint`` masks the logits first (the logprob is then that of the masked distribution).
     """
 
     max_tokens: int = 16
@@ -73,6 +75,9 @@ class SamplingParams:
     """Alternatives per output token: the ``top_logprobs`` most likely tokens and their logprobs (0..20)."""
     include_stop_str_in_output: bool = False
     """Keep a matched stop string at the end of ``text`` (what follows it is still removed)."""
+    constraint: Optional[Constraint] = None
+    """Grammar the output must follow (constraints.py): tokens outside it get logit -inf before everything
+    else, the reported logprob is the masked distribution's, and the output ends when the grammar is complete."""
 
     @property
     def needs_processing(self) -> bool:
@@ -97,7 +102,8 @@ class GenerationResult:
     output_token_ids: list[int]
     """Every sampled token, the stop token included."""
     output_logprobs: list[float]
-    """One per output token: log-probability under the temperature-scaled full distribution."""
+    """One per output token: log-probability under the temperature-scaled full distribution (masked by the
+    grammar for a request with ``constraint``)."""
     finish_reason: str
     """``stop`` (eos, stop token or stop string), ``length`` (max_tokens / max_model_len) or ``abort``."""
     weight_version: int
@@ -180,6 +186,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         raise EngineError(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r}")
     if not isinstance(params.include_stop_str_in_output, bool):
         raise EngineError(f"include_stop_str_in_output: must be a boolean, got {params.include_stop_str_in_output!r}")
+    if params.constraint is not None and (problem := check_constraint(params.constraint)) is not None:
+        raise EngineError(f"constraint: {problem}")
 
 
 def _is_int(x) -> bool:

@@ -67,6 +67,8 @@ class Sequence:
         """True once ``text`` holds the output cut at a matched stop string."""
         self.stop_reason: Union[int, str, None] = None
         """The stop string or ``stop_token_ids`` entry that ended the sequence (None for eos and the rest)."""
+        self.matcher = None
+        """A constrained request's grammar state (``constraints.Matcher``), built by the engine at its first sampling."""
         self.on_token: Optional[Callable[[int, float, Optional[list[tuple[int, float]]], int], None]] = None
         """Streaming: called on the engine thread with each token that does not finish the sequence
         (token id, logprob, top alternatives or None, live weight version)."""

@@ -1,0 +1,133 @@
+"""Request fields that constrain the output: ``tool_choice`` and ``response_format`` -> an engine ``Constraint``.
+
+- ``tool_choice``: ``"auto"`` (default when ``tools`` are given) and ``"none"`` only say whether tool calls are
+  parsed. ``"required"`` or a named tool (``{"type": "function", "function": {"name": X}}``) constrain the
+  output to one Hermes / Qwen tool call, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  whose ``arguments`` match that tool's ``parameters`` schema (any of the tools for ``"required"``, the named
+  one otherwise); the reply is parsed into ``tool_calls`` as usual.
+- ``response_format`` (chat and completions): ``{"type": "text"}`` (default) is free text; ``{"type": "json_object"}`` is one JSON
+  object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
+  (``strict`` or not: the output always matches).
+
+Forcing a tool call and a JSON response format together is refused. Raises :class:`StructuredOutputError`
+(the message and the field), which the request parser turns into a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from training.deployment.engine.constraints import Constraint, check_constraint
+
+TOOL_CALL_PREFIX = "<tool_call>\n"
+TOOL_CALL_SUFFIX = "\n</tool_call>"
+"""The Hermes / Qwen wrapper of one call, as the chat templates write it and ``HermesToolParser`` reads it."""
+
+
+class StructuredOutputError(ValueError):
+    """A ``tool_choice`` / ``response_format`` that cannot be served; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _tool_name(tool: Any, i: int) -> str:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise StructuredOutputError(f"'tools'[{i}] needs 'function': {{'name': ...}} to force a tool call", "tools")
+    return name
+
+
+def _call_schema(tool: dict) -> dict:
+    """A ``{"name": <this tool>, "arguments": <its parameters>}`` object."""
+    params = tool["function"].get("parameters")
+    if params is None:
+        params = {"type": "object"}
+    if not isinstance(params, dict):
+        raise StructuredOutputError(f"the parameters of tool {tool['function']['name']!r} must be an object", "tools")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool["function"]["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
+    """(whether tool calls are parsed, the constraint that forces one or None)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return bool(tools), None
+    if choice == "none":
+        return False, None
+    if choice == "required":
+        if not tools:
+            raise StructuredOutputError("'tool_choice': 'required' needs a non-empty 'tools' list", "tool_choice")
+        for i, t in enumerate(tools):
+            _tool_name(t, i)
+        chosen = tools
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise StructuredOutputError(
+                f"'tool_choice' object must be {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+                "tool_choice",
+            )
+        chosen = [t for i, t in enumerate(tools or []) if _tool_name(t, i) == name]
+        if not chosen:
+            raise StructuredOutputError(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
+        chosen = chosen[:1]
+    else:
+        raise StructuredOutputError(
+            f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice"
+        )
+    schemas = [_call_schema(t) for t in chosen]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return True, _checked(Constraint(schema, TOOL_CALL_PREFIX, TOOL_CALL_SUFFIX), "tool_choice")
+
+
+def response_format(body: dict) -> Optional[Constraint]:
+    """The constraint of ``response_format`` (None for text)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _checked(Constraint({"type": "object"}), "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise StructuredOutputError(
+                "'response_format' json_schema needs 'json_schema': {'schema': {...}} (a JSON schema object)",
+                "response_format",
+            )
+        return _checked(Constraint(schema), "response_format")
+    raise StructuredOutputError(
+        f"'response_format' must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got {fmt!r}", "response_format"
+    )
+
+
+def chat_constraint(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
+    """(whether tool calls are parsed, the output constraint) of a chat request."""
+    parse_calls, forced = tool_choice(body, tools)
+    fmt = response_format(body)
+    if forced is not None and fmt is not None:
+        raise StructuredOutputError(
+            "'response_format' json_object / json_schema cannot be combined with a forced tool call "
+            "('tool_choice' 'required' or a named tool)",
+            "response_format",
+        )
+    return parse_calls, forced or fmt
+
+
+def _checked(constraint: Constraint, param: str) -> Constraint:
+    problem = check_constraint(constraint)
+    if problem is not None:
+        raise StructuredOutputError(f"'{param}': {problem}", param)
+    return constraint

@@ -48,6 +48,14 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo "torch: $WHY"
+index_reachable() {  # answers within 5 s? (pip would retry every package against an unreachable index)
+    "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=5)' "$1" \
+        >/dev/null 2>&1
+}
+if [ "$TORCH" = "$CPU_INDEX" ] && ! index_reachable "$CPU_INDEX"; then
+    echo "torch: $CPU_INDEX cannot be reached; installing torch==$TORCH_VERSION from pip's configured index"
+    TORCH=""
+fi
 if [ "$TORCH" != keep ]; then
     # shellcheck disable=SC2046  # torch_cmd's words are the arguments
     if ! "$VENV/bin/pip" $(torch_cmd "$TORCH") --retries 1 --timeout 20; then

@@ -254,8 +254,9 @@ def render(saved: dict) -> str:
         "in the same run. Absolute figures swing with whatever else uses the cores; compare the "
         "ratios, which are taken side by side.",
         "",
-        "GPU rows (CUDA-graph decode, MFU, `torch.cuda.max_memory_allocated`): **not measured: no GPU lent to "
-        "this task.**",
+        "GPU rows (CUDA-graph decode, MFU, `torch.cuda.max_memory_allocated`, colocated sleep / wake, NCCL "
+        "weight sync): **not measured: no GPU lent to this task.** The GPU suite that measures them is "
+        "`bash scripts/gpu_suite.sh` (`pytest -m gpu`, report in `gpu_report.md`); it has never run on a GPU.",
         "",
     ]
     for r in results:

@@ -295,7 +295,10 @@ def test_malformed_http_is_answered_below_500_or_closed(bare, raw):
     out = _exchange(bare[1], raw)
     if out:
         status = int(out.split(b" ", 2)[1])
-        assert 400 <= status < 500, out[:300]
+        if raw.count(b"\r\nX-") >= 500:  # well-formed, only many headers: aiohttp 3.9 (the floor) serves it
+            assert status == 200 or 400 <= status < 500, out[:300]
+        else:
+            assert 400 <= status < 500, out[:300]
 
 
 def test_pipelined_requests_are_all_answered(bare):

@@ -33,7 +33,7 @@ MAX_SESSION_ID_CHARS = 256
 """Longest session id accepted (ids are printable ASCII: they travel upstream in a header)."""
 CONTROL_ROUTES = ("/proxy/pause", "/proxy/resume")
 """Routes only the control key may use."""
-KEY_SESSION = web.RequestKey("proxy_key_session", str)
+KEY_SESSION = "proxy_key_session"  # a plain key: web.RequestKey needs aiohttp >= 3.11, the floor is 3.9
 """Request slot: the session an agent's key is bound to (absent for the control key or no key)."""
 
 

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import ClientSession
 
 from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.records import CallRecord
 from training.proxy.sampling_policy import constraint_of, flag
@@ -117,23 +118,32 @@ def test_openai_sdk_neutral_values_pass_and_forced_fields_are_recorded(server):
 
 def test_anthropic_sdk_fields_are_mapped_or_refused_naming_them(server):
     anthropic = pytest.importorskip("anthropic")
+    constrained_missing = missing_library()  # the server's constrained decoding (training[constrained])
 
     async def go():
         async with ProxyServer([server.base_url]) as proxy:
             base = f"http://127.0.0.1:{proxy.port}/sessions/a1"
             client = anthropic.AsyncAnthropic(base_url=base, api_key=proxy.api_key, max_retries=0)
             msgs = [{"role": "user", "content": "Weather in Oslo?"}]
-            errors = {}
+            errors, forced = {}, {}
             for name, kwargs in {
                 "top_k": {"extra_body": {"top_k": 5}},  # this SDK version has no top_k argument
                 "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
                 "logit_bias": {"extra_body": {"logit_bias": {"1000": 100}}},
-                "tool_choice": {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}},
-                "named_tool": {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}},
             }.items():
                 with pytest.raises(anthropic.BadRequestError) as e:
                     await client.messages.create(model="claude-x", max_tokens=3, messages=msgs, **kwargs)
                 errors[name] = e.value.body["error"]["message"]
+            for name, choice in {"any": {"type": "any"}, "tool": {"type": "tool", "name": "get_weather"}}.items():
+                kwargs = {"tools": ANTHROPIC_TOOLS, "tool_choice": choice}
+                if constrained_missing:
+                    with pytest.raises(anthropic.BadRequestError) as e:
+                        await client.messages.create(model="claude-x", max_tokens=200, messages=msgs, **kwargs)
+                    errors[name] = e.value.body["error"]["message"]
+                else:
+                    forced[name] = await client.messages.create(
+                        model="claude-x", max_tokens=200, messages=msgs, **kwargs
+                    )
             ok = await client.messages.create(
                 model="claude-x",
                 max_tokens=3,
@@ -144,15 +154,22 @@ def test_anthropic_sdk_fields_are_mapped_or_refused_naming_them(server):
                 metadata={"user_id": "u1"},
                 extra_body={"temperature": 1.0},
             )
-            return errors, ok, proxy.close_session("a1")
+            return errors, forced, ok, proxy.close_session("a1")
 
-    errors, ok, session = asyncio.run(go())
+    errors, forced, ok, session = asyncio.run(go())
     assert "top_k" in errors["top_k"] and "thinking" in errors["thinking"] and "logit_bias" in errors["logit_bias"]
-    # mapped, not ignored: "any" reached the server as tool_choice "required", which it refuses (no
-    # constrained decoding yet), and "tool" as the named function
-    assert "'tool_choice'='required'" in errors["tool_choice"]
-    assert "'tool_choice'={'type': 'function', 'function': {'name': 'get_weather'}}" in errors["named_tool"]
-    [call] = session.calls  # only the accepted call was recorded
+    # mapped, not ignored: "any" reaches the server as tool_choice "required" and "tool" as the named
+    # function, which constrain the output to a call (or, without the library, are refused naming it)
+    if constrained_missing:
+        assert "llguidance" in errors["any"] and "llguidance" in errors["tool"]
+    else:
+        for name, reply in forced.items():
+            [use] = [b for b in reply.content if b.type == "tool_use"]
+            assert use.name == "get_weather" and reply.stop_reason == "tool_use", name
+        forced_calls = [c for c in session.calls if c.constraint is not None]
+        assert len(forced_calls) == 2 and not any(c.trainable for c in forced_calls)  # recorded and flagged
+    accepted = [c for c in session.calls if c.constraint is None]
+    [call] = accepted  # the refused calls were not recorded
     assert ok.usage.output_tokens == len(call.output_ids) and call.sampling == {"temperature": 1.0}
 
 

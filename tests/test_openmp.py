@@ -1,8 +1,11 @@
 """A thread that ran torch's parallel ops frees its OpenMP worker threads (training/utils/openmp.py)."""
 
+import json
 import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +43,10 @@ def in_fresh_thread(fn):
     return box["value"]
 
 
-def test_release_frees_the_calling_threads_pool_and_the_next_region_builds_one():
+def measure_release() -> list[list[int]]:
+    """Thread ids before a parallel region, with its pool, after a release, and after the next region;
+    with whether the release found libgomp (as 1 / 0)."""
+
     def work():
         torch.set_num_threads(2)
         before = thread_ids()
@@ -51,9 +57,18 @@ def test_release_frees_the_calling_threads_pool_and_the_next_region_builds_one()
         assert parallel_sum() == 4_000_000  # a new pool, same answer
         again = thread_ids()
         release_openmp_threads()
-        return before, with_pool, released, after, again
+        return [sorted(before), sorted(with_pool), [int(released)], sorted(after), sorted(again)]
 
-    before, with_pool, released, after, again = in_fresh_thread(work)
+    return in_fresh_thread(work)
+
+
+def test_release_frees_the_calling_threads_pool_and_the_next_region_builds_one():
+    # in a fresh process: a thread another test left running could start or end mid-measurement here
+    code = "import json; from tests.test_openmp import measure_release; print(json.dumps(measure_release()))"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    before, with_pool, (released,), after, again = map(set, json.loads(out.stdout.strip().splitlines()[-1]))
     assert released, "libgomp with omp_pause_resource_all not found in this process"
     workers = with_pool - before
     assert workers, "the parallel sum started no worker thread: nothing to measure"

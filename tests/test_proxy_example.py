@@ -67,7 +67,7 @@ def test_black_box_agent_round_trips_tools_on_smollm2(tmp_path, monkeypatch):
     sys.modules.pop("agent", None)
     questions = ["What is 17 * 23?", "What is 412 + 389?", "What is 96 - 48?", "What is 31 * 29?"]
     path = resolve_model("smollm2")
-    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
+    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=1024, max_batch_size=4))  # tools in the prompt
 
     async def go(base_url):
         async with ProxyServer([base_url], forced_params={"temperature": 0.0, "max_tokens": 64}) as proxy:

@@ -1,5 +1,6 @@
 """PolicyTrainer and ReferenceModel on the tiny model: logprob exactness, gradients, steps, export."""
 
+import math
 import random
 
 import pytest
@@ -186,6 +187,26 @@ def test_grad_norm_reported_and_clipped(tiny_model_path, clip):
     expected_used = clip if clip > 0 else stats["grad_norm"]
     assert seen[0] == pytest.approx(expected_used, rel=1e-4)
     assert all(p.grad is None for p in trainer.model.parameters()), "grads zeroed after the step"
+
+
+def test_update_skipped_and_warned_only_for_a_non_finite_grad_norm(tiny_model_path, caplog):
+    trainer = _trainer(tiny_model_path)
+    sequences = _sequences([20, 24])
+    loss_fn = _mask_loss([[1] * 20, [1] * 24], total_tokens=44)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with caplog.at_level("WARNING", logger="training.trainer.trainer"):
+        trainer.forward_backward(sequences, loss_fn)
+        trainer.optim_step()
+    assert "non-finite" not in caplog.text, "a finite step must not claim it was skipped"
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    trainer.forward_backward(sequences, loss_fn)
+    next(p for p in trainer.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+    after_first = [p.detach().clone() for p in trainer.model.parameters()]
+    with caplog.at_level("WARNING", logger="training.trainer.trainer"):
+        stats = trainer.optim_step()
+    assert "non-finite grad norm" in caplog.text
+    assert not math.isfinite(stats["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(after_first, trainer.model.parameters()))
 
 
 def test_gradient_checkpointing_gives_same_gradients(tiny_model_path):

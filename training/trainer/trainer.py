@@ -331,10 +331,10 @@ class PolicyTrainer(_ScoringModel):
             move_optimizer_state(self.optimizer, self.device)
         if math.isfinite(grad_norm):
             self.optimizer.step()
-        if offload:
-            move_optimizer_state(self.optimizer, torch.device("cpu"))
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
+        if offload:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.end_step(self.optimizer)
         out = {"grad_norm": grad_norm, "learning_rate": lr}

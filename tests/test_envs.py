@@ -73,6 +73,21 @@ def rg():
     return pytest.importorskip("reasoning_gym")  # the [envs] extra; the gym tests below run without it
 
 
+def test_last_number_answer_is_scored_by_the_library(rg):
+    from training.envs import last_number_answer_fn, reasoning_gym_dataset, reasoning_gym_rows, reasoning_gym_scorer
+
+    assert last_number_answer_fn("3 + 4 = 7, so Answer: 7.") == "7"
+    assert last_number_answer_fn("It is -12") == "-12"
+    assert last_number_answer_fn("1,024") == "1024"
+    assert last_number_answer_fn("no digits here") is None
+    ds = reasoning_gym_dataset("chain_sum", size=3, seed=5, min_terms=2, max_terms=3, max_digits=1)
+    score = reasoning_gym_scorer(ds, last_number_answer_fn)
+    for row in reasoning_gym_rows(ds):
+        assert score(f"The sum is {row['answer']}.", row) == 1.0
+        assert score(f"The sum is {int(row['answer']) + 1}.", row) < 1.0
+        assert score("I cannot tell.", row) == 0.0
+
+
 def test_reasoning_gym_rows_and_the_library_scorer(rg):
     from training.envs import reasoning_gym_dataset, reasoning_gym_rows, reasoning_gym_scorer
 

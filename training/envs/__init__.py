@@ -5,6 +5,7 @@ The libraries are optional (``pip install 'training[envs]'``); each module impor
 it is used, so ``import training.envs`` works without them."""
 
 from training.envs.reasoning_gym_env import (
+    last_number_answer_fn,
     make_reasoning_gym_rollout_fn,
     reasoning_gym_dataset,
     reasoning_gym_rows,
@@ -14,6 +15,7 @@ from training.envs.text_gym import TextGymEnvironment, make_text_gym_rollout_fn
 from training.envs.verifiers_env import VerifiersEnvironment, make_verifiers_rollout_fn, verifiers_rows
 
 __all__ = [
+    "last_number_answer_fn",
     "make_reasoning_gym_rollout_fn",
     "reasoning_gym_dataset",
     "reasoning_gym_rows",

@@ -17,6 +17,7 @@ reasoning-gym's ``extract_answer``: the text inside ``<answer>...</answer>``, No
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional, Union
 
 from training.agents import ModelAgent, TaskEnvironment, make_agent_rollout_fn
@@ -83,6 +84,15 @@ def default_answer_fn(reply: str) -> Optional[str]:
     from reasoning_gym.utils import extract_answer
 
     return extract_answer(reply)
+
+
+def last_number_answer_fn(reply: str) -> Optional[str]:
+    """The reply's last integer (``"... = 12. Answer: 12"`` → ``"12"``), None when it has none.
+
+    For small models that do not write ``<answer>`` tags (SmolLM2-135M almost never does) on tasks
+    whose answer is one integer; the library still scores the extracted text."""
+    numbers = re.findall(r"-?\d+", reply.replace(",", ""))
+    return numbers[-1] if numbers else None
 
 
 def reasoning_gym_scorer(dataset, answer_fn: Callable[[str], Optional[str]] = default_answer_fn):

@@ -1,4 +1,4 @@
-"""RL on a reasoning-gym task (``basic_arithmetic``) with SmolLM2-135M-Instruct, offline on CPU.
+"""RL on a reasoning-gym task (``chain_sum``) with SmolLM2-135M-Instruct, offline on CPU.
 
 ``python train.py [key=value ...]`` (``--help`` lists keys); ``base_model=tiny`` checks the plumbing.
 Evaluates on the held-out problems (``eval.jsonl``) before and after training.

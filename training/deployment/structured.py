@@ -9,7 +9,8 @@
   object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
   (``strict`` or not: the output always matches).
 
-Forcing a tool call and a JSON response format together is refused. Raises :class:`StructuredOutputError`
+Forcing a tool call and a JSON response format together is refused. ``/v1/completions`` takes the same
+fields (``completion_constraint``): its prompt is the caller's, so ``tools`` only give a forced call's grammar. Raises :class:`StructuredOutputError`
 (the message and the field), which the request parser turns into a 400.
 """
 
@@ -124,6 +125,26 @@ def chat_constraint(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Opti
             "response_format",
         )
     return parse_calls, forced or fmt
+
+
+def completion_constraint(body: dict) -> Optional[Constraint]:
+    """The output constraint of a /v1/completions request: ``response_format``, or a forced ``tool_choice``.
+
+    The prompt of a completion is the caller's own (token ids or text, tools already rendered by an in-process
+    agent), so ``tools`` there only give a forced call's grammar: they are refused unless ``tool_choice`` is
+    ``"required"`` or a named tool (else they would be silently ignored)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None and choice is None:
+        return response_format(body)
+    if choice in (None, "auto", "none"):
+        raise StructuredOutputError(
+            "'tools' on /v1/completions only give a forced call's grammar ('tool_choice' 'required' or a named "
+            "tool): a completion's prompt is the caller's, so tools are never rendered into it",
+            "tools" if tools is not None else "tool_choice",
+        )
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise StructuredOutputError("'tools' must be a list of objects", "tools")
+    return chat_constraint(body, tools)[1]
 
 
 def _checked(constraint: Constraint, param: str) -> Constraint:

@@ -9,7 +9,8 @@
   object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
   (``strict`` or not: the output always matches).
 
-Forcing a tool call and a JSON response format together is refused. ``/v1/completions`` takes the same
+With a forced tool call and a JSON response format together, the reply is the forced call (the format
+governs text replies, as on OpenAI). ``/v1/completions`` takes the same
 fields (``completion_constraint``): its prompt is the caller's, so ``tools`` only give a forced call's grammar. Raises :class:`StructuredOutputError`
 (the message and the field), which the request parser turns into a 400.
 """
@@ -115,15 +116,14 @@ def response_format(body: dict) -> Optional[Constraint]:
 
 
 def chat_constraint(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
-    """(whether tool calls are parsed, the output constraint) of a chat request."""
+    """(whether tool calls are parsed, the output constraint) of a chat request.
+
+    A forced tool call and a JSON ``response_format`` together (what openai-agents sends for an agent with an
+    ``output_type`` and a forced ``tool_choice``) mean what they mean on OpenAI: this reply is the forced
+    call, and the format governs a text reply, which a forced call's reply has none of; so the call's grammar
+    is the constraint (the format is still checked)."""
     parse_calls, forced = tool_choice(body, tools)
     fmt = response_format(body)
-    if forced is not None and fmt is not None:
-        raise StructuredOutputError(
-            "'response_format' json_object / json_schema cannot be combined with a forced tool call "
-            "('tool_choice' 'required' or a named tool)",
-            "response_format",
-        )
     return parse_calls, forced or fmt
 
 

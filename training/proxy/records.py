@@ -57,8 +57,9 @@ class CallRecord:
     """The sampling fields the upstream got (``temperature``, ``top_p`` as forced or sent, ``seed``, ``stop``...;
     ``sampling_policy.sampling_of``)."""
     constraint: Optional[dict[str, Any]] = None
-    """Chat calls sampled under constrained decoding: the constraining fields (a forced ``tool_choice``, a
-    ``response_format``); None for ordinary samples (``sampling_policy.constraint_of``)."""
+    """Calls sampled under constrained decoding (chat, Responses, completions): the constraining fields (a forced
+    ``tool_choice``, a ``response_format``); None for ordinary samples (``constraint_of``,
+    ``training/utils/constrained_calls.py``)."""
     trainable: bool = True
     """False for a constrained call when the proxy runs with ``constrained_calls="exclude"``: its output is
     kept as context (loss mask 0), never trained on."""

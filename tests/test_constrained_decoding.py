@@ -146,9 +146,16 @@ def test_completions_honour_response_format(server):
 
 
 @needs_library
-def test_forced_tool_call_and_json_format_together_are_refused(server):
+@needs_library
+def test_a_forced_tool_call_with_a_json_format_is_the_forced_call(server):
+    """OpenAI's meaning (openai-agents sends both for an agent with output_type and a forced tool_choice): the
+    reply is the forced call; the format governs text replies. A format that does not compile is still a 400."""
     body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}
-    r = requests.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    r = requests.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 200, "seed": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    bad = {**body, "response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}}
+    r = requests.post(server.base_url + "/v1/chat/completions", json=bad, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 

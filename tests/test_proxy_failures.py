@@ -165,8 +165,8 @@ def test_missing_token_detail_closed_session_auth_and_responses_api_are_clear_er
                 await chat(proxy, "b")
             assert e.value.status_code == 410
             c = openai.AsyncOpenAI(base_url=proxy.session_url("s"), api_key=proxy.api_key, max_retries=0)
-            with pytest.raises(openai.NotFoundError, match="does not serve the Responses API"):
-                await c.responses.create(model="m", input="hi")
+            with pytest.raises(openai.NotFoundError, match="not found in this session"):  # the Responses API is served
+                await c.responses.create(model="m", input="hi", previous_response_id="resp_elsewhere")
             bad = openai.AsyncOpenAI(base_url=proxy.session_url("x"), api_key="wrong", max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 await bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])

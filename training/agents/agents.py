@@ -10,6 +10,12 @@ Lifecycle (driven by ``training.agents.trajectory.TrajectoryEngine``), one agent
 4. before the next turn the engine calls ``agent.compact()``: ``None`` keeps the context,
    a list of messages replaces it (the token prefix breaks: a new segment starts).
 
+Constrained calls: ``tool_choice`` (``"required"`` or a named function) and ``response_format`` (JSON) on
+the agent make every call constrained (``constraint_fields(turn)`` says which fields a turn's call sends;
+override it to constrain some turns only). The server masks the tokens the grammar forbids and returns
+the masked distribution's logprobs; whether such a call trains is the engine's ``constrained_calls``
+switch (``training/utils/constrained_calls.py``, the proxy's name and meaning).
+
 Agents: ``ModelAgent`` (one turn, the reply is the answer), ``ToolAgent`` (parses tool calls,
 appends each result as a ``role: tool`` message, malformed calls as an error message).
 """
@@ -63,13 +69,35 @@ class AgentStep:
 class ConversationAgent:
     """Base agent: message history and a step record. Subclasses override ``parse``."""
 
-    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None):
+    def __init__(
+        self,
+        messages: list[dict],
+        tools: Optional[list[dict]] = None,
+        *,
+        tool_choice: Any = None,
+        response_format: Optional[dict] = None,
+    ):
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of chat messages")
         self.messages: list[dict] = copy.deepcopy(messages)
         self.tools = tools
         """Tool schemas rendered into the prompt (None = no tools)."""
+        self.tool_choice = tool_choice
+        """Every call's ``tool_choice``: ``"required"`` or ``{"type": "function", "function": {"name": X}}`` force
+        a call of one of ``tools`` (constrained decoding); None / ``"auto"`` leave the model free."""
+        self.response_format = response_format
+        """Every call's ``response_format`` (``{"type": "json_object"}``, ``json_schema``: constrained decoding)."""
         self.steps: list[AgentStep] = []
+
+    def constraint_fields(self, turn: int) -> dict[str, Any]:
+        """The request fields that constrain turn ``turn``'s output (``tool_choice`` forcing a call, a
+        ``response_format``); ``{}`` for a free sample. Override to constrain some turns only."""
+        out: dict[str, Any] = {}
+        if self.tool_choice not in (None, "auto", "none"):
+            out["tool_choice"] = self.tool_choice
+        if self.response_format not in (None, {"type": "text"}):
+            out["response_format"] = self.response_format
+        return out
 
     def parse(self, text: str, turn: int) -> Action:
         """The action a reply stands for (base: plain text, no calls)."""
@@ -118,8 +146,16 @@ class ModelAgent(ConversationAgent):
 class ToolAgent(ConversationAgent):
     """Parses tool calls with ``parser``; tool results come back as ``role: tool`` messages in call order."""
 
-    def __init__(self, messages: list[dict], tools: Optional[list[dict]] = None, parser: ToolParser | str = "hermes"):
-        super().__init__(messages, tools)
+    def __init__(
+        self,
+        messages: list[dict],
+        tools: Optional[list[dict]] = None,
+        parser: ToolParser | str = "hermes",
+        *,
+        tool_choice: Any = None,
+        response_format: Optional[dict] = None,
+    ):
+        super().__init__(messages, tools, tool_choice=tool_choice, response_format=response_format)
         self.parser = get_tool_parser(parser) if isinstance(parser, str) else parser
 
     def parse(self, text: str, turn: int) -> Action:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
 from training.agents.trajectory import MODES, TrajectoryEngine
+from training.utils.constrained_calls import checked_constrained_calls
 from training.utils.rl.credit import CreditFn
 from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
 from training.utils.template_check import CHECK_MODES, run_template_check
@@ -41,6 +42,7 @@ def engine_for_setup(
     max_total_tokens: Optional[int] = None,
     sampling: Optional[dict] = None,
     chat_template_kwargs: Optional[dict] = None,
+    constrained_calls: str = "exclude",
 ) -> TrajectoryEngine:
     """A ``TrajectoryEngine`` on the recipe's sampler; the length limit is the smaller of ``max_total_tokens``
     and ``setup.max_seq_len``."""
@@ -52,6 +54,7 @@ def engine_for_setup(
         max_total_tokens=min(limits) if limits else None,
         sampling=sampling,
         chat_template_kwargs=chat_template_kwargs,
+        constrained_calls=constrained_calls,
     )
 
 
@@ -66,12 +69,16 @@ def make_agent_rollout_fn(
     template_check: str = "warn",
     mode: str = "stitch",
     credit_fn: Optional[CreditFn] = None,
+    constrained_calls: str = "exclude",
 ) -> Callable[[RolloutSetup], RolloutFn]:
     """A ``make_rollout_fn(setup)`` whose ``rollout_fn(row)`` runs ``agent_factory(row)`` in ``env_factory(row)``.
 
     ``mode``: ``stitch`` (segments, the return on each) or ``transitions`` (one sample per call,
     ``credit_fn(turns, R)`` per-call credit: ``same_return`` by default, or ``discounted(gamma)``).
+    ``constrained_calls``: ``exclude`` (default) or ``train``, for calls the agent constrains
+    (``ConversationAgent.tool_choice`` / ``response_format``); the proxy's switch, same meaning.
     """
+    checked_constrained_calls(constrained_calls)
     if template_check not in CHECK_MODES:
         raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
     if mode not in MODES:
@@ -82,7 +89,11 @@ def make_agent_rollout_fn(
             setup.tokenizer, template_check, where="make_agent_rollout_fn", **(chat_template_kwargs or {})
         )
         engine = engine_for_setup(
-            setup, max_total_tokens=max_total_tokens, sampling=sampling, chat_template_kwargs=chat_template_kwargs
+            setup,
+            max_total_tokens=max_total_tokens,
+            sampling=sampling,
+            chat_template_kwargs=chat_template_kwargs,
+            constrained_calls=constrained_calls,
         )
 
         async def rollout_fn(row: dict) -> RolloutResult:

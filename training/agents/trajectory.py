@@ -27,6 +27,12 @@ Stop reason (``Episode.stop_reason``, ``metadata["stop_reason"]``, one of ``STOP
 are episodes that did not finish (``Orchestrator``'s ``TrajectoryGroup.stop_reasons``; in the
 recipe, failure causes). ``finish_reason`` stays the sampler's reason for its last call.
 
+Constrained calls (``agent.constraint_fields(turn)``: a forced ``tool_choice``, a JSON ``response_format``)
+are sent with those fields (and the tool schemas, for the call's grammar) and sampled under the server's
+constrained decoding; ``turns[k]["constraint"]`` records them. ``constrained_calls="exclude"`` (default) keeps
+such a call's output as context (mask 0, logprob 0.0) and gives it no transitions sample (its credit is
+still computed over every call); ``"train"`` trains it with the masked logprobs the server returned.
+
 Modes (``Episode.to_result(mode=...)``): ``stitch`` (default) gives the segments, each trained
 with the return (the sum of step rewards); ``transitions`` gives one sample per model call
 (``training/utils/rl/credit.py``): call k's exact prompt ids (mask 0) and output ids (mask 1),
@@ -44,6 +50,7 @@ from typing import Any, Optional, Union
 
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
+from training.utils.constrained_calls import checked_constrained_calls, constraint_of, trains
 from training.utils.tool_parsers import messages_with_tools, render_prompt_ids
 from training.utils.rl.credit import TRANSITIONS, CallTokens, CreditFn, credit_parts, transitions_of
 from training.utils.rl.rollout import STOP_REASONS, RolloutRun, RolloutSample
@@ -115,6 +122,8 @@ class Episode:
     """R: the environment's score of the answer (the return without intermediate rewards)."""
     intermediate: list[float] = field(default_factory=list)
     """Per call, its intermediate reward (tool status); ``reward == final_reward + sum(intermediate)``."""
+    trainable_calls: list[bool] = field(default_factory=list)
+    """Per call, whether it trains (False: constrained under ``constrained_calls="exclude"``); empty = all do."""
 
     def to_result(
         self,
@@ -146,7 +155,14 @@ class Episode:
         plus the call's intermediate reward), weight ``1 / n``; None when no call generated a token."""
         turns = self.metadata.get("turns", [])
         shares, intermediate = credit_parts(credit_fn, turns, self.final_reward, extra=self.intermediate)
-        res = transitions_of(self.calls, shares, intermediate, self.final_reward, max_seq_len=max_seq_len)
+        keep = [k for k in range(len(self.calls)) if not self.trainable_calls or self.trainable_calls[k]]
+        res = transitions_of(  # credit over every call; an excluded constrained call gives no sample
+            [self.calls[k] for k in keep],
+            [shares[k] for k in keep],
+            [intermediate[k] for k in keep],
+            self.final_reward,
+            max_seq_len=max_seq_len,
+        )
         meta = dict(
             self.metadata,
             mode=TRANSITIONS,
@@ -171,7 +187,11 @@ class TrajectoryEngine:
         max_total_tokens: Optional[int] = None,
         sampling: Optional[dict] = None,
         chat_template_kwargs: Optional[dict] = None,
+        constrained_calls: str = "exclude",
     ):
+        """``constrained_calls``: ``exclude`` (default) keeps a constrained call's output as context only (mask 0;
+        no sample in transitions mode), ``train`` trains it with the masked logprobs
+        (``training/utils/constrained_calls.py``, the proxy's switch)."""
         if max_total_tokens is not None and max_total_tokens < 2:
             raise ValueError(f"max_total_tokens: must be >= 2 or None, got {max_total_tokens}")
         self.sampler = sampler
@@ -179,6 +199,7 @@ class TrajectoryEngine:
         self.max_total_tokens = max_total_tokens
         self.sampling = dict(sampling or {})
         self.template_kwargs = dict(chat_template_kwargs or {})
+        self.constrained_calls = checked_constrained_calls(constrained_calls)
 
     # ---- rendering -----------------------------------------------------------------------
     def render_prompt(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
@@ -218,6 +239,7 @@ class TrajectoryEngine:
         turns: list[dict] = []
         calls: list[CallTokens] = []
         intermediate: list[float] = []
+        trainable_calls: list[bool] = []
         total, final_reward, finish_reason, last_text = 0.0, None, "stop", ""
         stop_reason = "finish"
         t_start = time.perf_counter()
@@ -231,6 +253,10 @@ class TrajectoryEngine:
             sampling = dict(self.sampling)
             if room is not None:
                 sampling["max_tokens"] = room if want is None else min(want, room)
+            constraint = constraint_of(agent.constraint_fields(turn))
+            if constraint is not None:  # a forced call's grammar needs the tool schemas (not rendered again)
+                sampling.update(constraint, **({"tools": tools} if "tool_choice" in constraint else {}))
+            trainable_calls.append(trains(constraint, self.constrained_calls))
             t0 = time.perf_counter()
             (c,) = await self.sampler.sample_with_prompt_tokens(seg.tokens, n=1, session_id=session, **sampling)
             sample_s = time.perf_counter() - t0
@@ -242,7 +268,10 @@ class TrajectoryEngine:
             calls.append(
                 CallTokens(prompts[-1], list(out), list(c.inference_logprobs), list(versions), c.finish_reason, turn)
             )
-            seg.add_generated(out, c.inference_logprobs, versions)
+            if trainable_calls[-1]:
+                seg.add_generated(out, c.inference_logprobs, versions)
+            else:  # constrained_calls="exclude": the output is context, never trained on
+                seg.add_context(out)
             last_text = self.tokenizer.decode(out, skip_special_tokens=True)
             action = agent.act(last_text)
             t1 = time.perf_counter()
@@ -268,6 +297,8 @@ class TrajectoryEngine:
                     "reward": result.reward,
                     "intermediate_reward": intermediate[-1],
                     "done": result.done,
+                    "constraint": constraint,
+                    "trainable": trainable_calls[-1],
                 }
             )
             if result.done:
@@ -346,6 +377,7 @@ class TrajectoryEngine:
             calls=calls,
             final_reward=float(final_reward or 0.0),
             intermediate=intermediate,
+            trainable_calls=trainable_calls,
         )
 
 

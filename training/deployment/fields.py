@@ -44,7 +44,7 @@ COMMON = frozenset(
     }
 )
 HONOURED = {
-    "completions": COMMON | {"prompt", "logprobs", "add_special_tokens"},
+    "completions": COMMON | {"prompt", "logprobs", "add_special_tokens", "tools", "tool_choice"},
     "chat": COMMON
     | {
         "messages",

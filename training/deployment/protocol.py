@@ -26,7 +26,7 @@ from training.deployment.request_limits import (
     check_stop,
     check_template_kwargs,
 )
-from training.deployment.structured import StructuredOutputError, chat_constraint, response_format
+from training.deployment.structured import StructuredOutputError, chat_constraint, completion_constraint
 from training.utils.chat_messages import ChatMessageError, prepare_for_template
 from training.utils.tool_parsers import messages_with_tools, tool_rendering
 
@@ -337,8 +337,10 @@ def parse_completion_request(
         len(prompts),
         limits,
     )
-    try:
-        params = replace(params, constraint=response_format(body))
+    tools = body.get("tools")
+    _check_tools_size(tools if isinstance(tools, list) else None, engine.config)
+    try:  # response_format, or tool_choice forcing a call of 'tools' (not rendered: the prompt is the caller's)
+        params = replace(params, constraint=completion_constraint(body))
     except StructuredOutputError as e:
         raise RequestError(str(e), e.param) from None
     _validate(prompts, params, engine)

@@ -3,6 +3,7 @@
 Endpoints (see README.md for bodies):
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request.
+- ``POST /v1/responses``: the OpenAI Responses API over the chat path (``responses_route.py``).
 - ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
 - ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
 - ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: colocation (server_sleep.py).
@@ -41,6 +42,7 @@ from training.deployment.protocol import (
 )
 from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits
 from training.deployment.responses import build_chat_response, build_completion_response
+from training.deployment.responses_route import RESPONSES_KEY, responses_routes
 from training.deployment.process_stats import process_pools
 from training.deployment.server_context import (
     ENGINE_KEY,
@@ -53,6 +55,7 @@ from training.deployment.server_weights import DIST_KEY, LOOPBACK_PEERS, shm_roo
 from training.deployment.streaming import ChunkStream
 from training.utils.http import bearer_ok, session_id_of
 from training.utils.openai_errors import error_body, error_response
+from training.utils.responses_store import ResponseStore
 from training.utils.sse import end_sse, open_sse, sse_event
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ _OPEN_PATHS = ("/health",)
 """Paths that never require the API key."""
 
 
-_CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions"})
+_CANCEL_ON_DISCONNECT = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 """Paths whose handler is cancelled (and sequences aborted) when the client disconnects."""
 
 
@@ -254,7 +257,7 @@ async def weight_version(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     """The engine's counters and ``pools``: each table's and the process's ``{"size", "bound"}``."""
     s = request.app[ENGINE_KEY].stats()
-    s["pools"] = {**s.get("pools", {}), **process_pools()}
+    s["pools"] = {**s.get("pools", {}), **process_pools(), "stored_responses": request.app[RESPONSES_KEY].pool()}
     return web.json_response(s, dumps=lambda o: json.dumps(o, default=str))
 
 
@@ -315,10 +318,12 @@ def create_app(
         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
     }
     app[DIST_KEY] = {"group": None, "busy": False, "waits": set()}
+    app[RESPONSES_KEY] = ResponseStore()
     app.add_routes(
         [
             web.post("/v1/completions", completions),
             web.post("/v1/chat/completions", chat_completions),
+            *responses_routes(),
             web.get("/v1/models", models),
             web.get("/health", health),
             web.get("/weight_version", weight_version),

@@ -9,7 +9,9 @@
   object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
   (``strict`` or not: the output always matches).
 
-Forcing a tool call and a JSON response format together is refused. Raises :class:`StructuredOutputError`
+With a forced tool call and a JSON response format together, the reply is the forced call (the format
+governs text replies, as on OpenAI). ``/v1/completions`` takes the same
+fields (``completion_constraint``): its prompt is the caller's, so ``tools`` only give a forced call's grammar. Raises :class:`StructuredOutputError`
 (the message and the field), which the request parser turns into a 400.
 """
 
@@ -114,16 +116,35 @@ def response_format(body: dict) -> Optional[Constraint]:
 
 
 def chat_constraint(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
-    """(whether tool calls are parsed, the output constraint) of a chat request."""
+    """(whether tool calls are parsed, the output constraint) of a chat request.
+
+    A forced tool call and a JSON ``response_format`` together (what openai-agents sends for an agent with an
+    ``output_type`` and a forced ``tool_choice``) mean what they mean on OpenAI: this reply is the forced
+    call, and the format governs a text reply, which a forced call's reply has none of; so the call's grammar
+    is the constraint (the format is still checked)."""
     parse_calls, forced = tool_choice(body, tools)
     fmt = response_format(body)
-    if forced is not None and fmt is not None:
-        raise StructuredOutputError(
-            "'response_format' json_object / json_schema cannot be combined with a forced tool call "
-            "('tool_choice' 'required' or a named tool)",
-            "response_format",
-        )
     return parse_calls, forced or fmt
+
+
+def completion_constraint(body: dict) -> Optional[Constraint]:
+    """The output constraint of a /v1/completions request: ``response_format``, or a forced ``tool_choice``.
+
+    The prompt of a completion is the caller's own (token ids or text, tools already rendered by an in-process
+    agent), so ``tools`` there only give a forced call's grammar: they are refused unless ``tool_choice`` is
+    ``"required"`` or a named tool (else they would be silently ignored)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None and choice is None:
+        return response_format(body)
+    if choice in (None, "auto", "none"):
+        raise StructuredOutputError(
+            "'tools' on /v1/completions only give a forced call's grammar ('tool_choice' 'required' or a named "
+            "tool): a completion's prompt is the caller's, so tools are never rendered into it",
+            "tools" if tools is not None else "tool_choice",
+        )
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise StructuredOutputError("'tools' must be a list of objects", "tools")
+    return chat_constraint(body, tools)[1]
 
 
 def _checked(constraint: Constraint, param: str) -> Constraint:

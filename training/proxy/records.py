@@ -15,9 +15,15 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from training.utils.responses_store import ResponseStore
 from training.utils.rl.rollout.turn_matching import APPEND, NEW, WIPE, TurnLabel
 
 __all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
+
+SESSION_RESPONSES = 64
+"""Responses API: the responses a session keeps for ``previous_response_id`` (the most recently used)."""
+SESSION_RESPONSE_CHARS = 4 * 1024 * 1024
+"""... and the characters of their conversations' JSON, summed (``training/utils/responses_store.py``)."""
 
 
 @dataclass
@@ -51,8 +57,9 @@ class CallRecord:
     """The sampling fields the upstream got (``temperature``, ``top_p`` as forced or sent, ``seed``, ``stop``...;
     ``sampling_policy.sampling_of``)."""
     constraint: Optional[dict[str, Any]] = None
-    """Chat calls sampled under constrained decoding: the constraining fields (a forced ``tool_choice``, a
-    ``response_format``); None for ordinary samples (``sampling_policy.constraint_of``)."""
+    """Calls sampled under constrained decoding (chat, Responses, completions): the constraining fields (a forced
+    ``tool_choice``, a ``response_format``); None for ordinary samples (``constraint_of``,
+    ``training/utils/constrained_calls.py``)."""
     trainable: bool = True
     """False for a constrained call when the proxy runs with ``constrained_calls="exclude"``: its output is
     kept as context (loss mask 0), never trained on."""
@@ -118,6 +125,10 @@ class SessionRecord:
     """``time.monotonic()`` of the session's last activity (idle expiry, eviction order)."""
     evicted: Optional[str] = None
     """Why the proxy dropped this session before its rollout closed it (idle expiry, table full), else None."""
+    responses: ResponseStore = field(
+        default_factory=lambda: ResponseStore(SESSION_RESPONSES, SESSION_RESPONSE_CHARS), repr=False
+    )
+    """Responses API: this session's stored responses, for ``previous_response_id`` (``responses.py``)."""
 
     def calls_of(self, agents: Optional[set[str]] = None) -> list[CallRecord]:
         """The calls of the named agents (all when ``agents`` is None), in order."""

@@ -16,15 +16,21 @@ call flagged. The full table, the Anthropic route included, is in ``training/pro
 - ``constraint_of``: ``tool_choice`` that forces a call and ``response_format`` other than text
   need constrained decoding (masked logits); forwarded, recorded in ``CallRecord.constraint``; the
   proxy's ``constrained_calls`` switch decides whether such calls train (``train``) or are kept as
-  context only (``exclude``, the default).
+  context only (``exclude``, the default). Both, and the switch's meaning, live on the ground floor
+  (``training/utils/constrained_calls.py``), shared with the in-process agents.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from training.utils.constrained_calls import CONSTRAINED_CALLS, checked_constrained_calls, constraint_of, trains
+
 if TYPE_CHECKING:
     from training.proxy.records import CallRecord
+
+__all__ = ["CONSTRAINED_CALLS", "FORCED", "RECORDED", "REFUSED", "checked_constrained_calls", "constraint_of"]
+__all__ += ["flag", "refusal", "sampling_of"]
 
 FORCED = ("temperature", "top_p")
 """Forced to the recipe's ``forced_params`` when set; recorded either way."""
@@ -43,9 +49,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
 
 RECORDED = ("seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output")
 """Forwarded unchanged and recorded on the call."""
-
-CONSTRAINED_CALLS = ("exclude", "train")
-"""``constrained_calls`` values: keep a constrained call as context only, or train on it."""
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -68,32 +71,13 @@ def refusal(body: dict) -> Optional[tuple[str, str]]:
     return None
 
 
-def constraint_of(body: dict) -> Optional[dict[str, Any]]:
-    """The constrained-decoding fields of a chat body (forced tool call, structured output), or None."""
-    out: dict[str, Any] = {}
-    choice = body.get("tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        out["tool_choice"] = choice
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        out["response_format"] = fmt
-    return out or None
-
-
 def sampling_of(fwd: dict) -> dict[str, Any]:
     """The forced and recorded fields as the upstream got them (what ``CallRecord.sampling`` holds)."""
     return {k: fwd[k] for k in FORCED + RECORDED if fwd.get(k) is not None}
 
 
-def checked_constrained_calls(value: str) -> str:
-    """``value`` when it is one of ``CONSTRAINED_CALLS``; else ValueError naming it."""
-    if value not in CONSTRAINED_CALLS:
-        raise ValueError(f"constrained_calls: {value!r} is not one of {CONSTRAINED_CALLS}")
-    return value
-
-
 def flag(record: "CallRecord", upstream_body: dict, body: dict, constrained_calls: str) -> None:
     """Fill ``record.sampling``, ``record.constraint`` and ``record.trainable`` from what was sent."""
     record.sampling = sampling_of(upstream_body)
-    record.constraint = constraint_of(body) if record.endpoint == "chat" else None
-    record.trainable = record.constraint is None or constrained_calls == "train"
+    record.constraint = constraint_of(body)  # chat, and completions with response_format or a forced tool_choice
+    record.trainable = trains(record.constraint, constrained_calls)

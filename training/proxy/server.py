@@ -8,8 +8,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from the
 ``x-multi-turn-session-id`` header, else ``x-session-affinity``, else the body's ``user`` field),
 ``POST /v1/messages`` (Anthropic Messages API, see ``anthropic.py``) and the same under
-``/sessions/{id}/v1/...`` for clients that cannot set headers; ``POST /v1/responses`` answers 404
-naming the routes to use (the Responses API is not served); ``GET [/sessions/{id}]/v1/models``;
+``/sessions/{id}/v1/...`` for clients that cannot set headers; ``POST /v1/responses`` (the OpenAI
+Responses API, recorded as a chat call: ``responses.py``); ``GET [/sessions/{id}]/v1/models``;
 ``GET /health``;
 ``POST /proxy/pause`` (add a pauser: new calls wait; answers once none is in flight), ``POST /proxy/resume``
 (remove one: calls flow again when every pauser resumed; see ``training/utils/pause_gate.py``);
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
-from training.proxy import anthropic, sampling_policy
+from training.proxy import anthropic, responses, sampling_policy
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
 from training.proxy.access import auth_middleware, check_session_id, forbidden, named_session, session_key
 from training.proxy.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionTable, SessionTableFull
@@ -271,13 +271,9 @@ class ProxyServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
 
-    async def _responses(self, request: web.Request) -> web.Response:
-        return error_response(
-            404,
-            "the training proxy does not serve the Responses API (/v1/responses); call "
-            "/v1/chat/completions (client.chat.completions.create) or /v1/messages",
-            "not_found_error",
-        )
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI Responses API: translated to a chat call, recorded as one (see ``responses.py``)."""
+        return await responses.serve(self, request)
 
     def _session_of(
         self, request: web.Request, body: Any = None

@@ -3,7 +3,8 @@
 ``start_teacher(cfg, log_path, student_tokenizer, threads)`` launches the teacher's server (a second embedded
 server by default, its log in ``<log_path>/teacher.log``) or attaches to ``distillation.deployment.base_url``;
 ``Teacher.distill(groups)``, awaited by the loops before each training step, asks it for the logprob of every
-token of every sample of the step (one ``prompt_logprobs`` request per group, all groups at once), replaces each
+token of every sample of the step (``prompt_logprobs`` requests of up to ``SEQUENCES_PER_REQUEST`` samples of one
+group, all at once), replaces each
 sample's advantage by the per-token one (``training/utils/rl/distillation.py``) and returns the ``distill/*``
 metrics. The teacher holds no state of the run: a resumed run starts it again and scores the same way.
 
@@ -31,6 +32,9 @@ from training.utils.rl.groups import PromptGroup
 
 logger = logging.getLogger("training.recipe")
 
+SEQUENCES_PER_REQUEST = 16
+"""Samples scored in one ``prompt_logprobs`` request (a group's samples, in chunks of at most this many)."""
+
 
 class Teacher:
     """A started teacher deployment and the scoring of a step's groups."""
@@ -43,14 +47,20 @@ class Teacher:
 
     async def distill(self, groups: list[PromptGroup]) -> dict[str, float]:
         """Score every sample of ``groups`` with the teacher, set their per-token advantages, return ``distill/*``."""
-        scored = await asyncio.gather(
-            *(
-                self.group.sampler.prompt_logprobs(
-                    [s.tokens for s in g.samples], max_tokens=0 if self.score_only else 1
-                )
-                for g in groups
+        chunks = [
+            [s.tokens for s in g.samples[i : i + SEQUENCES_PER_REQUEST]]
+            for g in groups
+            for i in range(0, len(g.samples), SEQUENCES_PER_REQUEST)
+        ]
+        max_tokens = 0 if self.score_only else 1
+        answers_flat = iter(
+            a
+            for chunk in await asyncio.gather(
+                *(self.group.sampler.prompt_logprobs(c, max_tokens=max_tokens) for c in chunks)
             )
+            for a in chunk
         )
+        scored = [[next(answers_flat) for _ in g.samples] for g in groups]
         stats = DistillationStats()
         d = self.distillation
         for g, answers in zip(groups, scored):

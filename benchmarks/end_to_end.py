@@ -62,18 +62,19 @@ def harness_overrides(model: str, steps: int, seed: int, log_path: str) -> list[
     ]
 
 
-def example_config(overrides: list[str]):
+def example_config(overrides: list[str], example: Path = EXAMPLE):
     """The example's ``cfg`` (its ``train.py`` run as a module, not as ``__main__``: it builds ``cfg`` and
     neither reads ``sys.argv`` nor trains) with ``overrides`` applied, and its ``rollout`` module (loaded
-    from its file, whatever other module named ``rollout`` is imported)."""
+    from its file, whatever other module named ``rollout`` is imported). ``example``: the example's folder
+    (default the arithmetic one)."""
     from training.utils.cli import apply_overrides
 
-    spec = importlib.util.spec_from_file_location("arithmetic_smollm2_rollout", EXAMPLE / "rollout.py")
+    spec = importlib.util.spec_from_file_location(f"{example.name}_rollout", example / "rollout.py")
     rollout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rollout)
     saved_module, sys.modules["rollout"] = sys.modules.get("rollout"), rollout  # train.py: from rollout import ...
     try:
-        train = runpy.run_path(str(EXAMPLE / "train.py"), run_name="arithmetic_smollm2_train")
+        train = runpy.run_path(str(example / "train.py"), run_name=f"{example.name}_train")
     finally:
         if saved_module is None:
             sys.modules.pop("rollout", None)

@@ -100,6 +100,19 @@ METHOD = {
     "--only end_to_end` after `bash scripts/setup_trl.sh`; more seeds or steps: "
     "`python -m benchmarks.end_to_end --steps 16 --seeds 0,1,2 > line.json` then "
     "`python -m benchmarks.run_all --add line.json`.",
+    "distillation": "On-policy distillation against RL from the same start (`benchmarks/distillation.py`): "
+    "SmolLM2-135M-Instruct trained by `training/examples/rl/distillation_smollm2` (the teacher: the `final` "
+    "export of a run of `arithmetic_smollm2`, scoring every generated token; `importance_sampling`, 8 problems × "
+    "4 replies per step) and by `training/examples/rl/arithmetic_smollm2` (grpo on the exact-answer reward, 4 × 8 "
+    "per step, zero-variance groups dropped), each as shipped, one after the other on this machine, each in its "
+    "own process, the same seed. Each run is stopped once its training wall time (the sum of its steps' "
+    "`perf/wait_rollout_s`, `perf/teacher_s`, `perf/train_s`, `perf/weight_sync_s`: evals and start-up "
+    "excluded) passes the budget. Held-out accuracy: the recipe's own eval of the arithmetic example's 100 "
+    "problems at temperature 0.7, before the first step and every few steps; the figure is each side's last "
+    "eval inside the budget, and the training seconds each side took to first reach the lower of the two final "
+    "accuracies; `curve` lists every eval as training seconds:accuracy. Ratios against RL. Full figure: "
+    "`python -m benchmarks.run_all --only distillation` (about 40 minutes on 2 idle cores) once "
+    "`python training/examples/rl/arithmetic_smollm2/train.py` has exported `runs/arithmetic_smollm2/final`.",
     "sampling_cost": "`engine.token_sampler.sample` alone on a SmolLM2-shaped batch (32 rows × 49,152 vocabulary, fp32 "
     "random logits, 64 prompt + 128 output tokens of history per row), every row with the same "
     "request fields; the variants are timed interleaved, median ms per call; baseline: plain "
@@ -182,6 +195,11 @@ WHY = {
     "from the training pass (no separate no-grad forward, as TRL does with `num_iterations=1`). Noise: "
     "before the split, ours' median step moved by 12 % between two idle runs of the same code and seed "
     "(18.6 and 20.9 s); here the two seeds' medians are 14.7 and 16.0 s; TRL's moves by 1 %.",
+    "distillation": "How to read it: a distillation step costs more than an RL step of the same number of "
+    "replies (the teacher scores every reply: `perf/teacher_s`), and gets a signal on every generated token "
+    "instead of one per reply, so it should need fewer steps; the budget in wall time puts both costs in one "
+    "figure. The evals sample 100 problems at temperature 0.7, so each accuracy carries about ±0.05 of "
+    "sampling noise; one seed unless the notes say more.",
     "sampling_cost": "A field costs what it adds to plain sampling (which is log-softmax, exp, cumsum and a "
     "search over the vocabulary). `top_p` without `top_k` takes the 256 likeliest tokens (`topk`) and "
     "sorts the whole vocabulary only for rows whose nucleus reaches past them: with these flat random "
@@ -196,7 +214,7 @@ WHY = {
     "(engine README, 'The native decode step').",
 }
 
-ALWAYS_EXPLAINED = ("async_agentic", "trainer_throughput", "end_to_end")
+ALWAYS_EXPLAINED = ("async_agentic", "trainer_throughput", "end_to_end", "distillation")
 """Figures whose explanation is printed under the table even when no row is worse than its baseline."""
 
 LOWER_IS_BETTER = ("lower is better", "Δlogprob", "KL", "RSS", "× weight")
@@ -262,13 +280,13 @@ def render(saved: dict) -> str:
     for r in results:
         name = r["figure"]
         out += [f"## {name}", "", METHOD.get(name, ""), ""]
+        if "error" in r:
+            out += [f"**Not measured in this run:** {r['error'].strip()[-600:]}", ""]
+            continue
         if r.get("date") and r["date"] != saved["date"]:
             other = r.get("machine", {}).get("cpu")
             on = f" on another machine ({other})" if other and other != machine.get("cpu") else ""
             out += [f"Measured {r['date']}{on}, apart from the run above.", ""]
-        if "error" in r:
-            out += [f"**Not measured in this run:** {r['error'].strip()[-600:]}", ""]
-            continue
         out += _table(r["rows"]) + [""]
         if r.get("notes"):
             out += [r["notes"], ""]

@@ -2,13 +2,15 @@
 
     python -m benchmarks.run_all [--only async_overlap,exactness] [--quick] [--from-json benchmarks/results.json]
     python -m benchmarks.run_all --only end_to_end             # the opt-in end-to-end figure, others kept
+    python -m benchmarks.run_all --only distillation           # distillation vs RL (the teacher must exist)
     python -m benchmarks.run_all --add line.json               # a figure run by hand, others kept
 
 Each script runs in its own process (``python -m benchmarks.<name>``), one after the other, so they
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
 running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
-re-measured without regenerating the rest). ``end_to_end`` (against TRL, about 15 minutes per seed) runs only
+re-measured without regenerating the rest). ``end_to_end`` (against TRL, about 15 minutes per seed) and
+``distillation`` (distillation vs RL, about 40 minutes, after the arithmetic example exported the teacher) run only
 when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
 ``--steps``) into the saved results the same way. A kept figure is shown with its own date.
 Benchmarks are not tests: CI never runs them.
@@ -36,9 +38,9 @@ SCRIPTS = [
     "exactness",
     "sampling_cost",
 ]
-OPT_IN = ["end_to_end"]
+OPT_IN = ["end_to_end", "distillation"]
 """Scripts too long for the default run: they run only when ``--only`` names them."""
-TIMEOUT_S = {"end_to_end": 6 * 3600.0, "engine_throughput": 3600.0}
+TIMEOUT_S = {"end_to_end": 6 * 3600.0, "distillation": 3 * 3600.0, "engine_throughput": 3600.0}
 """Per-script timeouts that replace ``--timeout``."""
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"

@@ -38,3 +38,9 @@ def tiny_model_path() -> str:
 def tiny_llama_path() -> str:
     """Folder of the tiny random-init Llama model + tokenizer."""
     return ensure_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_path() -> str:
+    """Another tiny Qwen3 with the same tokenizer and other random weights: a distillation teacher for ``tiny``."""
+    return ensure_tiny_model("qwen3", weight_seed=1)

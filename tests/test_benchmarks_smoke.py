@@ -277,3 +277,22 @@ def test_profile_decode_prints_where_a_step_goes(kernel):
     )
     assert f"{kernel} step:" in stdout
     assert ("| attention |" in stdout) == (kernel == "native")
+
+
+@pytest.mark.slow
+def test_distillation_benchmark_quick_runs_both_sides_and_stops_them_at_the_budget(tmp_path):
+    """``benchmarks/distillation.py --quick`` (tiny student and teacher): both sides run, are stopped once their
+    training wall time passes the budget, and report a curve that starts at the same eval before training."""
+    stdout = run_benchmark("distillation", "--quick", "--work-dir", str(tmp_path), timeout=900)
+    result = json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
+    assert result["figure"] == "distillation"
+    runs = result["runs"]
+    assert set(runs) == {"RL (arithmetic_smollm2)", "distillation (distillation_smollm2)"}
+    for (r,) in runs.values():
+        assert r["stopped_at_budget"] and r["steps"] >= 1
+        assert r["curve"][0][0] == 0.0 and all(t <= 15.0 for t, _, _ in r["curve"])
+    assert runs["distillation (distillation_smollm2)"][0]["teacher_s"] > 0
+    assert (
+        runs["RL (arithmetic_smollm2)"][0]["curve"][0][1]
+        == runs["distillation (distillation_smollm2)"][0]["curve"][0][1]
+    )

@@ -33,7 +33,7 @@ UNIT_SCRIPT = textwrap.dedent("""
     # 1. a step's batch reaches every rank intact (rank 0 holds it, the others pass None)
     batch = StepBatch(tokens=[[1, 2, 3], [4, 5], [6, 7, 8, 9]], sampler_logprobs=[[0.0, -0.5, -1.25], [0.0, -1 / 3],
                       [0.0, 0.0, -2.0e-7, -7.5]], loss_masks=[[0, 1, 1], [0, 1], [0, 0, 1, 1]],
-                      advantages=[0.7071067811865476, -0.7071067811865476, 1e-300], weights=[1.0, 0.5, 2.0])
+                      advantages=[0.7071067811865476, [0.0, -1 / 3], 1e-300], weights=[1.0, 0.5, 2.0])
     got = StepBatch.broadcast(batch if r == 0 else None)
     # 2. metrics combine over ranks: weighted mean, max, min, sum
     metrics = D.reduce_metrics({"a": float(r + 1), "b_max": float(r), "c_min": float(r), "loss": 1.0,
@@ -172,7 +172,7 @@ def test_two_rank_step_matches_one_process_and_its_checkpoint_loads_in_one(tiny_
         "tokens": [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
         "sampler_logprobs": [[0.0, -0.5, -1.25], [0.0, -1 / 3], [0.0, 0.0, -2.0e-7, -7.5]],
         "loss_masks": [[0, 1, 1], [0, 1], [0, 0, 1, 1]],
-        "advantages": [0.7071067811865476, -0.7071067811865476, 1e-300],
+        "advantages": [0.7071067811865476, [0.0, -1 / 3], 1e-300],  # a scalar stays one, a per-token list a list
         "weights": [1.0, 0.5, 2.0],
     }
     for r in (0, 1):

@@ -46,6 +46,36 @@ def test_example_pair_runs(name, extra, tmp_path):
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
+def test_distillation_example_runs_on_the_tiny_models(tiny_teacher_path, tmp_path):
+    """The distillation pair with a tiny student and a tiny teacher (same tokenizer, other weights)."""
+    metrics = run_example(
+        "distillation_smollm2",
+        tmp_path / "run",
+        "max_steps=2",
+        "eval_interval=0",
+        "prompt_groups_per_step=2",
+        "completions_per_prompt=2",
+        "base_model=tiny",
+        f"distillation.teacher_model={tiny_teacher_path}",
+    )
+    trained = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in trained] == [0, 1]
+    assert all(m["distill/scored_tokens"] > 0 and m["rollout/errors"] == 0 for m in trained)
+    assert (tmp_path / "run" / "teacher.log").exists() and (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_distillation_example_without_its_teacher_says_what_to_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"distillation.teacher_model={tmp_path / 'absent'}"],
+        cwd=EXAMPLES / "distillation_smollm2",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and "run the arithmetic example first" in proc.stderr
+
+
 def test_help_lists_config_fields():
     proc = subprocess.run(
         [sys.executable, "train.py", "--help"],

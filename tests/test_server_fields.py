@@ -57,7 +57,10 @@ REFUSED = [
     ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),  # honoured on completions only
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with prompt_logprobs
     ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),

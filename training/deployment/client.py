@@ -3,6 +3,8 @@
 ``DeploymentSampler`` talks to any server with the vLLM-style RL fields (the embedded server,
 vLLM, SGLang): it always asks for ``return_token_ids`` and sampled-token ``logprobs`` and
 returns ``Completion`` objects whose ``full_tokens`` are exactly the server's ids.
+``prompt_logprobs`` scores given token sequences (vLLM's ``prompt_logprobs`` field): a teacher's
+logprob of every token another model sampled, for on-policy distillation.
 
 Failure policy: connection errors and 5xx answers are retried (``max_retries`` times); a 4xx
 answer raises ``DeploymentRequestError`` at once with the server's message and field; a request
@@ -33,7 +35,14 @@ from training.utils.rl.request_seeds import next_request_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Completion", "DeploymentRequestError", "DeploymentSampler", "SESSION_HEADER", "build_deployment_sampler"]
+__all__ = [
+    "Completion",
+    "DeploymentRequestError",
+    "DeploymentSampler",
+    "SESSION_HEADER",
+    "ScoredTokens",
+    "build_deployment_sampler",
+]
 
 
 class DeploymentRequestError(RuntimeError):
@@ -84,6 +93,21 @@ class Completion:
     def tool_calls(self) -> list[dict]:
         """Parsed tool calls of a chat completion (empty for plain completions)."""
         return list((self.message or {}).get("tool_calls") or [])
+
+
+@dataclass
+class ScoredTokens:
+    """A server's teacher-forced logprobs of one token sequence (``DeploymentSampler.prompt_logprobs``)."""
+
+    token_ids: list[int]
+    """The sequence that was scored, as sent."""
+    logprobs: list[Optional[float]]
+    """Per token: its logprob given the tokens before it (raw logits, no temperature); None at position 0."""
+    top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    """With ``top_k > 0``: per position the likeliest tokens' logprobs (token id -> logprob; the sequence's own token
+    included); None at position 0."""
+    weight_version: Optional[int] = None
+    """The weight version that scored it, when the server reports one (the embedded server does, vLLM does not)."""
 
 
 def _normalise_url(url: str) -> str:
@@ -365,6 +389,39 @@ class DeploymentSampler:
             )
         return result
 
+    async def prompt_logprobs(
+        self,
+        sequences: list[list[int]],
+        *,
+        top_k: int = 0,
+        max_tokens: int = 1,
+        session_id: Optional[str] = None,
+    ) -> list[ScoredTokens]:
+        """Score token sequences through ``/v1/completions``' ``prompt_logprobs`` (all in one request).
+
+        Works against vLLM and the embedded server alike: the answer is vLLM's ``choices[].prompt_logprobs``
+        (per token a dict keyed by token id of ``{"logprob", "rank", "decoded_token"}``, None first).
+        ``max_tokens``: vLLM needs >= 1 (one token is generated and dropped); the embedded server also takes
+        0, which only scores. Raises ``DeploymentRequestError`` when the answer lacks a sequence's entries."""
+        if not sequences or any(not s for s in sequences):
+            raise ValueError("sequences: give at least one non-empty token sequence")
+        body: dict[str, Any] = {
+            "prompt": [list(s) for s in sequences],
+            "prompt_logprobs": top_k,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "n": 1,
+        }
+        if self.model:
+            body["model"] = self.model
+        out = await self.request("POST", "/v1/completions", body, session_id)
+        choices = sorted(out.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != len(sequences):
+            raise DeploymentRequestError(
+                f"the server returned {len(choices)} choices for {len(sequences)} scored sequences", url=self.base_url
+            )
+        return [_scored(seq, ch, out, self.base_url, top_k > 0) for seq, ch in zip(sequences, choices)]
+
     async def health(self) -> dict:
         """GET /health of the first replica."""
         return await self.request("GET", "/health", base_url=self.base_url)
@@ -431,6 +488,27 @@ def _completion(
         cached_tokens=cached,
         token_weight_versions=per_token,
     )
+
+
+def _scored(seq: list[int], choice: dict, out: dict, url: str, with_top: bool) -> ScoredTokens:
+    """One choice's vLLM-shaped ``prompt_logprobs`` as ``ScoredTokens`` of ``seq``."""
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(seq):
+        got = len(entries) if isinstance(entries, list) else "no"
+        raise DeploymentRequestError(
+            f"the server returned {got} prompt_logprobs entries for a sequence of {len(seq)} tokens", url=url
+        )
+    logprobs: list[Optional[float]] = [None]
+    top: list[Optional[dict[int, float]]] = [None]
+    for t in range(1, len(seq)):
+        entry = entries[t] or {}
+        mine = entry.get(str(seq[t]), entry.get(seq[t]))
+        if not isinstance(mine, dict) or "logprob" not in mine:
+            raise DeploymentRequestError(f"prompt_logprobs[{t}] has no entry for token {seq[t]}", url=url)
+        logprobs.append(float(mine["logprob"]))
+        top.append({int(k): float(v["logprob"]) for k, v in entry.items()})
+    version = choice.get("weight_version", out.get("weight_version"))
+    return ScoredTokens(list(seq), logprobs, top if with_top else None, None if version is None else int(version))
 
 
 def build_deployment_sampler(setup: Any) -> DeploymentSampler:

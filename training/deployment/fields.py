@@ -44,7 +44,7 @@ COMMON = frozenset(
     }
 )
 HONOURED = {
-    "completions": COMMON | {"prompt", "logprobs", "add_special_tokens", "tools", "tool_choice"},
+    "completions": COMMON | {"prompt", "logprobs", "add_special_tokens", "tools", "tool_choice", "prompt_logprobs"},
     "chat": COMMON
     | {
         "messages",
@@ -57,6 +57,7 @@ HONOURED = {
         "chat_template_kwargs",
         "add_generation_prompt",
         "continue_final_message",
+        "prompt_logprobs",  # null only: protocol.py refuses a value, naming /v1/completions
     },
 }
 METADATA = frozenset(
@@ -76,7 +77,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # name: (is the value harmless?, what is not supported)
     "echo": (_off, "echoing the prompt"),
     "suffix": (_off, "suffix insertion"),
-    "prompt_logprobs": (_off, "prompt logprobs"),
     "truncate_prompt_tokens": (_off, "prompt truncation"),
     "use_beam_search": (_off, "beam search"),
     "length_penalty": (_is(1, 1.0), "beam-search length penalty"),

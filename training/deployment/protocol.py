@@ -70,6 +70,10 @@ class ParsedRequest:
     """Streaming: end with a chunk that carries ``usage`` (``stream_options.include_usage``)."""
     tokens_as_ids: bool = False
     """Token strings in logprobs are ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
+    prompt_logprobs: Optional[int] = None
+    """Completions only (vLLM's field): k >= 0 adds ``prompt_logprobs`` to every choice, each prompt token's logprob
+    given the tokens before it plus the k likeliest tokens there, from a scoring forward apart from generation
+    (``engine/scoring.py``). With ``max_tokens: 0`` nothing is generated (``params.max_tokens`` is then 0)."""
 
     def params_for(self, choice_index: int) -> SamplingParams:
         """Sampling params of choice ``choice_index`` (seed + index when a seed was given)."""
@@ -326,9 +330,10 @@ def parse_completion_request(
             prompts.append(_token_ids(p, engine.vocab_size, "prompt"))
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     stream = _bool(body, "stream", False)
+    prompt_logprobs, score_only = _prompt_logprobs(body, prompts, stream, engine.max_model_len)
     params, seed, n = _sampling(
-        body,
-        max(len(p) for p in prompts),
+        {**body, "max_tokens": 1} if score_only else body,  # checks every other field; nothing is generated
+        0 if score_only else max(len(p) for p in prompts),
         engine.max_model_len,
         engine.vocab_size,
         logprobs or 0,
@@ -343,7 +348,10 @@ def parse_completion_request(
         params = replace(params, constraint=completion_constraint(body))
     except StructuredOutputError as e:
         raise RequestError(str(e), e.param) from None
-    _validate(prompts, params, engine)
+    if score_only:
+        params = replace(params, max_tokens=0)
+    else:
+        _validate(prompts, params, engine)
     return ParsedRequest(
         prompts=prompts,
         n=n,
@@ -355,7 +363,29 @@ def parse_completion_request(
         stream=stream,
         include_usage=_stream_options(body, stream),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _prompt_logprobs(
+    body: dict, prompts: list[list[int]], stream: bool, max_model_len: int
+) -> tuple[Optional[int], bool]:
+    """``prompt_logprobs`` (k in 0..20, or None) and whether the request only scores (``max_tokens: 0``).
+
+    vLLM refuses ``max_tokens: 0``; this server takes it with ``prompt_logprobs`` (a scoring request that
+    generates nothing, so a prompt may then fill the whole context). Streaming is refused, as vLLM does."""
+    k = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if k is None:
+        return None, False
+    if stream:
+        raise RequestError("'prompt_logprobs' is not supported with 'stream': true", "prompt_logprobs")
+    max_tokens = body.get("max_tokens")
+    if not (_is_int(max_tokens) and max_tokens == 0):
+        return k, False
+    longest = max(len(p) for p in prompts)
+    if longest > max_model_len:
+        raise RequestError(f"the prompt has {longest} tokens, more than max_model_len={max_model_len}", "prompt")
+    return k, True
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -408,6 +438,11 @@ def parse_chat_request(
         parse_calls, constraint = chat_constraint(body, tools)
     except StructuredOutputError as e:
         raise RequestError(str(e), e.param) from None
+    if body.get("prompt_logprobs") is not None:
+        raise RequestError(
+            "'prompt_logprobs' is served on /v1/completions only: send the rendered prompt's token ids there",
+            "prompt_logprobs",
+        )
     if body.get("parallel_tool_calls") is False:
         raise RequestError(
             "'parallel_tool_calls': false is not supported: this server does not limit a reply to one tool call",

@@ -4,7 +4,8 @@ Building turns the engine's ``GenerationResult`` objects into OpenAI / vLLM-shap
 the extras an RL trainer needs: per-choice ``token_ids`` / ``token_weight_versions`` / ``prompt_token_ids``
 (``return_token_ids``), the sampled tokens' logprobs and the k most likely alternatives,
 ``stop_reason``, ``usage.prompt_tokens_details.cached_tokens`` and a ``weight_version`` at the
-top level and on every choice. A chat request with ``tools`` also gets a top-level ``tool_rendering``
+top level and on every choice. A completions request with ``prompt_logprobs`` gets vLLM's
+``choices[].prompt_logprobs`` (``prompt_logprobs_entries``). A chat request with ``tools`` also gets a top-level ``tool_rendering``
 (``template`` or ``system_prompt``: how the schemas reached the prompt, see ``protocol.py``).
 """
 
@@ -15,6 +16,7 @@ import uuid
 from typing import Any, Optional
 
 from training.deployment.engine.requests import GenerationResult
+from training.deployment.engine.scoring import PromptLogprobs
 from training.deployment.protocol import ParsedRequest
 from training.utils.tool_parsers import HermesToolParser, to_openai_tool_calls
 
@@ -73,6 +75,25 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs_entries(tokenizer: Any, scored: PromptLogprobs, as_ids: bool = False) -> list[Optional[dict]]:
+    """vLLM's ``prompt_logprobs`` of one prompt: None for the first token, then per token a dict keyed by token id
+    (a string in JSON) of ``{"logprob", "rank", "decoded_token"}``: the prompt's own token first, then the
+    k likeliest tokens (k + 1 entries, or k when the prompt's token is among them)."""
+    out: list[Optional[dict]] = []
+    tops = scored.top_logprobs or [None] * len(scored.token_ids)
+    for t, (token, lp, rank, top) in enumerate(zip(scored.token_ids, scored.logprobs, scored.ranks, tops)):
+        if t == 0 or lp is None:
+            out.append(None)
+            continue
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": token_text(tokenizer, token, as_ids)}}
+        for r, (alt, alt_lp) in enumerate(top or [], 1):
+            entry.setdefault(
+                str(alt), {"logprob": alt_lp, "rank": r, "decoded_token": token_text(tokenizer, alt, as_ids)}
+            )
+        out.append(entry)
+    return out
+
+
 def usage(req: ParsedRequest, results: list[list[GenerationResult]]) -> dict:
     """OpenAI ``usage`` over every choice; ``cached_tokens`` counts each prompt once (its fewest)."""
     prompt_tokens = sum(len(p) for p in req.prompts)
@@ -92,10 +113,17 @@ def response_version(results: list[list[GenerationResult]]) -> int:
     return min(r.weight_version for rs in results for r in rs)
 
 
-def build_completion_response(req: ParsedRequest, results: list[list[GenerationResult]], tokenizer: Any) -> dict:
-    """OpenAI ``text_completion`` JSON; ``results[p][i]`` is choice ``i`` of prompt ``p``."""
+def build_completion_response(
+    req: ParsedRequest,
+    results: list[list[GenerationResult]],
+    tokenizer: Any,
+    scored: Optional[list[PromptLogprobs]] = None,
+) -> dict:
+    """OpenAI ``text_completion`` JSON; ``results[p][i]`` is choice ``i`` of prompt ``p``; ``scored[p]``: the
+    prompt logprobs of prompt ``p`` (``req.prompt_logprobs``), on each of its choices."""
     choices = []
     for p, rs in enumerate(results):
+        prompt_entries = None if scored is None else prompt_logprobs_entries(tokenizer, scored[p], req.tokens_as_ids)
         for i, r in enumerate(rs):
             logprobs = None
             if req.logprobs is not None:
@@ -114,6 +142,8 @@ def build_completion_response(req: ParsedRequest, results: list[list[GenerationR
                 choice["token_ids"] = list(r.output_token_ids)
                 choice["token_weight_versions"] = list(r.token_weight_versions)
                 choice["prompt_token_ids"] = list(r.prompt_token_ids)
+            if prompt_entries is not None:
+                choice["prompt_logprobs"] = prompt_entries
             choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",

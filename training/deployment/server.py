@@ -2,7 +2,8 @@
 
 Endpoints (see README.md for bodies):
 
-- ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request.
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: generation, token-level detail on request;
+  ``prompt_logprobs`` (completions) adds each prompt token's logprob from a scoring forward.
 - ``POST /v1/responses``: the OpenAI Responses API over the chat path (``responses_route.py``).
 - ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
 - ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
@@ -31,6 +32,7 @@ from aiohttp import web
 
 from training.deployment.engine.requests import (
     EngineError,
+    GenerationResult,
     SequenceFailedError,
     WeightUpdateError,
 )
@@ -216,8 +218,40 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await _parse(request, parse_completion_request, body)
     if req.stream:
         return await _stream(request, req, body, chat=False)
-    results = await _generate_all(request, req, body)
-    return web.json_response(build_completion_response(req, results, engine.tokenizer))
+    if req.prompt_logprobs is None:
+        results = await _generate_all(request, req, body)
+        return web.json_response(build_completion_response(req, results, engine.tokenizer))
+    scored, results = await _score_and_generate(request, req, body)
+    return web.json_response(build_completion_response(req, results, engine.tokenizer, scored))
+
+
+async def _score_and_generate(request: web.Request, req: ParsedRequest, body: Any) -> tuple[list, list[list[Any]]]:
+    """``prompt_logprobs``: the engine's scoring forward (no KV cache) beside the generation; with ``max_tokens: 0``
+    only the scoring, and every choice is empty (``finish_reason`` ``length``)."""
+    engine = request.app[ENGINE_KEY]
+    scoring = asyncio.ensure_future(engine.prompt_logprobs(req.prompts, req.prompt_logprobs))
+    try:
+        results = await _generate_all(request, req, body) if req.params.max_tokens > 0 else None
+        scored = await scoring
+    finally:
+        scoring.cancel()
+    if results is None:
+        results = [
+            [
+                GenerationResult(
+                    prompt_token_ids=list(prompt),
+                    output_token_ids=[],
+                    output_logprobs=[],
+                    finish_reason="length",
+                    weight_version=s.weight_version,
+                    cached_prompt_tokens=0,
+                    text="",
+                )
+                for _ in range(req.n)
+            ]
+            for prompt, s in zip(req.prompts, scored)
+        ]
+    return scored, results
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

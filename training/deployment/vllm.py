@@ -17,7 +17,9 @@ so the logprobs are ``log_softmax(logits / T)`` like the embedded server's (vLLM
 ``raw_logprobs``, ignores the temperature); with ``top_p < 1`` or ``top_k`` vLLM renormalises over
 the kept tokens, which the embedded server does not. On the CPU it runs ``--enforce-eager``; on a GPU
 with vLLM's CUDA graphs, tensor parallel over the replica's GPUs (``DeployConfig.replica_devices``).
-Attach to a server started the same way. vLLM's OpenAI responses carry no weight version, so the sampler
+Attach to a server started the same way. Prompt logprobs (a distillation teacher) pass through unchanged:
+``DeploymentSampler.prompt_logprobs`` sends vLLM's own ``prompt_logprobs`` field with ``max_tokens=1`` (vLLM
+refuses 0) and reads its ``choices[].prompt_logprobs``. vLLM's OpenAI responses carry no weight version, so the sampler
 labels such completions with the version it last saw confirmed *before* the request was sent
 (``DeploymentSampler.note_weight_version``): never newer than the weights that produced them.
 

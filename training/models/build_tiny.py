@@ -1,11 +1,12 @@
 """Build a tiny random-init causal LM and its tokenizer as a normal Hugging Face folder.
 
-    python -m training.models.build_tiny --out DIR [--arch qwen3|llama] [--hidden 64] [--layers 2]
+    python -m training.models.build_tiny --out DIR [--arch qwen3|llama] [--hidden 64] [--layers 2] [--weight-seed N]
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small generated corpus
 (digits split one per token, ChatML special tokens, a chat template that renders tools).
 Everything is deterministic for a given seed and needs no network. ``ensure_tiny_model()``
-builds once into a cache folder and returns its path.
+builds once into a cache folder and returns its path; ``ensure_tiny_model(weight_seed=1)`` is another
+model with the same tokenizer (a distillation teacher for the tiny student, in the tests).
 """
 
 from __future__ import annotations
@@ -142,9 +143,17 @@ def build_model_config(
 
 
 def build_tiny(
-    out: str | os.PathLike, arch: str = "qwen3", hidden: int = 64, layers: int = 2, vocab_size: int = 512, seed: int = 0
+    out: str | os.PathLike,
+    arch: str = "qwen3",
+    hidden: int = 64,
+    layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    weight_seed: int | None = None,
 ) -> Path:
-    """Write a tiny random-init model + tokenizer to ``out`` (atomically) and return the path."""
+    """Write a tiny random-init model + tokenizer to ``out`` (atomically) and return the path.
+
+    ``seed`` makes the tokenizer and, unless ``weight_seed`` is given, the weights."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -158,7 +167,7 @@ def build_tiny(
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if weight_seed is None else weight_seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
@@ -176,11 +185,12 @@ def build_tiny(
     return out
 
 
-def ensure_tiny_model(arch: str = "qwen3") -> str:
-    """Path of the cached tiny model of ``arch``, built on first use."""
-    path = cache_dir() / f"tiny-{arch}"
+def ensure_tiny_model(arch: str = "qwen3", weight_seed: int = 0) -> str:
+    """Path of the cached tiny model of ``arch``, built on first use; ``weight_seed`` other than 0: the same
+    architecture and tokenizer with other random weights (its own folder)."""
+    path = cache_dir() / (f"tiny-{arch}" if weight_seed == 0 else f"tiny-{arch}-weights{weight_seed}")
     if not (path / "config.json").exists():
-        build_tiny(path, arch=arch)
+        build_tiny(path, arch=arch, weight_seed=weight_seed)
     return str(path)
 
 
@@ -192,8 +202,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-seed", type=int, default=None, help="seed of the weights (default: --seed)")
     a = p.parse_args()
-    path = build_tiny(a.out, a.arch, a.hidden, a.layers, a.vocab_size, a.seed)
+    path = build_tiny(a.out, a.arch, a.hidden, a.layers, a.vocab_size, a.seed, a.weight_seed)
     print(f"wrote {path}")
 
 

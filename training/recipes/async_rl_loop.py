@@ -11,7 +11,8 @@ Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``run.py``):
 3. each step: collect ``prompt_groups_per_step`` finished groups, oldest-submitted first
    (``OffPolicyGate.plan_batch``: under ``stale_policy="wait"`` the trainer waits for an older
    running group when the next step would push it past the bound; under ``"drop"`` a late group
-   is dropped and its row requeued), train on them in the trainer's thread while the producer
+   is dropped and its row requeued), with a distillation teacher have it score them first
+   (``RunContext.distill``: per-token advantages), train on them in the trainer's thread while the producer
    keeps sampling, push the new weights every ``weight_sync_interval`` steps (in flight when
    ``inflight_weight_updates``), evaluate and checkpoint when due, log;
 4. finish: final checkpoint and HF export, stop the deployment.
@@ -243,6 +244,9 @@ class AsyncRLLoop:
                 self.training = True
                 self.changed.set()
                 m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
+                if ctx.teacher is not None:  # on-policy distillation: per-token advantages
+                    with timer.phase("teacher"):
+                        m.update(await ctx.distill(batch))
                 busy_train0 = self.busy.read()
                 async with ctx.colocated(timer) as colocate:
                     with timer.phase("train"):

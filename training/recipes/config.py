@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from training.utils.config import ConfigError, DeployConfig, TensorBoardConfig, TrainerConfig, WandBConfig
+from training.utils.rl.distillation import DistillationConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
 from training.utils.run_record import IF_EXISTS
@@ -31,11 +32,17 @@ RESUME_MAY_CHANGE = (
     "if_log_path_exists",
     "show_experimental_notice",
     "deployment",
+    "distillation.deployment",
     "wandb",
     "tensorboard",
 )
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
 is trained: how long, how it is logged and served)."""
+DISTILLATION_LOSS = LossConfig(policy_loss="importance_sampling", kl_beta=0.0)
+"""The loss of a distillation run whose ``loss`` (and its top-level spellings) is left at ``LossConfig()``: the
+unclipped policy gradient with the train/inference correction, no reference model (why:
+``training/utils/rl/distillation.py``). Any other ``loss`` is kept as given (``grpo`` with distillation:
+``LossConfig(policy_loss="grpo", kl_beta=0.0)``)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -163,6 +170,10 @@ class Config:
     """Weights & Biases logging (``wandb.*``); off unless ``wandb.project`` or ``WANDB_PROJECT`` is set."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """TensorBoard scalars (``tensorboard.*``); off unless ``tensorboard.enabled``."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a teacher (``distillation.*``); off unless ``distillation.teacher_model`` or
+    ``distillation.deployment.base_url`` is set. With it on, a loss left at its defaults becomes
+    ``importance_sampling`` without a reference model (``DISTILLATION_LOSS``)."""
 
     def __post_init__(self):
         def check(cond: bool, name: str, msg: str):
@@ -251,9 +262,13 @@ class Config:
             ("deployment", DeployConfig),
             ("wandb", WandBConfig),
             ("tensorboard", TensorBoardConfig),
+            ("distillation", DistillationConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
         self._resolve_aliases()
+        if self.distillation.enabled and self.loss == LossConfig():
+            self.loss = DISTILLATION_LOSS
+            self._resolve_aliases()
 
     def _resolve_aliases(self) -> None:
         """Make each top-level alias and its nested field one setting (see the class docstring)."""

@@ -2,7 +2,7 @@
 
 ``RunContext`` owns the long-lived parts (trainer, reference model, deployment, rollout function,
 data cursor, metrics) and the operations on them; a loop owns only the order in which they happen:
-collect → ``train`` → ``sync_weights`` → ``finish_step`` → ``log_step`` → ``checkpoint_step``. ``RolloutFailureError`` is what
+collect → ``distill`` (with a teacher) → ``train`` → ``sync_weights`` → ``finish_step`` → ``log_step`` → ``checkpoint_step``. ``RolloutFailureError`` is what
 ``accept_group`` raises when too many rollouts of a step failed.
 """
 
@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import aiohttp
 import torch
@@ -24,6 +24,7 @@ from training.deployment.client import DeploymentRequestError
 from training.recipes.config import WAIT_POLL_S, Config
 from training.recipes.resources import CpuShare
 from training.recipes.step_metrics import StepCounters, StepTimer
+from training.recipes.teacher import Teacher
 from training.recipes.train_state import TrainState
 from training.utils import loop_watch
 from training.utils.checkpoint import rng_state, save_checkpoint
@@ -62,6 +63,7 @@ class RunContext:
         deployment: DeploymentGroup,
         setup: RolloutSetup,
         rollout_fn: RolloutFn,
+        teacher: Optional[Teacher] = None,
     ):
         self.cfg = cfg
         self.rows = rows
@@ -75,6 +77,8 @@ class RunContext:
         self.deployment = deployment
         self.setup = setup
         self.rollout_fn = rollout_fn
+        self.teacher = teacher
+        """The distillation teacher (``cfg.distillation``), or None."""
         self.total_steps = cfg.max_steps or max(1, self.cursor.total // cfg.prompt_groups_per_step)
         """Planned steps; a run whose rows run out first (filtering) stops early."""
         self.counters = StepCounters()
@@ -165,6 +169,11 @@ class RunContext:
         return m
 
     # ---- train and sync ---------------------------------------------------------------
+    async def distill(self, groups: list[PromptGroup]) -> dict[str, float]:
+        """On-policy distillation, before ``train``: the teacher scores every sample and its advantage becomes the
+        per-token one (``teacher.py``); the ``distill/*`` metrics. {} without a teacher."""
+        return {} if self.teacher is None else await self.teacher.distill(groups)
+
     async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
         """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
         cfg = self.cfg

@@ -1,7 +1,8 @@
 """What a run takes in and hands out around its loop, resolved from ``Config``.
 
 - ``check_run_inputs``: what can be checked in seconds before anything loads: ``base_model``
-  (``training/models/resolve.py``) and the trackers' packages (wandb, TensorBoard).
+  (``training/models/resolve.py``), the distillation teacher's name, and the trackers' packages (wandb,
+  TensorBoard).
 - ``resolve_rows``: the rows given to ``main``, else ``cfg.dataset``; the first ``cfg.max_rows``.
 - ``resolve_rollout_factory``: the user's ``make_rollout_fn``, else the built-in single-turn
   rollout scored by ``cfg.reward_fn`` (``single_turn.py``).
@@ -40,6 +41,9 @@ def check_run_inputs(cfg: Config) -> None:
     """Fail in seconds, before rows, models or servers load, on a ``base_model`` that names nothing usable or a
     tracker whose package is missing: one ``ConfigError`` line each. Logs what the model name is and the trackers."""
     logger.info("base_model: %s", check_base_model(cfg.base_model))
+    if cfg.distillation.teacher_model is not None:
+        teacher = check_base_model(cfg.distillation.teacher_model, field="distillation.teacher_model")
+        logger.info("distillation.teacher_model: %s", teacher)
     trackers = check_trackers(cfg.wandb, cfg.tensorboard)
     logger.info("trackers: metrics.jsonl%s", "".join(f", {t}" for t in trackers))
 

@@ -3,7 +3,7 @@
     from training.recipes.rl_loop import Config, main
 
 Each step submits ``prompt_groups_per_step`` rows (topping up when groups are filtered or
-fail), waits for all of them, trains, pushes the new weights (every ``weight_sync_interval``
+fail), waits for all of them, has the distillation teacher score them when there is one, trains, pushes the new weights (every ``weight_sync_interval``
 steps), and only then samples again. It shares every piece with ``async_rl_loop``
 (``RunContext``, groups, the PPO step, ``run_recipe``); read it first to see the whole
 algorithm in one screen.
@@ -57,6 +57,9 @@ class SyncRLLoop:
                 break
             m = {**batch_metrics(batch), **ctx.take_counters()}
             staleness = float(step - deployed_version)
+            if ctx.teacher is not None:  # on-policy distillation: per-token advantages
+                with timer.phase("teacher"):
+                    m.update(await ctx.distill(batch))
             async with ctx.colocated(timer) as colocate:
                 with timer.phase("train"):
                     m.update(await ctx.train(batch, step))

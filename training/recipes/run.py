@@ -7,8 +7,9 @@
    the reference model (``TrainState``: resumed from the newest checkpoint in ``log_path``);
 2. on ranks other than 0: follow rank 0's commands until it stops (``follow_rank0``);
 3. on rank 0: start or attach the deployment and call ``make_rollout_fn(setup)`` once
-   (``start_rollouts``), build the ``RunContext``, and run ``loop_cls(ctx).run()``;
-4. finish: export the final policy, stop the deployment (also on errors, Ctrl-C and SIGTERM).
+   (``start_rollouts``), start the distillation teacher when ``cfg.distillation`` is on
+   (``teacher.py``), build the ``RunContext``, and run ``loop_cls(ctx).run()``;
+4. finish: export the final policy, stop the deployment and the teacher (also on errors, Ctrl-C and SIGTERM).
 
 Under ``torchrun`` every rank builds the same ``TrainState`` (the model sharded with FSDP2); rank 0
 runs the loop and is the only one to start the deployment, roll out, log and write metrics; the
@@ -42,6 +43,7 @@ from training.recipes.resources import (
     resolve_rows,
     rollout_tokenizer,
 )
+from training.recipes.teacher import Teacher, start_teacher
 from training.recipes.train_state import TrainState, build_train_state
 from training.utils import dist, loop_watch
 from training.utils.checkpoint import save_checkpoint
@@ -212,9 +214,14 @@ def _run_recipe(
             deployment, setup, rollout_fn = start_rollouts(
                 cfg, model_path, log_path, state, rollout_fn_factory, rollout_extras or {}, share
             )
+            teacher = None
             try:
+                # the teacher scores while the trainer waits: it takes the trainer's share of the cores
+                teacher = start_teacher(cfg, log_path, state.tokenizer, share.trainer_threads_busy if share else None)
                 result = run_loop(  # never waits for abandoned rollout threads or tasks at exit
-                    _run_loop(loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn, share)
+                    _run_loop(
+                        loop_cls, cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn, share, teacher
+                    )
                 )
                 steps = result["steps"]
                 final = None
@@ -228,6 +235,8 @@ def _run_recipe(
                 log_summary(log_path, run_summary(log_path, result, state.start_step, time.perf_counter() - t_start))
                 return result
             finally:
+                if teacher is not None:
+                    teacher.stop()
                 deployment.stop()
         finally:
             dist.stop_followers(steps)
@@ -247,8 +256,9 @@ async def _run_loop(
     setup: RolloutSetup,
     rollout_fn: RolloutFn,
     share: Optional[CpuShare],
+    teacher: Optional[Teacher] = None,
 ) -> dict[str, Any]:
-    ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn)
+    ctx = RunContext(cfg, rows, eval_rows, log_path, state, deployment, setup, rollout_fn, teacher)
     if share is not None:
         ctx.share_cpu(share)
     watchdog = loop_watch.LoopWatchdog().start()  # names loop-blocking rollout code; stalls do not time out rollouts
@@ -258,3 +268,5 @@ async def _run_loop(
         watchdog.stop()
         ctx.close()
         await deployment.close_sampler()
+        if teacher is not None:
+            await teacher.close_sampler()

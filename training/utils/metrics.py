@@ -107,6 +107,14 @@ def prompt_ref(row: dict) -> dict:
     return {}
 
 
+def _mean_advantage(advantage, loss_mask: list[int]) -> float:
+    """A sample's advantage for ``rollouts.jsonl``: the scalar, or a per-token advantage's mean over its trainable tokens."""
+    if not isinstance(advantage, list):
+        return advantage
+    values = [a for a, m in zip(advantage, loss_mask) if m]
+    return sum(values) / max(len(values), 1)
+
+
 class MetricsLogger:
     """Append one JSON object per step to ``<log_path>/metrics.jsonl``; mirror to console, wandb and TensorBoard.
 
@@ -190,7 +198,7 @@ class MetricsLogger:
                                 "completion": completion,
                                 "submit_version": g.submit_version,
                                 "reward": sample.reward,
-                                "advantage": advantage,
+                                "advantage": _mean_advantage(advantage, sample.loss_mask),
                                 "finish_reason": sample.finish_reason,
                                 "tokens": len(sample.tokens),
                                 "trainable_tokens": sample.num_trainable_tokens,

@@ -4,6 +4,10 @@ Threading contract: only the engine thread touches the model, the scheduler and 
 Coroutines hand it requests, aborts and weight updates through an inbox guarded by one
 condition variable; results come back to asyncio futures with ``loop.call_soon_threadsafe``.
 The thread sleeps while there is nothing to do or the engine is paused.
+
+Prompt logprobs (``prompt_logprobs``) run on the same thread, between two steps, as a scoring
+forward that never touches the KV cache (``scoring.py``); like new requests they wait while the
+engine is paused or asleep.
 """
 
 from __future__ import annotations
@@ -17,19 +21,30 @@ from typing import AsyncIterator, Callable, Mapping, Optional
 import torch
 
 from training.deployment.engine.requests import (
+    MAX_TOP_LOGPROBS,
     EngineConfig,
+    EngineError,
     GenerationDelta,
     GenerationResult,
     SamplingParams,
     WeightUpdateError,
 )
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
+from training.deployment.engine.scoring import PromptLogprobs, score_prompts
 from training.deployment.engine.sequence import Sequence
 from training.deployment.engine.sleep import SLEEP_LEVELS, RunnerSleep
 from training.deployment.engine.weights import load_safetensors, validate_update
 from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
 
 log = logging.getLogger(__name__)
+
+
+class _ScoreJob:
+    """One ``prompt_logprobs`` call waiting for the engine thread (skipped if its caller went away first)."""
+
+    def __init__(self, prompts: list[list[int]], top_k: int, done: Callable):
+        self.prompts, self.top_k, self.done = prompts, top_k, done
+        self.cancelled = False
 
 
 class AsyncEngine:
@@ -43,6 +58,9 @@ class AsyncEngine:
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
         self._updates: list[PendingUpdate] = []
+        self._scores: list[_ScoreJob] = []
+        """``prompt_logprobs`` calls waiting for the engine thread (run between two steps)."""
+        self.score_counts = {"prompt_logprobs_requests": 0, "prompt_logprobs_tokens": 0}
         self._paused = False
         self._stopping = False
         self._in_step = False
@@ -88,6 +106,7 @@ class AsyncEngine:
             s["pools"]["waiting"]["size"] += len(self._inbox)
             s["paused"] = self._paused
             s["num_threads"] = self._num_threads
+            s.update(self.score_counts)
             return s
 
     # ----------------------------------------------------------------- lifecycle
@@ -120,11 +139,16 @@ class AsyncEngine:
             for _, done in self._sleep_ops:
                 done(RuntimeError("engine shut down before the sleep / wake was applied"))
             self._sleep_ops.clear()
+            for job in self._scores:
+                job.done(RuntimeError("engine shut down before the prompt logprobs were computed"))
+            self._scores.clear()
 
     def _ready(self) -> bool:
         if self._sleep_ops and self._sleep_op_ready():
             return True
         if (self._inbox and not self._holding()) or self._aborts:
+            return True
+        if self._scores and not (self._holding() or self._paused):
             return True
         if self._sleep.level:  # asleep: only weight updates proceed (they land in the restored weights)
             return bool(self._updates or self.engine.pending_updates)
@@ -147,6 +171,9 @@ class AsyncEngine:
                     for seq in self._inbox:
                         self.engine.add(seq)
                     self._inbox.clear()
+                scores: list[_ScoreJob] = []
+                if not (self._holding() or self._paused):
+                    scores, self._scores = self._scores, []
                 sleep_op = self._sleep_ops.pop(0) if self._sleep_ops and self._sleep_op_ready() else None
                 for seq in self._aborts:
                     self.engine.abort(seq)
@@ -156,13 +183,14 @@ class AsyncEngine:
                 paused = self._paused or self._sleep.level > 0
                 self._in_step = True
             try:
+                self._run_scores(scores)  # taken only when neither paused nor asleep
                 if sleep_op is not None:
                     self._apply_sleep_op(*sleep_op)
                 elif paused:
                     if self._sleep.level == 2 and self.engine.pending_updates:
                         self._sleep.restore_weights()  # a push to a level-2 sleeper lands; KV stays freed
                     self.engine._apply_ready_update()
-                else:
+                elif self.engine.has_work() or not scores:
                     self.engine.step()
             except BaseException as exc:  # fail every in-flight request rather than hang them
                 log.exception("engine step failed")
@@ -171,6 +199,22 @@ class AsyncEngine:
                 with self._cond:
                     self._in_step = False
                     self._cond.notify_all()
+
+    def _run_scores(self, jobs: list[_ScoreJob]) -> None:
+        """Engine thread: each waiting ``prompt_logprobs`` call, between two steps; a failure is its caller's alone."""
+        for job in jobs:
+            if job.cancelled:
+                continue
+            try:
+                scored = score_prompts(self.engine.runner, job.prompts, job.top_k)
+                for s in scored:
+                    s.weight_version = self.engine.weight_version
+                self.score_counts["prompt_logprobs_requests"] += 1
+                self.score_counts["prompt_logprobs_tokens"] += sum(len(p) for p in job.prompts)
+                job.done(scored)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                log.exception("prompt logprobs failed")
+                job.done(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         sched = self.engine.scheduler
@@ -332,6 +376,35 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(seq)
+
+    async def prompt_logprobs(self, prompts: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+        """Teacher-forced logprobs of every token of each prompt (``scoring.py``): a scoring forward on the engine
+        thread between two steps that never reads or writes the KV cache. ``top_k``: the likeliest alternatives per
+        position (0..20). Raises ``EngineError`` naming the field for an empty prompt, a token outside the
+        vocabulary or a prompt longer than ``max_model_len``."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_LOGPROBS:
+            raise EngineError(f"prompt_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_k!r}")
+        vocab, limit = self.vocab_size, self.max_model_len
+        for p in prompts:
+            if not p:
+                raise EngineError("prompt_token_ids: must not be empty")
+            if len(p) > limit:
+                raise EngineError(f"prompt_token_ids: {len(p)} tokens exceed max_model_len ({limit})")
+            for i, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise EngineError(f"prompt_token_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
+        fut = asyncio.get_running_loop().create_future()
+        job = _ScoreJob([list(p) for p in prompts], top_k, self._deliver(fut))
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("engine is not running: call start() first")
+            self._scores.append(job)
+            self._cond.notify_all()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
 
     def abort(self, seq) -> None:
         """Ask the engine thread to abort ``seq`` at the next step boundary (no-op once finished)."""

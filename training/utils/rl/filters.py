@@ -18,9 +18,10 @@ SIGNAL_TOLERANCE = 1e-9
 """Advantages closer together than this count as equal (floating-point noise of the centring)."""
 
 
-def sample_advantages(pg: PromptGroup) -> list[float]:
+def sample_advantages(pg: PromptGroup) -> list:
     """The advantage each sample of ``pg`` would train with (Dr. GRPO centring; the std scaling does
-    not change which groups have any), without touching ``pg``."""
+    not change which groups have any), without touching ``pg``: a float, or a per-token list for a sample
+    with ``token_advantages``."""
     if len(pg.completion_rewards) < 2 or not pg.samples:
         return [0.0] * len(pg.samples)
     probe = PromptGroup(
@@ -41,5 +42,7 @@ def has_learning_signal(pg: PromptGroup) -> bool:
 
     Use as ``Config(dynamic_filter_fn=has_learning_signal)``. Equal returns with different per-call
     rewards count as signal; a group of identical rewards (and no per-call credit) does not."""
-    advantages = sample_advantages(pg)
-    return any(not math.isclose(a, 0.0, abs_tol=SIGNAL_TOLERANCE) for a in advantages)
+    values = []
+    for sample, a in zip(pg.samples, sample_advantages(pg)):
+        values += [v for v, m in zip(a, sample.loss_mask) if m] if isinstance(a, list) else [a]
+    return any(not math.isclose(v, 0.0, abs_tol=SIGNAL_TOLERANCE) for v in values)

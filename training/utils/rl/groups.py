@@ -6,7 +6,8 @@ cause (``failure_cause``: ``timeout``, ``upstream_5xx``, ``agent``, ``invalid_lo
 the surviving completions form the group. Failures are reported through a ``FailureLog`` (the
 first of each kind with its traceback, the rest counted), naming the data row (``row_label``).
 Segments of a ``RolloutRun`` share their run's reward and advantage, unless the run credits each
-segment (``segment_rewards``: see ``advantages.py``).
+segment (``segment_rewards``: see ``advantages.py``). A sample with ``token_advantages`` trains with
+that per-token list instead of its scalar advantage.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 from training.utils import loop_watch
 from training.utils.rl.advantages import credited_advantages
@@ -48,8 +49,10 @@ class PromptGroup:
     """For each sample, g: the share of its completion's reward it is credited (1 unless per-call credit)."""
     completion_rewards: dict[int, float] = field(default_factory=dict)
     """Reward of each surviving completion."""
-    advantages: list[float] = field(default_factory=list)
-    """One advantage per sample (its completion's), set by ``compute_advantages``."""
+    advantages: list[Union[float, list[float]]] = field(default_factory=list)
+    """One advantage per sample, set by ``compute_advantages``: its completion's scalar (the same on every token), or
+    a list parallel to its ``tokens`` (A_t; used where ``loss_mask`` is 1): the sample's own ``token_advantages``, or
+    what the recipe's distillation builds (``training/utils/rl/distillation.py``)."""
     metadata: dict[int, dict] = field(default_factory=dict)
     """``RolloutRun.metadata`` of each completion that returned a run (written to rollouts.jsonl)."""
     errors: int = 0
@@ -88,7 +91,7 @@ class PromptGroup:
     def compute_advantages(self, scale_by_std: bool = True) -> None:
         """Each sample's advantage from the group's completion rewards (``credited_advantages``: a
         segment of a ``segment_rewards`` run adds its per-call reward; any other sample gets its
-        completion's group-normalised reward)."""
+        completion's group-normalised reward); a sample with ``token_advantages`` gets that list instead."""
         keys = sorted(self.completion_rewards)
         position = {k: j for j, k in enumerate(keys)}
         rewards_G = [self.completion_rewards[k] for k in keys]
@@ -100,6 +103,9 @@ class PromptGroup:
             weights,
             scale_by_std,
         )
+        for i, sample in enumerate(self.samples):
+            if sample.token_advantages is not None:
+                self.advantages[i] = [float(a) for a in sample.token_advantages]
 
     def count_failure(self, cause: str) -> None:
         self.failure_causes[cause] = self.failure_causes.get(cause, 0) + 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -72,13 +72,14 @@ class StepBatch:
     """One step's training data, sample by sample (what rank 0 sends to the other ranks).
 
     ``tokens[i]``, ``sampler_logprobs[i]`` and ``loss_masks[i]`` are parallel per-token lists
-    (as in ``RolloutSample``); ``advantages[i]`` and ``weights[i]`` are per sample.
+    (as in ``RolloutSample``); ``weights[i]`` is per sample; ``advantages[i]`` is the sample's scalar
+    advantage or a per-token list parallel to ``tokens[i]`` (``PromptGroup.advantages``).
     """
 
     tokens: list[list[int]]
     sampler_logprobs: list[list[float]]
     loss_masks: list[list[int]]
-    advantages: list[float]
+    advantages: list[Union[float, list[float]]]
     weights: list[float]
 
     @classmethod
@@ -101,26 +102,33 @@ class StepBatch:
     @staticmethod
     def broadcast(batch: Optional["StepBatch"]) -> "StepBatch":
         """Rank 0's batch on every rank (others pass None), as flat tensors: lengths ``[S]``, then
-        tokens / sampler logprobs / masks ``[sum of lengths]``, then advantages / weights ``[S]``.
+        tokens / sampler logprobs / masks / advantages ``[sum of lengths]`` (a scalar advantage repeated over its
+        sequence), then per sample whether its advantage is per token and its weight ``[S]``.
         Float values travel as float64, so every rank sees exactly rank 0's numbers."""
         main = dist_utils.is_main_rank()
         if main:
             lengths_S = torch.tensor([len(t) for t in batch.tokens], dtype=torch.int64)
+            per_token_advantages = [
+                a if isinstance(a, list) else [float(a)] * len(t) for a, t in zip(batch.advantages, batch.tokens)
+            ]
             flat = [
                 torch.tensor([x for seq in lists for x in seq], dtype=dtype)
                 for lists, dtype in (
                     (batch.tokens, torch.int64),
                     (batch.sampler_logprobs, torch.float64),
                     (batch.loss_masks, torch.int64),
+                    (per_token_advantages, torch.float64),
                 )
             ]
-            per_sample = [torch.tensor(v, dtype=torch.float64) for v in (batch.advantages, batch.weights)]
+            per_token_S = torch.tensor([isinstance(a, list) for a in batch.advantages], dtype=torch.int64)
+            weights = torch.tensor(batch.weights, dtype=torch.float64)
         lengths = broadcast_tensor(lengths_S if main else None, torch.int64).tolist()
-        tokens_N, logprobs_N, masks_N = (
+        tokens_N, logprobs_N, masks_N, advantages_N = (
             broadcast_tensor(flat[k] if main else None, dtype)
-            for k, dtype in enumerate((torch.int64, torch.float64, torch.int64))
+            for k, dtype in enumerate((torch.int64, torch.float64, torch.int64, torch.float64))
         )
-        advantages_S, weights_S = (broadcast_tensor(per_sample[k] if main else None, torch.float64) for k in range(2))
+        per_token = broadcast_tensor(per_token_S if main else None, torch.int64).tolist()
+        weights_S = broadcast_tensor(weights if main else None, torch.float64)
         if main:
             return batch
 
@@ -131,7 +139,7 @@ class StepBatch:
             tokens=split(tokens_N),
             sampler_logprobs=split(logprobs_N),
             loss_masks=split(masks_N),
-            advantages=advantages_S.tolist(),
+            advantages=[a if listed else a[0] for a, listed in zip(split(advantages_N), per_token)],
             weights=weights_S.tolist(),
         )
 

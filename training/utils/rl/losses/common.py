@@ -3,8 +3,9 @@ aggregation and metric helpers.
 
 Notation per token t of a packed micro-batch (N tokens, S sequences): l = trainer logprob
 (with gradient), l_old = trainer logprob at the start of the step's PPO loop, l_s = the
-sampler's logprob, l_ref = reference-model logprob, m = loss mask, A = the sequence's
-advantage, sg = stop-gradient.
+sampler's logprob, l_ref = reference-model logprob, m = loss mask, A = the token's advantage
+A_t (the sample's scalar advantage on every token, or its per-token advantage: ``advantages_N``),
+sg = stop-gradient.
 
 - Every log-ratio is clamped to [-20, 20] before ``exp`` (``exp_clamped``).
 - Policy ratio: r = exp(clamp(l - l_old)).
@@ -43,7 +44,8 @@ class LossInputs:
     sampler_logprobs_N: torch.Tensor
     """The sampler's logprobs from the RolloutSample (0.0 where not generated)."""
     advantages_N: torch.Tensor
-    """The sequence's advantage copied to each of its tokens."""
+    """A_t per token: the sample's scalar advantage copied to each of its tokens, or its per-token advantage
+    (``PromptGroup.advantages``: ``RolloutSample.token_advantages``, on-policy distillation) where it has one."""
     loss_mask_N: torch.Tensor
     """Float 0/1: 1 on trainable (generated) tokens."""
     sequence_index_N: torch.Tensor

@@ -17,6 +17,9 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
 - ``token_weight_versions``, when given, has one entry per trainable token (``loss_mask`` 1),
   in order: the weight version that produced it (``Completion.token_weight_versions`` of each
   call, concatenated).
+- ``token_advantages``, when given, is parallel to ``tokens`` too: the advantage A_t each trainable
+  token trains with, in place of the group-normalised scalar (values where ``loss_mask`` is 0 are
+  never used; write 0.0 there). Every value is finite and ``|A_t| <= MAX_ABS_REWARD``.
 - ``reward`` is a real number with ``|reward| <= MAX_ABS_REWARD``: a Python ``int`` / ``float``, or
   a numpy or torch scalar, converted to ``float`` at validation. ``None``, ``nan``, ``inf``, a bool
   or anything larger is refused naming the field (a huge reward would overflow the advantages).
@@ -97,6 +100,10 @@ class RolloutSample:
     token_weight_versions: Optional[list[int]] = None
     """Optional: per trainable token (``loss_mask`` 1, in order) the weight version that generated it; in-flight
     weight updates mix versions within one completion. Feeds ``offpolicy/token_lag_*``; None when unknown."""
+    token_advantages: Optional[list[float]] = None
+    """Optional, parallel to ``tokens``: a dense per-token advantage A_t (e.g. a process reward) that the loss uses on
+    this sample's ``loss_mask`` tokens instead of the group-normalised advantage of ``reward``; None = that scalar
+    on every token. The recipe's on-policy distillation builds one per sample (``training/utils/rl/distillation.py``)."""
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -250,6 +257,16 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
     sample.reward = as_reward(sample.reward)
     if not _finite(sample.weight) or sample.weight < 0:
         raise RolloutValidationError("weight", f"{sample.weight!r} is not a finite number >= 0")
+    if sample.token_advantages is not None:
+        if len(sample.token_advantages) != n:
+            raise RolloutValidationError(
+                "token_advantages", f"length {len(sample.token_advantages)} != len(tokens) {n} (one per token)"
+            )
+        for i, a in enumerate(sample.token_advantages):
+            if not _finite(a) or abs(a) > MAX_ABS_REWARD:
+                raise RolloutValidationError(
+                    "token_advantages", f"token_advantages[{i}]={a!r} is not a finite number within MAX_ABS_REWARD"
+                )
     versions = sample.token_weight_versions
     if versions is not None:
         if len(versions) != sum(sample.loss_mask):

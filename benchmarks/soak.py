@@ -6,10 +6,11 @@ Starts the embedded server (tiny model, CPU, fp32) and runs ``--clients`` concur
 ``--minutes``: each sends, back to back, a mix of token-in completions (random prompts),
 chat completions, and calls under a fresh ``x-multi-turn-session-id`` every time (so parked
 sessions and cached prefixes keep being made and must be evicted). Every ``--sample-s`` seconds
-it reads ``GET /stats`` and records the server process's resident memory and open descriptors
-and every engine pool's size. Writes ``<out>.csv`` and ``<out>.png``, prints the table, and
-``plateau()`` judges it: after warm-up (the first third), the last third's maximum of each series
-is at most the middle third's maximum × 1.05 plus a small slack (``SLACK``). ``<out>.md`` (the run's
+it reads ``GET /stats`` and records the server process's resident memory, its C heap (bytes in use,
+bytes free in the allocator's arenas: a leak or a filling cache grows the first, fragmentation the
+second), open descriptors and every engine pool's size. Writes ``<out>.csv`` and ``<out>.png``, prints
+the table, and ``plateau()`` judges it: after warm-up (the first third), the last third's maximum of
+each series is at most the middle third's maximum × 1.05 plus a small slack (``SLACK``). ``<out>.md`` (the run's
 facts and table) is what ``benchmarks/report.py`` puts under BENCHMARKS.md's ``soak`` section.
 """
 
@@ -30,10 +31,23 @@ import aiohttp
 
 API_KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SLACK = {"rss_mb": 16.0, "open_fds": 8}
+SLACK = {"rss_mb": 16.0, "heap_in_use_mb": 16.0, "open_fds": 8}
 """Absolute allowance on top of ``GROWTH``: allocator noise and sockets mid-reconnect."""
 GROWTH = 1.05
-COLUMNS = ("t_s", "rss_mb", "open_fds", "open_sockets", "parked_sessions", "prefix_cache_slots", "waiting", "requests")
+COLUMNS = (
+    "t_s",
+    "rss_mb",
+    "heap_in_use_mb",
+    "heap_free_mb",
+    "open_fds",
+    "open_sockets",
+    "parked_sessions",
+    "prefix_cache_slots",
+    "waiting",
+    "requests",
+)
+JUDGED = ("rss_mb", "heap_in_use_mb", "open_fds", "parked_sessions", "prefix_cache_slots")
+"""The series that must level off."""
 
 
 @dataclass
@@ -44,6 +58,12 @@ class SoakResult:
     """Requests that failed (any status other than 200, or a connection error)."""
     bounds: dict = field(default_factory=dict)
     """Each pool's bound as the server reported it."""
+    kernel_caches: dict = field(default_factory=dict)
+    """The capacity of each of oneDNN's per-shape caches as the server reported it (``kernel_caches.py``)."""
+
+
+def _mb(n) -> float:
+    return -1.0 if n is None else round(n / 2**20, 1)  # -1: not reported (no glibc)
 
 
 def plateau(rows: list[dict], column: str) -> tuple[bool, float, float]:
@@ -96,12 +116,16 @@ async def soak(url: str, minutes: float, clients: int, sample_s: float) -> SoakR
         tasks = [asyncio.create_task(_client(session, url, k, stop, counts)) for k in range(clients)]
         while time.monotonic() < stop:
             await asyncio.sleep(sample_s)
-            pools = (await _sample(session, url))["pools"]
+            stats = await _sample(session, url)
+            pools = stats["pools"]
             result.bounds = {name: p["bound"] for name, p in pools.items()}
+            result.kernel_caches = stats.get("kernel_caches", {})
             result.rows.append(
                 {
                     "t_s": round(time.monotonic() - t0, 1),
-                    "rss_mb": round(pools["rss_bytes"]["size"] / 2**20, 1),
+                    "rss_mb": _mb(pools["rss_bytes"]["size"]),
+                    "heap_in_use_mb": _mb(pools["heap_in_use_bytes"]["size"]),
+                    "heap_free_mb": _mb(pools["heap_free_bytes"]["size"]),
                     "open_fds": pools["open_fds"]["size"],
                     "open_sockets": pools["open_sockets"]["size"],
                     "parked_sessions": pools["parked_sessions"]["size"],
@@ -144,8 +168,11 @@ def write_outputs(result: SoakResult, out: Path, title: str) -> None:
         w.writerows(result.rows)
     t = [r["t_s"] / 60 for r in result.rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(6, 4.5), sharex=True)
-    ax1.plot(t, [r["rss_mb"] for r in result.rows])
-    ax1.set_ylabel("server RSS (MiB)")
+    ax1.plot(t, [r["rss_mb"] for r in result.rows], label="resident")
+    ax1.plot(t, [r["heap_in_use_mb"] for r in result.rows], label="heap in use")
+    ax1.plot(t, [r["heap_free_mb"] for r in result.rows], label="heap free")
+    ax1.set_ylabel("server MiB")
+    ax1.legend(fontsize=7)
     ax1.set_ylim(bottom=0)
     ax2.plot(t, [r["open_fds"] for r in result.rows], label="open fds")
     ax2.plot(t, [r["parked_sessions"] for r in result.rows], label="parked sessions")
@@ -169,10 +196,11 @@ def table(result: SoakResult) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in picked]
     lines.append("")
-    for column in ("rss_mb", "open_fds", "parked_sessions", "prefix_cache_slots"):
+    for column in JUDGED:
         ok, middle, last = plateau(result.rows, column)
         lines.append(f"- {column}: middle third max {middle}, last third max {last}: {'levels off' if ok else 'GROWS'}")
     lines.append(f"- pool bounds reported by /stats: {json.dumps(result.bounds)}; failed requests: {result.errors}")
+    lines.append(f"- kernel cache capacities reported by /stats: {json.dumps(result.kernel_caches)}")
     return "\n".join(lines)
 
 

@@ -4,17 +4,29 @@ the bounds when more sessions arrive than there are KV slots (real server, tiny 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import aiohttp
 import pytest
 
 from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.kernel_caches import CAPACITY_VARIABLES, KERNEL_CACHE_CAPACITY
 from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "pools-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SLOTS = 4  # max_batch_size 2 + prefix_cache_slots 2
-POOLS = ("running", "waiting", "parked_sessions", "prefix_cache_slots", "rss_bytes", "open_fds", "open_sockets")
+POOLS = (
+    "running",
+    "waiting",
+    "parked_sessions",
+    "prefix_cache_slots",
+    "rss_bytes",
+    "heap_in_use_bytes",
+    "heap_free_bytes",
+    "open_fds",
+    "open_sockets",
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +78,7 @@ def test_stats_reports_every_pool_within_its_bound(server):
     assert pools["running"] == {"size": 0, "bound": 2}
     assert pools["rss_bytes"]["size"] > 50 * 2**20  # the server process's (torch and the model loaded), not zero
     assert pools["open_fds"]["size"] >= pools["open_sockets"]["size"] >= 1  # at least the listening socket
+    if pools["heap_in_use_bytes"]["size"] is not None:  # glibc: the C heap, torch's tensors included
+        assert pools["heap_in_use_bytes"]["size"] > 10 * 2**20 and pools["heap_free_bytes"]["size"] >= 0
+    expected = {name: int(os.environ.get(name, KERNEL_CACHE_CAPACITY)) for name in CAPACITY_VARIABLES}
+    assert after["kernel_caches"] == expected  # the server bounded oneDNN's shape caches before loading

@@ -2,8 +2,9 @@
 
 Runs ``SOAK_MINUTES`` (default 30) at ``SOAK_CLIENTS`` (default 128) against the real server on the
 tiny model (``benchmarks/soak.py``), writes the samples' CSV and plot under the test's tmp folder
-(``SOAK_OUT`` to keep them elsewhere), and asserts a plateau after warm-up: the last third's max
-of each series is at most the middle third's max × 1.05 plus a small slack. Deselected by default
+(``SOAK_OUT`` to keep them elsewhere), and asserts a plateau after warm-up of resident memory, the
+C heap in use, open descriptors and the engine's session and prefix tables: the last third's max of
+each series is at most the middle third's max × 1.05 plus a small slack. Deselected by default
 (``pytest -m soak``).
 """
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import SLACK, plateau, run_soak, table, write_outputs
+from benchmarks.soak import JUDGED, SLACK, plateau, run_soak, table, write_outputs
+from training.deployment.kernel_caches import KERNEL_CACHE_CAPACITY
 
 MINUTES = float(os.environ.get("SOAK_MINUTES", "30"))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", "128"))
@@ -36,9 +38,10 @@ def test_server_memory_levels_off_under_load(tiny_model_path, tmp_path):
     print(table(result))
     assert result.rows[-1]["requests"] > CLIENTS, "the clients made almost no requests"
     assert result.errors == 0
-    for column in ("rss_mb", "open_fds", "parked_sessions", "prefix_cache_slots"):
+    for column in JUDGED:
         ok, middle, last = plateau(result.rows, column)
         assert ok, f"{column} still grows after warm-up: middle third max {middle}, last third max {last}"
     for name in ("parked_sessions", "prefix_cache_slots"):
         bound = result.bounds[name]
         assert bound is not None and max(r[name] for r in result.rows) <= bound
+    assert all(v <= KERNEL_CACHE_CAPACITY for v in result.kernel_caches.values()), result.kernel_caches

@@ -29,6 +29,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from training.deployment.kernel_caches import bound_kernel_caches
 from training.deployment.request_limits import RequestLimits
 from training.utils.cli import OverrideError, field_docs, field_types, parse_value
 from training.utils.config import EngineConfig
@@ -258,6 +259,7 @@ def check_bind(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    bound_kernel_caches()  # before torch's first matmul: oneDNN's per-shape caches hold ~0.5 MB a shape
     args = build_parser().parse_args(argv)
     engine_config_from_args(args)  # a bad setting stops here, before logging and model loading
     check_bind(args)

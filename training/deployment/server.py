@@ -45,6 +45,7 @@ from training.deployment.protocol import (
 from training.deployment.request_limits import DEFAULT_LIMITS, RequestLimits
 from training.deployment.responses import build_chat_response, build_completion_response
 from training.deployment.responses_route import RESPONSES_KEY, responses_routes
+from training.deployment.kernel_caches import kernel_cache_bounds
 from training.deployment.process_stats import process_pools
 from training.deployment.server_context import (
     ENGINE_KEY,
@@ -289,9 +290,11 @@ async def weight_version(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """The engine's counters and ``pools``: each table's and the process's ``{"size", "bound"}``."""
+    """The engine's counters and ``pools``: each table's and the process's ``{"size", "bound"}``; ``kernel_caches``:
+    the capacity of each of oneDNN's per-shape caches (``kernel_caches.py``)."""
     s = request.app[ENGINE_KEY].stats()
     s["pools"] = {**s.get("pools", {}), **process_pools(), "stored_responses": request.app[RESPONSES_KEY].pool()}
+    s["kernel_caches"] = kernel_cache_bounds()
     return web.json_response(s, dumps=lambda o: json.dumps(o, default=str))
 
 

@@ -4,7 +4,9 @@ A rollout function that calls blocking code (``time.sleep``, a sync HTTP client,
 loop) on the event loop stalls every other rollout with it. ``LoopWatchdog`` notices: a
 heartbeat task stamps the time every ``interval_s``; a daemon thread that sees no stamp for
 ``threshold_s`` logs a warning with the stack of the loop's thread (the culprit), once per stall,
-and records how long the loop stood still.
+and records how long the loop stood still. A loop that stood still while it was waiting for I/O (its
+thread inside the selector: the process got no CPU, or another thread held the GIL) blocked nobody's
+code: that stall is recorded the same way but logged at INFO, without a stack.
 
 ``wait_for(aw, timeout_s)`` is ``asyncio.wait_for`` whose deadline does not count the time the
 loop was blocked (when a watchdog watches the running loop; the recipes start one): a 30 s stall caused by one rollout does not time out the others,
@@ -39,6 +41,8 @@ class LoopWatchdog:
         self.stalls: list[tuple[float, float]] = []
         """Finished stalls as (start, end) in ``time.monotonic()`` seconds (start = the last heartbeat)."""
         self._beat = time.monotonic()
+        self._culprit_beats: set[float] = set()
+        """Heartbeats after which the watcher saw the loop's thread in user code (not in the selector)."""
         self._loop_thread: Optional[int] = None
         self._heartbeat: Optional[asyncio.Task] = None
         self._stop = threading.Event()
@@ -69,7 +73,15 @@ class LoopWatchdog:
             now = time.monotonic()
             if now - self._beat > self.threshold_s:
                 self.stalls.append((self._beat, now))
-                log.warning("the event loop was blocked for %.1f s", now - self._beat)
+                if self._beat in self._culprit_beats:
+                    log.warning("the event loop was blocked for %.1f s", now - self._beat)
+                else:
+                    log.info(
+                        "the event loop stood still for %.1f s waiting for I/O (the process got no CPU, or another "
+                        "thread held the GIL); no rollout code blocked it",
+                        now - self._beat,
+                    )
+            self._culprit_beats.discard(self._beat)
             self._beat = now
             await asyncio.sleep(self.interval_s)
 
@@ -80,6 +92,9 @@ class LoopWatchdog:
             if time.monotonic() - beat > self.threshold_s and reported != beat:
                 reported = beat
                 frame = sys._current_frames().get(self._loop_thread)
+                if frame is not None and _waiting_for_io(frame):
+                    continue
+                self._culprit_beats.add(beat)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
                 log.warning(
                     "the event loop has been blocked for %.1f s by code that does not await; every "
@@ -95,6 +110,11 @@ class LoopWatchdog:
         if ongoing > self.threshold_s:
             total += ongoing - max(0.0, since - self._beat)
         return total
+
+
+def _waiting_for_io(frame) -> bool:
+    """True when the innermost frame of the loop's thread is the selector's wait (the loop is idle, not blocked)."""
+    return frame.f_code.co_filename.endswith("selectors.py") and frame.f_code.co_name in ("select", "poll")
 
 
 CANCEL_GRACE_S = 2.0

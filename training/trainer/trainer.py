@@ -98,6 +98,17 @@ def _export_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     return revert_weight_conversion(model, state_dict)
 
 
+def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
+    """Select torch's fused AdamW kernel (CPU and CUDA; on CPU about 5x the default per-tensor loop on SmolLM2).
+
+    The kernel is a flag in each parameter group, and loading an optimizer state (a checkpoint written
+    before this choice, say) restores the writer's flags; the state itself (moments, step) is the same
+    for every kernel. So the trainer sets the flag again before each step.
+    """
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+
+
 def _dtypes(cfg: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(parameter dtype, compute dtype): parameters default to float32 master weights, compute
     to bfloat16 autocast on CUDA."""
@@ -267,9 +278,8 @@ class PolicyTrainer(_ScoringModel):
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.schedule.lr(0), betas=tuple(cfg.adam_betas), fused=fused or None
+            [g for g in groups if g["params"]], lr=self.schedule.lr(0), betas=tuple(cfg.adam_betas), fused=True
         )
         for group in self.optimizer.param_groups:  # saved with the optimizer state, so a resume continues the schedule
             group[SCHEDULE_STEP] = 0
@@ -330,11 +340,12 @@ class PolicyTrainer(_ScoringModel):
         if offload:  # the moments come back from host memory for the step
             move_optimizer_state(self.optimizer, self.device)
         if math.isfinite(grad_norm):
+            use_fused_adamw(self.optimizer)
             self.optimizer.step()
-        if offload:
-            move_optimizer_state(self.optimizer, torch.device("cpu"))
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)
+        if offload:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.end_step(self.optimizer)
         out = {"grad_norm": grad_norm, "learning_rate": lr}

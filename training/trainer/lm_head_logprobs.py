@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def _logits_fp32(
@@ -101,6 +102,7 @@ class TargetLogprobs(torch.autograd.Function):
         return logprobs_M
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_M):
         if ctx.frozen_head:
             (unit_grad_MH,) = ctx.saved_tensors

@@ -6,9 +6,10 @@
 Ours: ``training/examples/rl/arithmetic_smollm2`` as shipped (its ``train.py`` config and
 ``rollout.py``, through ``async_rl_loop.main``), with only what a benchmark must fix overridden
 (``HARNESS_OVERRIDES``: model, steps, seed, rows in file order, no in-run eval). ``--variant``
-adds a run of ours with more ``key=value`` overrides (e.g. a trainer speed-up switched on), as
-``train.py`` takes them; ``--set key=value ...`` changes the example's config for both sides (a
-smaller batch for a short run on a shared machine). Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
+adds a run of ours with more ``key=value`` overrides (e.g. a trainer speed-up switched on: bf16
+autocast is ``--variant bf16 trainer.compute_dtype=bfloat16``), as ``train.py`` takes them;
+``--set key=value ...`` changes the example's config for both sides (a smaller batch for a short
+run on a shared machine). Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
 ``.venv-trl`` (``scripts/setup_trl.sh``), run by ``benchmarks/trl_grpo.py`` with settings derived
 from ours (``trl_settings``). Every run is its own process; for each seed the runs alternate
 (ours, variants, TRL), so noise from other users of the machine hits both sides alike. With

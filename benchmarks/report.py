@@ -50,7 +50,9 @@ METHOD = {
     "trainers in one process, steps alternating; peak memory = max-RSS growth over the first "
     "step, each in its own process. The noise column gives the range of the per-pair ratios "
     "of interleaved passes (shared-prompt: warm-up pair included; other jobs shared the "
-    "2 cores).",
+    '2 cores). bf16: `compute_dtype="bfloat16"` (autocast, fp32 master weights) vs fp32 on the '
+    "SmolLM2 GRPO batch, steps alternating in one process; the logprob gap is over the generated "
+    "tokens of completions sampled from the fp32 model for the arithmetic example's questions.",
     "weight_sync": "From `named_weights()` in hand to a 1-token completion reporting the new `weight_version`, "
     "via shm (/dev/shm safetensors) and disk (safetensors folder), median of 3 after one warm-up "
     "update. Baseline: `save_pretrained`, then start a fresh server on that folder and complete one "

@@ -1,6 +1,8 @@
-"""Trainer throughput: packing vs padding, shared-prompt packing vs ordinary packing, LoRA vs full fine-tuning.
+"""Trainer throughput: packing vs padding, shared-prompt packing vs ordinary packing, LoRA vs full fine-tuning,
+bf16 autocast vs fp32.
 
-    python -m benchmarks.trainer_throughput [--models tiny,smollm2] [--quick]
+    python -m benchmarks.trainer_throughput [--models tiny,smollm2] [--quick] [--parts packing,shared_prompt,lora,bf16]
+        [--threads N]
 
 Workload: one mixed-length batch of random token sequences (tiny: 16 sequences of 32..512 tokens;
 SmolLM2: 8 of 16..192), the same loss on both sides: L = -sum(logprob of each token given its
@@ -26,6 +28,16 @@ as long as completions; a step is ``forward_backward`` + ``optim_step``. Step ti
 in one process, steps alternating (full, LoRA, full, ...) after one untimed step each; median of
 ``--repeats`` steps, noise = range of per-pair ratios. Peak memory: each in its own process,
 max-RSS growth over the first step (gradients, AdamW's state and activations appear there).
+
+bf16: ``compute_dtype="bfloat16"`` (autocast, fp32 master weights and AdamW) against fp32 on the same
+GRPO batch, a step being ``forward_backward`` + ``optim_step``, both trainers in one process, steps
+alternating, median of ``--repeats`` after one untimed step each. Logprob gap: the example's
+arithmetic questions (``training/examples/rl/arithmetic_smollm2/data.jsonl``, chat template), several
+completions each sampled from the fp32 model at T = 1; both trainers score them (``logprobs``), and
+the figures are the max and mean |Δ logprob| over the generated tokens.
+
+``--threads N`` sets torch's thread count in every measuring process (default: torch's, one per core);
+on a machine other jobs share, one thread per process keeps OpenMP threads from spinning against them.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,6 +58,9 @@ SHAPES = {"tiny": (16, 32, 512), "smollm2": (8, 16, 192), "quick": (8, 16, 128)}
 GRPO_SHAPES = {"tiny": (4, 8, 64, 192, 4096), "smollm2": (1, 8, 16, 80, 1024), "quick": (2, 4, 8, 24, 4096)}
 """(groups, completions per group, shortest and longest completion, micro_batch_tokens)."""
 LORA_RANK = 16
+BF16_SAMPLES = (8, 4, 48)
+"""Gap of bf16 autocast: questions, completions sampled per question, new tokens per completion."""
+EXAMPLE_ROWS = Path(__file__).resolve().parent.parent / "training/examples/rl/arithmetic_smollm2/data.jsonl"
 
 
 def sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -209,13 +225,91 @@ def run_lora_timing(path: str, shape: tuple[int, ...], repeats: int) -> dict:
     }
 
 
+def sample_sequences(
+    model, tokenizer, questions: list[str], n: int, max_new: int, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """Per question: its chat-template prompt followed by each of ``n`` completions sampled at T = 1 (KV cache,
+    no ``generate``), cut after the first end-of-sequence token. Returns the ``prompt + completion`` id lists and
+    their prompt lengths."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(seed)
+    out, prompt_lens = [], []
+    for question in questions:
+        messages = [{"role": "user", "content": question}]
+        prompt = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        cache = DynamicCache(config=model.config)
+        new = []
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt] * n), cache=cache, use_cache=True).logits[:, -1]
+            for _ in range(max_new):
+                token = torch.multinomial(logits.float().softmax(-1), 1, generator=generator)
+                new.append(token)
+                logits = model(token, cache=cache, use_cache=True).logits[:, -1]
+        for completion in torch.cat(new, 1).tolist():
+            if tokenizer.eos_token_id in completion:
+                completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+            out.append(prompt + completion)
+            prompt_lens.append(len(prompt))
+    return out, prompt_lens
+
+
+def run_bf16(path: str, shape: tuple[int, ...], repeats: int) -> dict:
+    """Inside the subprocess: step time of fp32 and bf16 autocast (steps alternating), then the logprob gap."""
+    from transformers import AutoConfig
+
+    from training.trainer import PolicyTrainer
+    from training.utils import TrainerConfig
+
+    groups, size, lo, hi, micro_batch_tokens = shape
+    seqs = grpo_sequences(groups, size, lo, hi, 1, vocab=min(AutoConfig.from_pretrained(path).vocab_size, 4000))
+    trained = sum(len(s) - 1 for s in seqs)
+    trainers = {
+        dtype: PolicyTrainer(
+            path,
+            TrainerConfig(device="cpu", micro_batch_tokens=micro_batch_tokens, learning_rate=1e-6, compute_dtype=dtype),
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+    times: dict[str, list[float]] = {dtype: [] for dtype in trainers}
+    for k in range(repeats + 1):
+        for dtype, trainer in trainers.items():
+            t0 = time.perf_counter()
+            _optimizer_step(trainer, seqs, trained)
+            if k > 0:  # the first step of each is a warm-up (AdamW's state, oneDNN's bf16 kernels)
+                times[dtype].append(time.perf_counter() - t0)
+    n_questions, n, max_new = BF16_SAMPLES
+    questions = [json.loads(line)["question"] for line in EXAMPLE_ROWS.read_text().splitlines()[:n_questions]]
+    fp32 = trainers["float32"]
+    samples, prompt_lens = sample_sequences(fp32.model, fp32.tokenizer, questions, n, max_new)
+    scored = {dtype: trainer.logprobs(samples) for dtype, trainer in trainers.items()}
+    gaps = [
+        abs(a - b)
+        for p, la, lb in zip(prompt_lens, scored["float32"], scored["bfloat16"])
+        for a, b in zip(la[p:], lb[p:])
+    ]
+    return {
+        "fp32_s": median(times["float32"]),
+        "bf16_s": median(times["bfloat16"]),
+        "pair_ratios": [b / a for a, b in zip(times["float32"], times["bfloat16"])],
+        "tokens": trained,
+        "gap_max": max(gaps),
+        "gap_mean": sum(gaps) / len(gaps),
+        "gap_tokens": len(gaps),
+    }
+
+
 def _spread(ratios: list[float]) -> str:
     """The range of per-pair ratios of interleaved passes: how much the load moved the figure."""
     return f"pair ratios {min(ratios):.3g}..{max(ratios):.3g} (n={len(ratios)})"
 
 
-def measure(variant: str, path: str, shape: tuple[int, ...], repeats: int, prompt_ratio: int = 1) -> dict:
-    """Run one variant in a fresh subprocess (so its max RSS is its own)."""
+def measure(
+    variant: str, path: str, shape: tuple[int, ...], repeats: int, prompt_ratio: int = 1, threads: int = 0
+) -> dict:
+    """Run one variant in a fresh subprocess (so its max RSS is its own); ``threads`` 0 = torch's default."""
     out = subprocess.run(
         [
             sys.executable,
@@ -231,6 +325,8 @@ def measure(variant: str, path: str, shape: tuple[int, ...], repeats: int, promp
             str(repeats),
             "--prompt-ratio",
             str(prompt_ratio),
+            "--threads",
+            str(threads),
         ],
         capture_output=True,
         text=True,
@@ -246,18 +342,23 @@ def main() -> None:
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument(
         "--variant",
-        choices=["packed", "padded", "shared_prompt", "lora_time", "lora", "full"],
+        choices=["packed", "padded", "shared_prompt", "lora_time", "lora", "full", "bf16"],
         help="internal: run one variant and print its result",
     )
     p.add_argument("--path")
     p.add_argument("--shape")
     p.add_argument("--prompt-ratio", type=int, default=1)
-    p.add_argument("--parts", default="packing,shared_prompt,lora", help="which comparisons to run")
+    p.add_argument("--parts", default="packing,shared_prompt,lora,bf16", help="which comparisons to run")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per measuring process (0: torch's default)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
     if a.variant:
+        if a.threads:
+            torch.set_num_threads(a.threads)
         shape = tuple(int(x) for x in a.shape.split(","))
-        if a.variant == "shared_prompt":
+        if a.variant == "bf16":
+            result = run_bf16(a.path, shape, a.repeats)
+        elif a.variant == "shared_prompt":
             result = run_shared_prompt(a.path, shape, a.prompt_ratio, a.repeats)
         elif a.variant == "lora_time":
             result = run_lora_timing(a.path, shape, a.repeats)
@@ -271,7 +372,8 @@ def main() -> None:
         shape = SHAPES["quick"] if a.quick else SHAPES.get(name, SHAPES["smollm2"])
         path = model_path(name)
         if "packing" in parts:
-            packed, padded = measure("packed", path, shape, a.repeats), measure("padded", path, shape, a.repeats)
+            packed = measure("packed", path, shape, a.repeats, threads=a.threads)
+            padded = measure("padded", path, shape, a.repeats, threads=a.threads)
             desc = (
                 f"{name}: {shape[0]} seqs of {shape[1]}..{shape[2]} tokens ({packed['tokens']} trained, "
                 f"{packed['padded_tokens']} padded)"
@@ -282,7 +384,7 @@ def main() -> None:
             )
         grpo = GRPO_SHAPES["quick"] if a.quick else GRPO_SHAPES.get(name, GRPO_SHAPES["smollm2"])
         for ratio in (1, 4) if "shared_prompt" in parts else ():
-            m = measure("shared_prompt", path, grpo, a.repeats, prompt_ratio=ratio)
+            m = measure("shared_prompt", path, grpo, a.repeats, prompt_ratio=ratio, threads=a.threads)
             desc = (
                 f"{name}: GRPO {grpo[0]} groups x {grpo[1]}, prompt {ratio}x completion ({m['tokens']} trained, "
                 f"{m['computed_tokens']} computed), shared-prompt packing"
@@ -298,8 +400,8 @@ def main() -> None:
                 )
             )
         if "lora" in parts and (name == "smollm2" or a.quick):
-            timing = measure("lora_time", path, grpo, a.repeats)
-            memory = {v: measure(v, path, grpo, 0) for v in ("full", "lora")}
+            timing = measure("lora_time", path, grpo, a.repeats, threads=a.threads)
+            memory = {v: measure(v, path, grpo, 0, threads=a.threads) for v in ("full", "lora")}
             desc = (
                 f"{name}: GRPO {grpo[0]} groups x {grpo[1]} ({timing['tokens']} trained), "
                 f"LoRA r={LORA_RANK} ({memory['lora']['trainable']} of {memory['full']['trainable']} trainable)"
@@ -323,6 +425,29 @@ def main() -> None:
                     memory["full"]["peak_mb"],
                 )
             )
+        if "bf16" in parts and (name == "smollm2" or a.quick):
+            m = measure("bf16", path, grpo, a.repeats, threads=a.threads)
+            desc = f"{name}: GRPO {grpo[0]} groups x {grpo[1]} ({m['tokens']} trained), bf16 autocast"
+            rows.append(
+                row(
+                    f"{desc}, step time",
+                    m["bf16_s"],
+                    "s per optimizer step (lower is better)",
+                    "fp32",
+                    m["fp32_s"],
+                    noise=_spread(m["pair_ratios"]),
+                )
+            )
+            for stat in ("max", "mean"):
+                rows.append(
+                    row(
+                        f"{desc}, {stat} |Δ logprob| vs fp32 over {m['gap_tokens']} sampled tokens",
+                        m[f"gap_{stat}"],
+                        "logprob (lower is better)",
+                        "fp32 (0 by definition)",
+                        0.0,
+                    )
+                )
     emit(
         "trainer_throughput",
         rows,

@@ -8,9 +8,13 @@ drew from.
 How: the decoder (``model.get_decoder()``) turns the packed micro-batch into hidden states
 ``[N, hidden]``; the LM head (``model.get_output_embeddings()``) projects ``chunk_tokens`` positions
 at a time, ``log_softmax`` runs in fp32 on that chunk only and the target token's value is
-kept. When gradients are on, each chunk runs under ``torch.utils.checkpoint`` so its
-``[chunk, V]`` logits are recomputed in the backward pass instead of stored: peak extra memory
-is one chunk's logits, not ``N × V``.
+kept. A plain ``nn.Linear`` head (every ``transformers`` causal LM's) runs as one autograd
+function per chunk (``lm_head_logprobs.py``): nothing of size ``[chunk, V]`` is kept for
+backward, which recomputes the chunk's logits and softmax once and returns the gradients of the
+hidden states and the head's weight (a tied weight included). Any other head runs its own
+forward under ``torch.utils.checkpoint``, its logits recomputed in backward. Either way peak
+extra memory is one chunk's logits, not ``N × V``. Under autocast the head's matmuls run in the
+autocast dtype and the log-softmax in fp32.
 
 Shared prefixes (``packed.shared``, see ``prefix_sharing.py``): the decoder runs on the compute
 row, the LM head on one (predictor row, target token) pair per predicted token, and
@@ -24,6 +28,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from training.trainer.lm_head_logprobs import compute_weight, fusable_head, target_logprobs, target_logprobs_nograd
 from training.trainer.model import PACKED_SDPA, attention_implementation
 from training.trainer.packing import PackedBatch, pack_sequences
 
@@ -96,7 +101,7 @@ def _target_logprobs(
     temperature: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
-    """``log softmax(lm_head(h) / τ)[target]`` per row, computed in fp32."""
+    """``log softmax(lm_head(h) / τ)[target]`` per row, computed in fp32 (a head that is not a plain linear layer)."""
     logits_MV = lm_head(hidden_M).float()
     if softcap:
         logits_MV = torch.tanh(logits_MV / softcap) * softcap
@@ -111,7 +116,7 @@ def chunked_token_logprobs(
     """Logprobs ``[N]`` (fp32) of ``packed.input_ids_N`` from the hidden states, aligned as in the module docstring
     (``hidden_N`` is ``[C, hidden]`` over the compute row when ``packed.shared`` is set).
 
-    Differentiable when gradients are enabled (chunks are checkpointed); the first token of each
+    Differentiable when gradients are enabled (see the module docstring); the first token of each
     sequence is the constant 0.0.
     """
     if chunk_tokens <= 0:
@@ -126,14 +131,19 @@ def chunked_token_logprobs(
     else:  # one row per (predictor, target) pair of the compute row
         predictors_M, targets_M = hidden_N.index_select(0, layout.predictor_M), layout.target_M
     m = predictors_M.shape[0]
-    use_checkpoint = torch.is_grad_enabled() and (
+    with_grad = torch.is_grad_enabled() and (
         hidden_N.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
+    fused = fusable_head(lm_head)
+    weight_c = compute_weight(lm_head.weight) if fused else None
     pieces: list[torch.Tensor] = []
     for start in range(0, m, chunk_tokens):
         h_M = predictors_M[start : start + chunk_tokens]
         t_M = targets_M[start : start + chunk_tokens]
-        if use_checkpoint:
+        if fused:
+            score = target_logprobs if with_grad else target_logprobs_nograd
+            pieces.append(score(h_M, t_M, lm_head, weight_c, temperature, softcap))
+        elif with_grad:
             pieces.append(checkpoint(_target_logprobs, h_M, t_M, lm_head, temperature, softcap, use_reentrant=False))
         else:
             pieces.append(_target_logprobs(h_M, t_M, lm_head, temperature, softcap))

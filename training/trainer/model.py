@@ -42,8 +42,36 @@ def packed_sdpa_attention(
     """Attention over ``[B, H, N, D]`` inputs; returns ``[B, N, H, D]`` like ``transformers``' kernels.
 
     With ``cu_seq_lens_q`` (``[S + 1]`` boundaries of the packed sequences), full-attention
-    layers and no cache, each sequence attends causally to itself only.
+    layers and no cache, each sequence attends causally to itself only. On CPU, bf16 / fp16 inputs
+    (autocast, ``TrainerConfig.compute_dtype``) are attended in fp32 and the output cast back:
+    torch's CPU attention kernels ran forward and backward 3-6x slower in bf16 than in fp32 at
+    these lengths (SmolLM2 heads, 50-200 tokens), and attention is a small share of the FLOPs.
     """
+    half = (torch.bfloat16, torch.float16)
+    low_precision = any(t.dtype in half for t in (query, key, value)) or torch.is_autocast_enabled(query.device.type)
+    if query.device.type != "cpu" or not low_precision:
+        return _packed_sdpa(module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs)
+    out_dtype = value.dtype if value.dtype in half else torch.get_autocast_dtype("cpu")
+    query, key, value = query.float(), key.float(), value.float()
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back to its dtype
+        output, _ = _packed_sdpa(module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q, **kwargs)
+    return output.to(out_dtype), None
+
+
+def _packed_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float,
+    scaling: Optional[float],
+    cu_seq_lens_q: Optional[torch.Tensor],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``packed_sdpa_attention`` in the inputs' dtype."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
@@ -63,18 +91,11 @@ def packed_sdpa_attention(
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q: must run from 0 to {query.shape[2]}, got {bounds[0]}..{bounds[-1]}")
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     gqa = query.shape[1] != key.shape[1]
     outputs = [
-        F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=True,
-            enable_gqa=gqa,
-        )
-        for a, b in zip(bounds[:-1], bounds[1:])
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+        for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -82,31 +103,38 @@ def packed_sdpa_attention(
 def _shared_prefix_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Any, dropout: float, scaling: Optional[float]
 ) -> torch.Tensor:
-    """``[B, H, C, D]`` inputs over the spans of ``layout`` → ``[B, C, H, D]`` (see the module docstring)."""
+    """``[B, H, C, D]`` inputs over the spans of ``layout`` → ``[B, C, H, D]`` (see the module docstring).
+
+    The spans' rows are taken with one ``split`` per input, not a slice per span: the backward of a
+    split is one concatenation, where each slice's backward would fill a whole-row zero tensor.
+    """
     layout.attention_calls += 1
     gqa = query.shape[1] != key.shape[1]
+    sizes = [span.end - span.start for span in layout.spans]
+    queries, keys, values = query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
+    by_rows = {(span.start, span.end): i for i, span in enumerate(layout.spans)}
     outputs = []
-    for span, mask in zip(layout.spans, layout.span_masks):
-        a, b = span.start, span.end
+    for i, (span, mask) in enumerate(zip(layout.spans, layout.span_masks)):
         if mask is None:
             outputs.append(
                 F.scaled_dot_product_attention(
-                    query[:, :, a:b],
-                    key[:, :, a:b],
-                    value[:, :, a:b],
-                    dropout_p=dropout,
-                    scale=scaling,
-                    is_causal=True,
-                    enable_gqa=gqa,
+                    queries[i], keys[i], values[i], dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
                 )
             )
             continue
         c, d = span.context_start, span.context_end
-        keys = torch.cat([key[:, :, c:d], key[:, :, a:b]], dim=2)
-        values = torch.cat([value[:, :, c:d], value[:, :, a:b]], dim=2)
+        j = by_rows.get((c, d))  # the context is the shared prefix, itself a span
+        context_k = keys[j] if j is not None else key[:, :, c:d]
+        context_v = values[j] if j is not None else value[:, :, c:d]
         outputs.append(
             F.scaled_dot_product_attention(
-                query[:, :, a:b], keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+                queries[i],
+                torch.cat([context_k, keys[i]], dim=2),
+                torch.cat([context_v, values[i]], dim=2),
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=gqa,
             )
         )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()

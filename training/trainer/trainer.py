@@ -98,6 +98,25 @@ def _export_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     return revert_weight_conversion(model, state_dict)
 
 
+def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
+    """Select torch's fused AdamW kernel (CPU and CUDA; on CPU a fifth of the default per-tensor loop's time on
+    SmolLM2).
+
+    The kernel is a flag in each parameter group, and loading an optimizer state (a checkpoint written
+    before this choice, say) restores the writer's flags; the moments are the same for every kernel, and
+    the step count only has to sit where the fused kernel reads it (fp32, on the parameter's device; the
+    per-tensor loop keeps it on the CPU). So the trainer sets the flag again before each step.
+    """
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            continue
+        group["fused"], group["foreach"] = True, None
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+
+
 def _dtypes(cfg: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(parameter dtype, compute dtype): parameters default to float32 master weights, compute
     to bfloat16 autocast on CUDA."""
@@ -267,9 +286,8 @@ class PolicyTrainer(_ScoringModel):
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.schedule.lr(0), betas=tuple(cfg.adam_betas), fused=fused or None
+            [g for g in groups if g["params"]], lr=self.schedule.lr(0), betas=tuple(cfg.adam_betas), fused=True
         )
         for group in self.optimizer.param_groups:  # saved with the optimizer state, so a resume continues the schedule
             group[SCHEDULE_STEP] = 0
@@ -330,6 +348,7 @@ class PolicyTrainer(_ScoringModel):
         if offload:  # the moments come back from host memory for the step
             move_optimizer_state(self.optimizer, self.device)
         if math.isfinite(grad_norm):
+            use_fused_adamw(self.optimizer)
             self.optimizer.step()
         else:
             logger.warning("optim_step: non-finite grad norm %s, update skipped", grad_norm)

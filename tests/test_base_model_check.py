@@ -99,3 +99,13 @@ def test_an_unreachable_hub_is_named_with_what_was_tried(tmp_path, monkeypatch):
 def test_a_name_that_is_no_hub_id_says_so():
     with pytest.raises(ConfigError, match="'my model!' is no short name .* and no valid hub id"):
         check_base_model("my model!")
+
+
+def test_a_relative_local_folder_resolves_to_an_absolute_path(tmp_path, monkeypatch):
+    """Servers run in the run's log folder: a relative model folder must reach them absolute."""
+    from training.models import resolve_model
+
+    (tmp_path / "runs" / "final").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("runs/final") == str(tmp_path / "runs" / "final")
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -163,6 +163,36 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny_model_path, tmp_path)
         start_teacher(cfg, tmp_path, AutoTokenizer.from_pretrained(tiny_model_path), threads=1)
 
 
+def test_a_teacher_server_that_cannot_start_stops_the_run_with_one_line(tiny_model_path, tmp_path, monkeypatch):
+    """A teacher folder given relative to the working directory, without its weights: the run ends with one
+    line naming the server's error and its log (not a traceback), and leaves no server behind."""
+    import shutil
+
+    from training.recipes.async_rl_loop import main
+    from training.recipes.config import Config
+
+    broken = tmp_path / "teachers" / "no_weights"
+    shutil.copytree(tiny_model_path, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    cfg = Config(
+        base_model="tiny",
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=1,
+        max_steps=1,
+        max_tokens=4,
+        deployment=DeployConfig(engine_config=EngineConfig(max_model_len=128, max_batch_size=4)),
+        distillation=DistillationConfig(teacher_model="teachers/no_weights"),
+    )
+    with pytest.raises(SystemExit) as e:
+        main(cfg, rows=[{"prompt": "1 plus 1?", "answer": "2"}])
+    message = str(e.value.code)
+    assert "\n" not in message and message.startswith("run stopped: the embedded server exited during startup")
+    assert "Error" in message and str(tmp_path / "run" / "teacher.log") in message
+    log = (tmp_path / "run" / "teacher.log").read_text()
+    assert str(broken) in log, "the server was given the absolute folder"
+
+
 # ---------------------------------------------------------------- the recipe
 
 

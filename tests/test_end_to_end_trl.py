@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_trl_baseline_trains_one_step_on_torch_2_13_cpu_and_its_model_is_scored():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.end_to_end", "--quick"],
+        [sys.executable, "-m", "benchmarks.end_to_end", "--quick", "--sides", "ours,trl"],
         cwd=ROOT,
         capture_output=True,
         text=True,

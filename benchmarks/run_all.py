@@ -33,6 +33,7 @@ SCRIPTS = [
     "async_agentic",
     "engine_throughput",
     "engine_rl_shapes",
+    "decode_roofline",
     "trainer_throughput",
     "weight_sync",
     "exactness",

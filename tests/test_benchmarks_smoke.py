@@ -28,7 +28,7 @@ def run_benchmark(name: str, *args: str, timeout: float = 120) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost"])
+@pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost", "decode_roofline"])
 def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
     stdout = run_benchmark(figure, "--quick")
     json_lines = [l for l in stdout.splitlines() if l.startswith("{")]

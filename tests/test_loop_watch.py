@@ -66,18 +66,24 @@ def test_a_loop_starved_while_waiting_for_io_is_not_reported_as_blocked(caplog):
 
     async def go():
         watchdog = LoopWatchdog(threshold_s=0.3, interval_s=0.05).start()
-        hog = threading.Thread(target=lambda: sum(range(50_000_000)))  # builtin sum never releases the GIL
+        held = []
+
+        def hog_the_gil():
+            time.sleep(0.1)  # let start() return first: the loop is back in its selector when the GIL goes
+            t0 = time.monotonic()
+            sum(range(50_000_000))  # builtin sum never releases the GIL
+            held.append(time.monotonic() - t0)
+
+        hog = threading.Thread(target=hog_the_gil)
         try:
             await asyncio.sleep(0.2)
-            t0 = time.monotonic()
             hog.start()
             while hog.is_alive():
                 await asyncio.sleep(0.05)
-            held = time.monotonic() - t0
             await asyncio.sleep(0.2)
         finally:
             watchdog.stop()
-        return watchdog, held
+        return watchdog, held[0]
 
     watchdog, held = asyncio.run(go())
     if held < 0.6:

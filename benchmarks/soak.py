@@ -33,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SLACK = {"rss_mb": 16.0, "open_fds": 8}
 """Absolute allowance on top of ``GROWTH``: allocator noise and sockets mid-reconnect."""
 GROWTH = 1.05
-COLUMNS = ("t_s", "rss_mb", "open_fds", "open_sockets", "parked_sessions", "prefix_cache_slots", "waiting", "requests")
+COLUMNS = ("t_s", "rss_mb", "open_fds", "open_sockets", "parked_sessions", "kv_cache_blocks", "waiting", "requests")
 
 
 @dataclass
@@ -105,7 +105,7 @@ async def soak(url: str, minutes: float, clients: int, sample_s: float) -> SoakR
                     "open_fds": pools["open_fds"]["size"],
                     "open_sockets": pools["open_sockets"]["size"],
                     "parked_sessions": pools["parked_sessions"]["size"],
-                    "prefix_cache_slots": pools["prefix_cache_slots"]["size"],
+                    "kv_cache_blocks": pools["kv_cache_blocks"]["size"],
                     "waiting": pools["waiting"]["size"],
                     "requests": counts["requests"],
                 }
@@ -149,7 +149,7 @@ def write_outputs(result: SoakResult, out: Path, title: str) -> None:
     ax1.set_ylim(bottom=0)
     ax2.plot(t, [r["open_fds"] for r in result.rows], label="open fds")
     ax2.plot(t, [r["parked_sessions"] for r in result.rows], label="parked sessions")
-    ax2.plot(t, [r["prefix_cache_slots"] for r in result.rows], label="prefix-cache slots")
+    ax2.plot(t, [r["kv_cache_blocks"] for r in result.rows], label="KV cache blocks (used + cached)")
     ax2.set_ylabel("count")
     ax2.set_xlabel("minutes")
     ax2.set_ylim(bottom=0)
@@ -169,7 +169,7 @@ def table(result: SoakResult) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in picked]
     lines.append("")
-    for column in ("rss_mb", "open_fds", "parked_sessions", "prefix_cache_slots"):
+    for column in ("rss_mb", "open_fds", "parked_sessions", "kv_cache_blocks"):
         ok, middle, last = plateau(result.rows, column)
         lines.append(f"- {column}: middle third max {middle}, last third max {last}: {'levels off' if ok else 'GROWS'}")
     lines.append(f"- pool bounds reported by /stats: {json.dumps(result.bounds)}; failed requests: {result.errors}")

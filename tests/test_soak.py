@@ -36,9 +36,9 @@ def test_server_memory_levels_off_under_load(tiny_model_path, tmp_path):
     print(table(result))
     assert result.rows[-1]["requests"] > CLIENTS, "the clients made almost no requests"
     assert result.errors == 0
-    for column in ("rss_mb", "open_fds", "parked_sessions", "prefix_cache_slots"):
+    for column in ("rss_mb", "open_fds", "parked_sessions", "kv_cache_blocks"):
         ok, middle, last = plateau(result.rows, column)
         assert ok, f"{column} still grows after warm-up: middle third max {middle}, last third max {last}"
-    for name in ("parked_sessions", "prefix_cache_slots"):
+    for name in ("parked_sessions", "kv_cache_blocks"):
         bound = result.bounds[name]
         assert bound is not None and max(r[name] for r in result.rows) <= bound

@@ -23,7 +23,7 @@ from training.deployment.group import DeploymentGroup
 from training.deployment.client import DeploymentRequestError
 from training.recipes.config import WAIT_POLL_S, Config
 from training.recipes.resources import CpuShare
-from training.recipes.step_metrics import StepCounters, StepTimer
+from training.recipes.step_metrics import StepCounters, StepTimer, server_metrics
 from training.recipes.train_state import TrainState
 from training.utils import loop_watch
 from training.utils.checkpoint import rng_state, save_checkpoint
@@ -282,14 +282,17 @@ class RunContext:
 
     async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
         """After a trained step: mark its rows done and evaluate when due (the loop pushed the step's weights
-        first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due). The previous step's
-        checkpoint time goes into ``timer`` (``perf/checkpoint_s``): the checkpoint is written after the log."""
+        first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due) and the servers'
+        ``perf/server_*`` ones (``server_metrics``). The previous step's checkpoint time goes into ``timer``
+        (``perf/checkpoint_s``): the checkpoint is written after the log."""
         for g in groups:
             self.cursor.mark_done(g.position)
         if self._checkpoint_s:
             timer.seconds["checkpoint"] = self._checkpoint_s
             self._checkpoint_s = 0.0
-        return await self.evaluate() if self.eval_due(step_done) else {}
+        out = await self.evaluate() if self.eval_due(step_done) else {}
+        out.update(server_metrics(await self.deployment.server_stats()))
+        return out
 
     def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
         """Write step ``step``'s metrics and rollouts. A loop logs a step before ``checkpoint_step``: a run killed in

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import aiohttp
 import torch
@@ -94,6 +94,8 @@ class RunContext:
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""
         self._checkpoint_s = 0.0
+        self._server_stats: Optional[asyncio.Future] = None
+        """The servers' ``GET /stats``, read while the trainer trains; ``finish_step`` reports it."""
         """Seconds the last checkpoint took, reported with the next step."""
         self.failure_log = FailureLog("rollout")
         """Training rollouts' failures: the first of each kind printed with its traceback, the rest counted."""
@@ -166,9 +168,11 @@ class RunContext:
 
     # ---- train and sync ---------------------------------------------------------------
     async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
-        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
+        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics. The servers' ``GET /stats``
+        is read meanwhile (``finish_step`` reports it without waiting for it)."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
+        self._server_stats = asyncio.ensure_future(self.deployment.server_stats())
         return await loop.run_in_executor(
             self._train_pool,
             lambda: train_on_groups(
@@ -283,7 +287,7 @@ class RunContext:
     async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
         """After a trained step: mark its rows done and evaluate when due (the loop pushed the step's weights
         first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due) and the servers'
-        ``perf/server_*`` ones (``server_metrics``). The previous step's checkpoint time goes into ``timer``
+        ``perf/server_rss_mb`` and ``perf/kv_blocks_*`` (``server_metrics``, read during training). The previous step's checkpoint time goes into ``timer``
         (``perf/checkpoint_s``): the checkpoint is written after the log."""
         for g in groups:
             self.cursor.mark_done(g.position)
@@ -291,8 +295,19 @@ class RunContext:
             timer.seconds["checkpoint"] = self._checkpoint_s
             self._checkpoint_s = 0.0
         out = await self.evaluate() if self.eval_due(step_done) else {}
-        out.update(server_metrics(await self.deployment.server_stats()))
+        out.update(self._take_server_metrics())
         return out
+
+    def _take_server_metrics(self) -> dict[str, float]:
+        """``server_metrics`` of the stats read during this step's training; empty if they did not arrive in time."""
+        task, self._server_stats = self._server_stats, None
+        if task is None or not task.done():
+            if task is not None:
+                task.cancel()
+            return {}
+        if task.cancelled() or task.exception() is not None:
+            return {}
+        return server_metrics(task.result())
 
     def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
         """Write step ``step``'s metrics and rollouts. A loop logs a step before ``checkpoint_step``: a run killed in

@@ -45,7 +45,7 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
 
 
 UNKNOWN_MEMORY_BUDGET = GIB
-"""Pool bytes when the free memory cannot be read (no /proc): ``kv_cache_memory_fraction`` of nothing known."""
+"""Pool bytes sized by ``kv_cache_memory_fraction`` where the free memory cannot be read (no /proc)."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,11 @@ class KVBudget:
                 )
             n, how = self.memory_bytes // bytes_per_block, f"kv_cache_memory_bytes={self.memory_bytes}"
         else:
-            budget = UNKNOWN_MEMORY_BUDGET if available is None else int(self.memory_fraction * available)
-            n = budget // bytes_per_block
-            how = f"kv_cache_memory_fraction={self.memory_fraction:g} of {(available or 0) / GIB:.2f} GiB free"
+            if available is None:
+                n, how = UNKNOWN_MEMORY_BUDGET // bytes_per_block, "1 GiB: the free memory is unknown here"
+            else:
+                n = int(self.memory_fraction * available) // bytes_per_block
+                how = f"kv_cache_memory_fraction={self.memory_fraction:g} of {available / GIB:.2f} GiB free"
             if self.max_tokens is not None:
                 cap = -(-self.max_tokens // self.block_size)
                 if cap < n:

@@ -366,13 +366,24 @@ static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, c
 static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
                                                                 const KVRow *row, int t0, int t1, float *m,
                                                                 float *l, float *acc, float *scores) {
-    const int d = 16 * DV;
+    const int d = 16 * DV, bs = row->block_size;
     float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
-    for (int b0 = t0, nb; b0 < t1; b0 += nb) {
-        nb = kv_run(row, b0, t1, 16);
-        const float *kb = row->k + kv_offset(row, b0), *vb = row->v + kv_offset(row, b0);
-        const int b1 = b0 + nb, pf_n = b1 < t1 ? kv_run(row, b1, t1, 16) : 0;
-        const size_t pf_at = pf_n ? kv_offset(row, b1) : 0;
+    if (t0 >= t1) return;
+    int blk = t0 / bs, off = t0 % bs; /* where key b0 is; advanced chunk by chunk (no division per chunk) */
+    size_t at = (size_t)row->table[blk] * row->block_stride + (size_t)off * d;
+    int nb = t1 - t0 < 16 ? t1 - t0 : 16;
+    nb = nb < bs - off ? nb : bs - off;
+    for (int b0 = t0; b0 < t1;) {
+        const float *kb = row->k + at, *vb = row->v + at;
+        const int b1 = b0 + nb;
+        off += nb;
+        if (off == bs) {
+            blk++;
+            off = 0;
+        }
+        int pf_n = t1 - b1 < 16 ? t1 - b1 : 16; /* the next chunk: prefetched during this one's p.V */
+        pf_n = pf_n < bs - off ? pf_n : bs - off;
+        const size_t pf_at = pf_n > 0 ? (size_t)row->table[blk] * row->block_stride + (size_t)off * d : 0;
         if (nb < 16) {
             memcpy(pad_k, kb, sizeof(float) * nb * d);
             memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
@@ -393,6 +404,9 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
             *(v16 *)(scores + 16 * i) = pr;
         }
         pv_all(DV, nq, scores, 16, 1, vb, nb, acc, row->k + pf_at, row->v + pf_at, pf_n);
+        b0 = b1;
+        nb = pf_n;
+        at = pf_at;
     }
 }
 

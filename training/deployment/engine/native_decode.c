@@ -307,6 +307,36 @@ static inline int kv_run(const KVRow *r, int t, int t_end, int n) {
     return run < t_end - t ? run : t_end - t;
 }
 
+/* A position t in a row's blocks (block index blk, offset off), advanced chunk by chunk without a division. */
+typedef struct {
+    int t, blk, off;
+} KVCursor;
+
+static inline KVCursor kv_cursor(const KVRow *r, int t) { return (KVCursor){t, t / r->block_size, t % r->block_size}; }
+
+static inline size_t kv_at(const KVRow *r, KVCursor c) {
+    return (size_t)r->table[c.blk] * r->block_stride + (size_t)c.off * r->d;
+}
+
+/* Keys of the chunk at c: at most 16, inside c's block, before t_end (0 past the end). */
+static inline int kv_chunk(const KVRow *r, KVCursor c, int t_end) {
+    int n = t_end - c.t < 16 ? t_end - c.t : 16;
+    n = n < r->block_size - c.off ? n : r->block_size - c.off;
+    return n > 0 ? n : 0;
+}
+
+static inline KVCursor kv_next(const KVRow *r, KVCursor c, int n) {
+    c.t += n;
+    c.off += n;
+    if (c.off == r->block_size) {
+        c.blk++;
+        c.off = 0;
+    }
+    return c;
+}
+
+#define KV_PREFETCH_AHEAD 2 /* chunks of keys (and values) prefetched ahead of the one attended */
+
 /* Scores of one query (head_dim 16 * DV) against a block of 16 keys kb [16][d]: one vector, lane t = key t. */
 static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const float *kb) {
     v16 qv[8], part[16];
@@ -366,24 +396,25 @@ static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, c
 static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
                                                                 const KVRow *row, int t0, int t1, float *m,
                                                                 float *l, float *acc, float *scores) {
-    const int d = 16 * DV, bs = row->block_size;
+    const int d = 16 * DV;
     float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
-    if (t0 >= t1) return;
-    int blk = t0 / bs, off = t0 % bs; /* where key b0 is; advanced chunk by chunk (no division per chunk) */
-    size_t at = (size_t)row->table[blk] * row->block_stride + (size_t)off * d;
-    int nb = t1 - t0 < 16 ? t1 - t0 : 16;
-    nb = nb < bs - off ? nb : bs - off;
-    for (int b0 = t0; b0 < t1;) {
+    KVCursor cur = kv_cursor(row, t0), pf = cur;
+    for (int i = 0; i < KV_PREFETCH_AHEAD; i++) { /* the first chunks after this one: asked for now */
+        pf = kv_next(row, pf, kv_chunk(row, pf, t1));
+        const int n = kv_chunk(row, pf, t1);
+        const size_t at = n ? kv_at(row, pf) : 0;
+        for (int t = 0; t < n; t++)
+            for (int c = 0; c < DV; c++) {
+                __builtin_prefetch(row->k + at + (size_t)t * d + 16 * c, 0, 3);
+                __builtin_prefetch(row->v + at + (size_t)t * d + 16 * c, 0, 3);
+            }
+    }
+    for (int nb; (nb = kv_chunk(row, cur, t1)) > 0; cur = kv_next(row, cur, nb)) {
+        const size_t at = kv_at(row, cur);
         const float *kb = row->k + at, *vb = row->v + at;
-        const int b1 = b0 + nb;
-        off += nb;
-        if (off == bs) {
-            blk++;
-            off = 0;
-        }
-        int pf_n = t1 - b1 < 16 ? t1 - b1 : 16; /* the next chunk: prefetched during this one's p.V */
-        pf_n = pf_n < bs - off ? pf_n : bs - off;
-        const size_t pf_at = pf_n > 0 ? (size_t)row->table[blk] * row->block_stride + (size_t)off * d : 0;
+        pf = kv_next(row, pf, kv_chunk(row, pf, t1)); /* KV_PREFETCH_AHEAD chunks ahead: prefetched during p.V */
+        const int pf_n = kv_chunk(row, pf, t1);
+        const size_t pf_at = pf_n ? kv_at(row, pf) : 0;
         if (nb < 16) {
             memcpy(pad_k, kb, sizeof(float) * nb * d);
             memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
@@ -404,9 +435,6 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
             *(v16 *)(scores + 16 * i) = pr;
         }
         pv_all(DV, nq, scores, 16, 1, vb, nb, acc, row->k + pf_at, row->v + pf_at, pf_n);
-        b0 = b1;
-        nb = pf_n;
-        at = pf_at;
     }
 }
 

@@ -19,6 +19,8 @@ handed out, so the process holds the blocks used so far, not the budget (``resid
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -134,6 +136,7 @@ class KVCache:
         self.v_all = torch.empty(shape + (v_head_dim,), dtype=dtype, device=device)
         self.k = list(self.k_all.unbind(0))
         self.v = list(self.v_all.unbind(0))
+        advise_huge_pages(self.k_all, self.v_all)
         self.touched = 0
         """Blocks ``[0, touched)`` have been handed out at least once (their pages are resident on CPU)."""
         self.zero_block(self.null_block)
@@ -169,6 +172,7 @@ class KVCache:
 
     def restored(self) -> None:
         """After sleep.py gave the storage back (new, untouched memory): the null block zeroed, nothing touched."""
+        advise_huge_pages(self.k_all, self.v_all)
         self.touched = 0
         self.zero_block(self.null_block)
 
@@ -191,6 +195,30 @@ class KVCache:
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks ``tables`` [R, W] lists, laid out per row: [R, kv_heads, W x block_size, d]."""
         return gather_blocks(self.k[layer], tables), gather_blocks(self.v[layer], tables)
+
+
+HUGE_PAGE = 2 * 1024**2
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(*tensors: torch.Tensor) -> None:
+    """Ask Linux to back the CPU tensors with transparent huge pages (``madvise(MADV_HUGEPAGE)``; a no-op elsewhere).
+
+    A sequence's blocks lie anywhere in the pool, so decode attention jumps between them: on 4 KB pages
+    nearly every block of every layer costs a TLB miss, on 2 MB pages hardly any. Pages still become
+    resident only when touched (2 MB at a time, so a pool holds up to 2 MB per layer more than its
+    blocks in use)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return
+    for t in tensors:
+        if t.device.type != "cpu" or t.nbytes < HUGE_PAGE:
+            continue
+        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

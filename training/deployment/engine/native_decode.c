@@ -399,7 +399,7 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
     const int d = 16 * DV;
     float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
     KVCursor cur = kv_cursor(row, t0), pf = cur;
-    for (int i = 0; i < KV_PREFETCH_AHEAD; i++) { /* the first chunks after this one: asked for now */
+    for (int i = 1; i < KV_PREFETCH_AHEAD; i++) { /* the chunks before the loop's first prefetch: asked for now */
         pf = kv_next(row, pf, kv_chunk(row, pf, t1));
         const int n = kv_chunk(row, pf, t1);
         const size_t at = n ? kv_at(row, pf) : 0;
@@ -483,7 +483,7 @@ static void attend_keys_scalar(const float *q, int nq, int d, const KVRow *row, 
    16 * DV: the queries go across the lanes instead of the keys. Scores of a step's keys are small matmuls
    (keys as rows, in runs inside one block, the queries packed as one 32-column panel: the weight matmul's
    kernel), so the softmax's max, exp and sum run lane-wise over keys with no shuffles, and p.V is as in the
-   narrow path, run by run, the next run's keys and values prefetched meanwhile. */
+   narrow path, run by run, the next step's keys and values prefetched meanwhile. */
 static inline __attribute__((always_inline)) void attend_keys_wide(const int DV, const float *q, int nq,
                                                                    const KVRow *row, int t1, float *m, float *l,
                                                                    float *acc) {
@@ -524,13 +524,16 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
             if (ci != 1.0f)
                 for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= ci;
         }
-        for (int r0 = 0, run; r0 < nt; r0 += run) {
+        const int n1 = t1 - b0 - nt < WIDE_KEYS ? t1 : b0 + nt + WIDE_KEYS; /* the next step's keys: [b0 + nt, n1) */
+        for (int r0 = 0, run, pf_t = b0 + nt; r0 < nt; r0 += run) {
             const int t = b0 + r0;
             run = kv_run(row, t, b0 + nt, nt);
-            const int next = t + run, pf_n = next < t1 ? kv_run(row, next, t1, run) : 0;
-            const size_t pf_at = pf_n ? kv_offset(row, next) : 0;
+            /* while this run's p.V goes, the next step's keys and values come in, run by run */
+            const int pf_n = pf_t < n1 ? kv_run(row, pf_t, n1, run) : 0;
+            const size_t pf_at = pf_n ? kv_offset(row, pf_t) : 0;
             pv_all(DV, nq, sc + 32 * r0, 1, 32, row->v + kv_offset(row, t), run, acc, row->k + pf_at,
                    row->v + pf_at, pf_n);
+            pf_t += pf_n;
         }
     }
     for (int i = 0; i < nq; i++) {

@@ -1,6 +1,7 @@
 """Throughput of the engine vs transformers ``generate`` under concurrent load (CPU, fp32).
 
     python -m benchmarks.engine_vs_generate [--model tiny|smol|PATH] [--requests 32] [--hf-batch 32]
+        [--block-size 16] [--engine-only]
 
 N requests of mixed prompt (8..64) and output (16..64) lengths, eos ignored. The engine gets
 them all at once through ``AsyncEngine.generate`` (continuous batching); ``generate`` runs them in
@@ -55,11 +56,12 @@ def smol_shaped_model() -> str:
     return str(path)
 
 
-def bench_engine(path: str, reqs, max_batch_size: int) -> float:
+def bench_engine(path: str, reqs, max_batch_size: int, block_size: int = 16) -> float:
     from training.deployment.engine import AsyncEngine, EngineConfig, SamplingParams
 
     async def main() -> float:
-        eng = AsyncEngine(EngineConfig(model=path, max_batch_size=max_batch_size, max_model_len=256))
+        config = EngineConfig(model=path, max_batch_size=max_batch_size, max_model_len=256, kv_block_size=block_size)
+        eng = AsyncEngine(config)
         await eng.start()
         await eng.generate(reqs[0][0], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         t0 = time.perf_counter()
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (EngineConfig.kv_block_size)")
+    ap.add_argument("--engine-only", action="store_true", help="skip generate (for A/B runs of the engine alone)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -98,17 +102,18 @@ def main() -> None:
     from transformers import AutoConfig
 
     reqs = workload(a.requests, (16, 64), AutoConfig.from_pretrained(path).vocab_size)
-    engine_tps = bench_engine(path, reqs, max_batch_size=max(a.requests, 1))
-    hf_tps = bench_generate(path, reqs, a.hf_batch)
+    engine_tps = bench_engine(path, reqs, max_batch_size=max(a.requests, 1), block_size=a.block_size)
+    hf_tps = None if a.engine_only else bench_generate(path, reqs, a.hf_batch)
     print(
         json.dumps(
             {
                 "model": Path(path).name,
                 "requests": a.requests,
                 "threads": torch.get_num_threads(),
+                "block_size": a.block_size,
                 "engine_tok_s": round(engine_tps, 1),
-                "generate_tok_s": round(hf_tps, 1),
-                "ratio": round(engine_tps / hf_tps, 2),
+                "generate_tok_s": None if hf_tps is None else round(hf_tps, 1),
+                "ratio": None if hf_tps is None else round(engine_tps / hf_tps, 2),
             }
         )
     )

@@ -1,10 +1,12 @@
 """Profile decode steps of the embedded engine's lean forward on CPU: where a step's time goes.
 
     python -m benchmarks.profile_decode [--model smollm2] [--kernel native|torch] [--batch 32] [--context 160]
-        [--group 0] [--steps 20] [--dtype bfloat16]
+        [--group 0] [--steps 20] [--dtype bfloat16] [--block-size 16]
 
-Fills ``--batch`` slots with ``--context`` positions of K/V (random prompts, prefilled; with
-``--group G`` the rows come in groups of G that share their prompt, as a GRPO group's members do),
+Fills ``--batch`` rows with ``--context`` positions of K/V in KV blocks of ``--block-size`` tokens (random
+prompts, prefilled; each row's blocks scattered over the pool as a busy engine hands them out; with
+``--group G`` the rows come in groups of G that share their prompt's full blocks and copy its partial
+last one, as a GRPO group's members do),
 then times ``--steps`` decode steps plus their sampling. ``--kernel native`` (the default on CPU in
 fp32) runs the C step of native.py built with its phase timers and prints the milliseconds per
 step of each phase; ``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
@@ -22,8 +24,10 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import model_path
+from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.requests import SamplingParams
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
+from training.utils.config import EngineConfig
 from training.deployment.engine.token_sampler import sample
 from training.deployment.engine.sequence import Sequence
 
@@ -38,34 +42,45 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=EngineConfig.kv_block_size, help="tokens per KV block")
     a = p.parse_args()
     path = model_path(a.model)
     config = AutoConfig.from_pretrained(path)
     dtype, native = getattr(torch, a.dtype), a.kernel == "native"
-    runner = LeanModelRunner(path, config, a.batch, a.context + a.steps + 8, dtype, torch.device("cpu"), native=False)
+    max_len, bs = a.context + a.steps + 8, a.block_size
+    per_row = -(-max_len // bs)
+    budget = KVBudget(block_size=bs, num_blocks=a.batch * per_row)
+    runner = LeanModelRunner(path, config, budget, max_len, dtype, torch.device("cpu"), native=False)
     if native:
         from training.deployment.engine.native import NativeDecoder
 
         runner.native = NativeDecoder(runner, profile=True)
     rng = random.Random(0)
+    order = list(range(budget.num_blocks))
+    rng.shuffle(order)
+    for b in order:
+        runner.cache.zero_block(b)
+    tables = [order[r * per_row : (r + 1) * per_row] for r in range(a.batch)]
     groups = []
     if a.group > 1:
+        full, part = divmod(a.context, bs)
         for first in range(0, a.batch, a.group):
             rows = list(range(first, min(first + a.group, a.batch)))
-            runner.prefill([PrefillItem(first, [rng.randrange(3, 500) for _ in range(a.context)], 0)])
-            for s in rows[1:]:
-                runner.copy_kv(first, s, a.context)
-            groups.append(SharedPrefix(rows, a.context))
+            runner.prefill([PrefillItem(tables[first], [rng.randrange(3, 500) for _ in range(a.context)], 0)])
+            for r in rows[1:]:
+                tables[r][:full] = tables[first][:full]
+                runner.copy_block(tables[first][full], tables[r][full], part)
+            groups.append(SharedPrefix(rows, full * bs))
     else:
-        for s in range(a.batch):
-            runner.prefill([PrefillItem(s, [rng.randrange(3, 500) for _ in range(a.context)], 0)])
-    slots, tokens = list(range(a.batch)), [rng.randrange(3, 500) for _ in range(a.batch)]
+        for r in range(a.batch):
+            runner.prefill([PrefillItem(tables[r], [rng.randrange(3, 500) for _ in range(a.context)], 0)])
+    tokens = [rng.randrange(3, 500) for _ in range(a.batch)]
     params = SamplingParams(max_tokens=a.steps + 8, temperature=1.0)
     seqs = [Sequence([1] * a.context, params, torch.Generator().manual_seed(i), frozenset()) for i in range(a.batch)]
     sampling = [0.0]
 
     def step(i: int) -> None:
-        logits = runner.decode(slots, tokens, [a.context + i] * a.batch, groups)
+        logits = runner.decode(tables, tokens, [a.context + i] * a.batch, groups)
         t0 = time.perf_counter()
         sample(logits, seqs, native)
         sampling[0] += time.perf_counter() - t0
@@ -81,7 +96,7 @@ def main() -> None:
     per_step = (time.perf_counter() - t0) / a.steps
     print(
         f"{a.kernel} step: {per_step * 1e3:.1f} ms/step, {a.batch / per_step:.0f} tok/s (batch {a.batch}, "
-        f"context {a.context}, groups of {a.group or 1}, {a.dtype}, {torch.get_num_threads()} threads)"
+        f"context {a.context}, groups of {a.group or 1}, blocks of {bs}, {a.dtype}, {torch.get_num_threads()} threads)"
     )
     if native:
         phases = {**runner.native.phase_seconds(), "sampling (C)": sampling[0]}

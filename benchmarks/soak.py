@@ -42,11 +42,11 @@ COLUMNS = (
     "open_fds",
     "open_sockets",
     "parked_sessions",
-    "prefix_cache_slots",
+    "kv_cache_blocks",
     "waiting",
     "requests",
 )
-JUDGED = ("rss_mb", "heap_in_use_mb", "open_fds", "parked_sessions", "prefix_cache_slots")
+JUDGED = ("rss_mb", "heap_in_use_mb", "open_fds", "parked_sessions", "kv_cache_blocks")
 """The series that must level off."""
 
 
@@ -129,7 +129,7 @@ async def soak(url: str, minutes: float, clients: int, sample_s: float) -> SoakR
                     "open_fds": pools["open_fds"]["size"],
                     "open_sockets": pools["open_sockets"]["size"],
                     "parked_sessions": pools["parked_sessions"]["size"],
-                    "prefix_cache_slots": pools["prefix_cache_slots"]["size"],
+                    "kv_cache_blocks": pools["kv_cache_blocks"]["size"],
                     "waiting": pools["waiting"]["size"],
                     "requests": counts["requests"],
                 }
@@ -176,7 +176,7 @@ def write_outputs(result: SoakResult, out: Path, title: str) -> None:
     ax1.set_ylim(bottom=0)
     ax2.plot(t, [r["open_fds"] for r in result.rows], label="open fds")
     ax2.plot(t, [r["parked_sessions"] for r in result.rows], label="parked sessions")
-    ax2.plot(t, [r["prefix_cache_slots"] for r in result.rows], label="prefix-cache slots")
+    ax2.plot(t, [r["kv_cache_blocks"] for r in result.rows], label="KV cache blocks (used + cached)")
     ax2.set_ylabel("count")
     ax2.set_xlabel("minutes")
     ax2.set_ylim(bottom=0)

@@ -78,7 +78,8 @@ def test_parse_value_refuses_what_the_annotation_refuses():
 
 def test_help_shows_nested_fields_with_their_docs():
     text = help_text(Config(base_model="m", deployment=DeployConfig(), trainer=TrainerConfig()))
-    assert "deployment.engine_config.max_batch_size=64" in text and "KV cache slots" in text
+    assert "deployment.engine_config.max_batch_size=64" in text and "Most sequences decoded at once" in text
+    assert "deployment.engine_config.kv_cache_memory_fraction=0.1" in text
     assert "trainer.learning_rate=1e-05" in text
 
 

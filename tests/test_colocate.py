@@ -85,8 +85,8 @@ def tiny_server(tiny_model_path, tmp_path_factory):
 
 @pytest.mark.skipif(not is_converted(smollm2.default_smollm2_dir()), reason="SmolLM2 not converted in the cache")
 def test_sleep_returns_the_freed_memory_and_wake_gives_identical_greedy_output(tmp_path):
-    """Level 1 gives back at least the KV cache and the packed copies, level 2 the weights too (VmRSS of
-    the server, 20 % slack); after each wake the greedy tokens and logprobs are those of before."""
+    """Level 1 gives back at least the KV cache's resident blocks and the packed copies, level 2 the weights too
+    (VmRSS of the server, 20 % slack); after each wake the greedy tokens and logprobs are those of before."""
     model = str(smollm2.default_smollm2_dir())
     with launch(model, tmp_path, max_batch_size=4, max_model_len=1024) as dep:
         before = greedy(dep)
@@ -97,7 +97,8 @@ def test_sleep_returns_the_freed_memory_and_wake_gives_identical_greedy_output(t
             assert out["is_sleeping"] and out["level"] == level
             freed = out["freed"]
             expected = freed["kv_cache_bytes"] + freed["derived_bytes"] + freed["weight_bytes"]
-            assert freed["kv_cache_bytes"] > 100 * 2**20  # 30 layers x 5 slots x 1024 tokens: ~236 MB
+            # the pool's resident part: the blocks handed out so far (one request's here; 720 KiB per 16 tokens)
+            assert freed["kv_cache_bytes"] >= 30 * 3 * 16 * 64 * 2 * 4
             assert (freed["weight_bytes"] > 400 * 2**20) == (level == 2)  # 135M fp32 parameters
             dropped = rss0 - server_rss_bytes(dep)
             assert dropped >= 0.8 * expected, (level, dropped, freed)

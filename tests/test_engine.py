@@ -34,6 +34,30 @@ def require_native() -> None:
         pytest.skip(reason)
 
 
+def kv_bytes(path: str, blocks: int, block_size: int = 16) -> int:
+    """``kv_cache_memory_bytes`` of a pool of ``blocks`` KV blocks for the fp32 model at ``path``."""
+    from transformers import AutoConfig
+
+    from training.deployment.engine.kv_cache import bytes_per_block
+
+    cfg = AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, block_size, head_dim, torch.float32)
+    return blocks * per_block
+
+
+def row_tables(runner, rows: list[int], length: int) -> list[list[int]]:
+    """Block tables for runner-level tests: row ``r`` gets its own zeroed blocks ``[r n, (r + 1) n)`` (n = the blocks
+    of ``length`` positions), as the block manager would hand them out."""
+    n = -(-length // runner.cache.block_size)
+    tables = [list(range(r * n, (r + 1) * n)) for r in rows]
+    assert max(max(t) for t in tables) < runner.cache.num_blocks, "the runner's pool is too small for these rows"
+    for t in tables:
+        for b in t:
+            runner.cache.zero_block(b)
+    return tables
+
+
 def run_engine(path: str, body, **kw):
     """Start an engine on ``path``, await ``body(engine)``, shut it down; returns body's value."""
 
@@ -248,17 +272,23 @@ def test_session_reuses_parked_kv_and_matches_cold_run(tiny_model_path):
     assert partial.output_token_ids == cold_div.output_token_ids
 
 
-def test_parked_sessions_evicted_lru_when_slots_run_out(tiny_model_path):
+def test_parked_sessions_evicted_lru_when_blocks_run_out(tiny_model_path):
+    """A pool of 4 blocks of 16 tokens: three parked turns take 1, 1 and 2 blocks; a fourth request needs one:
+    the least recently parked session (s0) gives its block up, s2 keeps both of its own."""
+
     async def body(eng):
         outs = [await eng.generate(PROMPTS[i], greedy(4), session_id=f"s{i}") for i in range(3)]
-        await eng.generate(PROMPTS[3], greedy(4))  # needs a slot: evicts s0, the least recent
+        assert eng.stats()["kv_cache"]["blocks_free"] == 0 and eng.stats()["parked_sessions"] == 3
+        await eng.generate(PROMPTS[3], greedy(4))  # needs a block: evicts s0, the least recent
         again = [
             await eng.generate(PROMPTS[i] + outs[i].output_token_ids + [1], greedy(4), session_id=f"s{i}")
             for i in (0, 2)
         ]
         return again
 
-    again0, again2 = run_engine(tiny_model_path, body, max_batch_size=3)
+    again0, again2 = run_engine(
+        tiny_model_path, body, max_batch_size=3, kv_cache_memory_bytes=kv_bytes(tiny_model_path, 4), kv_block_size=16
+    )
     assert again0.cached_prompt_tokens == 0
     assert again2.cached_prompt_tokens == len(PROMPTS[2]) + 4 - 1
 
@@ -361,7 +391,7 @@ def test_pause_holds_requests_and_resume_releases_them(tiny_model_path):
     assert len(res.output_token_ids) == 5
 
 
-def test_shutdown_aborts_pending_and_cancel_frees_slot(tiny_model_path):
+def test_shutdown_aborts_pending_and_cancel_frees_blocks(tiny_model_path):
     async def body():
         eng = make_engine(tiny_model_path, max_batch_size=2, max_model_len=4096)
         await eng.start()
@@ -376,12 +406,12 @@ def test_shutdown_aborts_pending_and_cancel_frees_slot(tiny_model_path):
         await eng.pause()
         pending = asyncio.create_task(eng.generate(PROMPTS[1], greedy(3)))
         await asyncio.sleep(0.05)
-        free = eng.stats()["free_slots"]
+        used = eng.stats()["kv_cache"]["blocks_used"]
         await eng.shutdown()
-        return ok, free, await pending
+        return ok, used, await pending
 
-    ok, free, aborted = asyncio.run(body())
-    assert len(ok.output_token_ids) == 3 and free == 2
+    ok, used, aborted = asyncio.run(body())
+    assert len(ok.output_token_ids) == 3 and used == 0  # the cancelled sequence's blocks were released
     assert aborted.finish_reason == "abort" and aborted.output_token_ids == []
 
 
@@ -416,20 +446,23 @@ def test_engine_properties(tiny_model_path):
 
 
 def test_cuda_graph_padded_decode_math_matches_eager_decode(tiny_model_path):
-    """The padded, scratch-slot, key-bucketed step a CUDA graph captures gives the eager logits (run on CPU)."""
+    """The padded, null-block, block-bucketed step a CUDA graph captures gives the eager logits (run on CPU)."""
     from training.deployment.engine.cuda_graphs import CudaGraphDecoder
     from training.deployment.engine.engine import LLMEngine
     from training.deployment.engine.model_runner import PrefillItem
 
-    eng = LLMEngine(EngineConfig(model=tiny_model_path, max_batch_size=6, max_model_len=300))
+    eng = LLMEngine(EngineConfig(model=tiny_model_path, max_batch_size=6, max_model_len=300, kv_block_size=16))
     runner = eng.runner
-    runner.prefill([PrefillItem(1, PROMPTS[0], 0), PrefillItem(4, PROMPTS[2], 0), PrefillItem(2, PROMPTS[3], 0)])
-    slots, tokens = [1, 2, 4], [9, 10, 11]
-    positions = [len(PROMPTS[0]), len(PROMPTS[3]), len(PROMPTS[2])]
+    tables = row_tables(runner, [1, 4, 2], 64)
+    runner.prefill([PrefillItem(t, p, 0) for t, p in zip(tables, (PROMPTS[0], PROMPTS[2], PROMPTS[3]))])
+    tables[1] = tables[1][:2]  # rows of different widths: padded to the widest with the null block
+    tokens = [9, 10, 11]
+    positions = [len(PROMPTS[0]), len(PROMPTS[2]), len(PROMPTS[3])]
     graphs = CudaGraphDecoder(runner, (1, 2, 4, 8), max_batch_size=6, max_model_len=300)
-    assert graphs.batch_buckets == [1, 2, 4, 6] and graphs.len_buckets == [256, 300]
-    padded = graphs.run_without_graph(slots, tokens, positions).clone()
-    eager = runner.decode(slots, tokens, positions)
+    assert graphs.batch_buckets == [1, 2, 4, 6] and graphs.block_buckets == [16, 19]
+    padded = graphs.run_without_graph(tables, tokens, positions).clone()
+    assert graphs.tables[3, 0] == runner.cache.null_block  # the padding row: null blocks only
+    eager = runner.decode(tables, tokens, positions)
     assert padded.shape == eager.shape == (3, eng.vocab_size)
     assert torch.allclose(padded, eager, atol=1e-5)
 
@@ -437,29 +470,25 @@ def test_cuda_graph_padded_decode_math_matches_eager_decode(tiny_model_path):
 def test_a_kv_cache_larger_than_memory_fails_early_naming_its_settings():
     import torch
 
-    from training.deployment.engine.kv_cache import KVCache, available_memory_bytes
+    from training.deployment.engine.kv_cache import KVBudget, KVCache, available_memory_bytes
 
     assert available_memory_bytes(torch.device("cpu")) > 0
-    with pytest.raises(MemoryError, match="max_batch_size.*max_model_len"):
-        KVCache(
-            num_layers=64,
-            num_slots=4096,
-            num_kv_heads=8,
-            max_model_len=131072,
-            head_dim=128,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )  # ~1 PiB: refused before allocating
+    shape = dict(num_layers=64, num_kv_heads=8, head_dim=128, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(MemoryError, match="kv_cache_memory_bytes"):
+        KVCache(budget=KVBudget(memory_bytes=2**50), **shape)  # 1 PiB: refused before allocating
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes.*holds no block"):
+        KVCache(budget=KVBudget(memory_bytes=1000), **shape)
     small = KVCache(
         num_layers=2,
-        num_slots=3,
+        budget=KVBudget(block_size=16, memory_bytes=3 * 2 * 16 * 8 * 4),
         num_kv_heads=1,
-        max_model_len=8,
         head_dim=4,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    assert small.k[0].shape == (4, 1, 8, 4)
+    assert small.num_blocks == 3 and small.k[0].shape == (4, 1, 16, 4)  # 3 blocks and the null block
+    fraction = KVBudget(block_size=16, memory_fraction=0.5, max_tokens=100)
+    assert fraction.blocks(small.bytes_per_block, torch.device("cpu"))[0] == 7  # capped at 100 tokens
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -476,8 +505,10 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
             saved = [{k: L.pop(k) for k in list(L) if k.endswith("_packed")} for L in runner.layers]
             head, runner.lm_head_packed = runner.lm_head_packed, None
         try:
-            first = runner.prefill([PrefillItem(0, PROMPTS[3], 0), PrefillItem(1, PROMPTS[0], 0)]).clone()
-            step = runner.decode([0, 1], [7, 8], [len(PROMPTS[3]), len(PROMPTS[0])]).clone()
+            tables = row_tables(runner, [0, 1], 32)
+            first = runner.prefill([PrefillItem(tables[0], PROMPTS[3], 0), PrefillItem(tables[1], PROMPTS[0], 0)])
+            first = first.clone()
+            step = runner.decode(tables, [7, 8], [len(PROMPTS[3]), len(PROMPTS[0])]).clone()
             return torch.cat([first, step])
         finally:
             if not onednn:

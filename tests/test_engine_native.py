@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from tests.test_engine import greedy, require_native, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
+from tests.test_engine import greedy, require_native, row_tables, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -45,51 +46,71 @@ def odd_llama_path(tmp_path_factory, tiny_model_path) -> str:
     return save_random_model(cfg, tok, out, seed=2)
 
 
-def runners(path: str, slots: int = 12, max_len: int = 96) -> tuple[LeanModelRunner, LeanModelRunner]:
-    """A torch-step and a native-step runner over the same weights."""
+MAX_LEN = 96
+
+
+def runners(path: str, rows: int = 12, block_size: int = 16) -> tuple[LeanModelRunner, LeanModelRunner]:
+    """A torch-step and a native-step runner over the same weights, each with blocks for ``rows`` rows of ``MAX_LEN``."""
     cfg = AutoConfig.from_pretrained(path)
-    make = lambda native: LeanModelRunner(path, cfg, slots, max_len, torch.float32, torch.device("cpu"), native)  # noqa: E731
+    budget = KVBudget(block_size=block_size, num_blocks=rows * -(-MAX_LEN // block_size))
+    make = lambda native: LeanModelRunner(path, cfg, budget, MAX_LEN, torch.float32, torch.device("cpu"), native)  # noqa: E731
     torch_runner, native_runner = make(False), make(True)
     assert torch_runner.native is None and native_runner.native is not None
     return torch_runner, native_runner
 
 
-def fill(runner: LeanModelRunner, prompts: dict[int, list[int]]) -> None:
-    for slot, ids in prompts.items():
-        runner.prefill([PrefillItem(slot, ids, 0)])
+def fill(runner: LeanModelRunner, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Prefill each row's prompt into its own blocks (``row_tables``); returns the tables by row."""
+    tables = dict(zip(prompts, row_tables(runner, list(prompts), MAX_LEN)))
+    for row, ids in prompts.items():
+        runner.prefill([PrefillItem(tables[row], ids, 0)])
+    return tables
 
 
-@pytest.mark.parametrize("model", ["tiny_model_path", "tiny_qwen2_path", "odd_llama_path"])
-def test_native_step_gives_the_torch_steps_logits_and_kv_in_any_slot_order(model, request):
+def kv_at(runner: LeanModelRunner, cache: str, table: list[int], position: int) -> torch.Tensor:
+    """Every layer's K (``k_all``) or V of one position: [layers, kv_heads, d]."""
+    bs = runner.cache.block_size
+    return getattr(runner.cache, cache)[:, table[position // bs], :, position % bs]
+
+
+@pytest.mark.parametrize(
+    "model, block_size", [("tiny_model_path", 16), ("tiny_qwen2_path", 32), ("odd_llama_path", 16)]
+)
+def test_native_step_gives_the_torch_steps_logits_and_kv_in_any_block_order(model, block_size, request):
     """Qwen3 (q/k norms, head_dim 16), Qwen2 (qkv bias, untied head), the odd Llama (biases, head_dim 24, partial
-    panels): rows in slots out of order and with gaps; logits and the K/V written at each row's position."""
+    panels): rows whose blocks are scattered over the pool, out of order (tables of different widths, a row
+    crossing a block boundary); logits and the K/V written at each row's position."""
     path = request.getfixturevalue(model)
-    a, b = runners(path)
+    a, b = runners(path, block_size=block_size)
     rng = random.Random(0)
     prompts = {s: [rng.randrange(3, 400) for _ in range(rng.randint(5, 70))] for s in (9, 0, 4, 7, 2)}
-    for r in (a, b):
-        fill(r, prompts)
-    slots = list(prompts)
-    positions = [len(prompts[s]) for s in slots]
-    tokens = [rng.randrange(3, 400) for _ in slots]
+    prompts[5] = [rng.randrange(3, 400) for _ in range(block_size - 1)]  # its next tokens open a new block
+    rows = list(prompts)
+    for r in (a, b):  # blocks in descending order: no row's blocks are contiguous
+        tables = [list(reversed(t)) for t in row_tables(r, rows, MAX_LEN)]
+        for t, s in zip(tables, rows):
+            r.prefill([PrefillItem(t, prompts[s], 0)])
+    positions = [len(prompts[s]) for s in rows]
+    tokens = [rng.randrange(3, 400) for _ in rows]
     for _ in range(3):  # a few steps: each reads the K/V the previous one wrote
-        want, got = a.decode(slots, tokens, positions), b.decode(slots, tokens, positions)
+        now = [t[: p // block_size + 1] for t, p in zip(tables, positions)]  # each row's table as the scheduler has it
+        want, got = a.decode(now, tokens, positions), b.decode(now, tokens, positions)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
-        for s, p in zip(slots, positions):
+        for t, p in zip(tables, positions):
             for cache in ("k_all", "v_all"):
-                mine, theirs = getattr(b.cache, cache)[:, s, :, p], getattr(a.cache, cache)[:, s, :, p]
-                assert torch.allclose(mine, theirs, atol=1e-5)
+                assert torch.allclose(kv_at(b, cache, t, p), kv_at(a, cache, t, p), atol=1e-5)
         tokens = want.argmax(-1).tolist()
         positions = [p + 1 for p in positions]
 
 
 def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result(tiny_model_path):
-    """Rows holding copies of one prompt's K/V (a group larger than a segment, in scattered rows, plus a
-    second group and rows of their own): with the groups declared, the native step reads each prefix once
-    per segment; the logits equal the same step without groups and the torch step's."""
+    """Rows sharing one prompt's blocks (the full ones shared, the partial last one copied, as the scheduler does;
+    a group larger than a segment, in scattered rows, plus a second group and rows of their own): with the
+    groups declared, the native step reads each prefix once per segment; the logits equal the same step
+    without groups and the torch step's."""
     from training.deployment.engine.native import SEGMENT_ROWS, segments
 
-    a, b = runners(tiny_model_path, slots=16)
+    a, b = runners(tiny_model_path, rows=16)
     rng = random.Random(1)
     shared, other = [rng.randrange(3, 400) for _ in range(60)], [rng.randrange(3, 400) for _ in range(33)]
     group1 = [0, 2, 3, 5, 6, 8, 9, 11, 12, 14]  # 10 rows > SEGMENT_ROWS: split into two segments
@@ -101,26 +122,32 @@ def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result
         prompts[s] = other + [rng.randrange(3, 400) for _ in range(rng.randint(1, 5))]
     for s in (4, 7, 10, 15):
         prompts[s] = [rng.randrange(3, 400) for _ in range(rng.randint(3, 50))]
+    slots = sorted(prompts)
     for r in (a, b):
-        fill(r, {group1[0]: shared, group2[0]: other})  # computed once, then copied, as the scheduler does
-        for s in group1[1:]:
-            r.copy_kv(group1[0], s, len(shared))
-        r.copy_kv(group2[0], group2[1], len(other))
-        for s, ids in prompts.items():  # each row's own tokens after the copied prefix
+        own = dict(zip(slots, row_tables(r, slots, MAX_LEN)))
+        bs = r.cache.block_size
+        r.prefill([PrefillItem(own[group1[0]], shared, 0), PrefillItem(own[group2[0]], other, 0)])  # computed once
+        tables = dict(own)
+        for group, prefix in ((group1, shared), (group2, other)):
+            full, part = divmod(len(prefix), bs)
+            for s in group[1:]:  # the leader's full blocks shared, its partial block copied
+                tables[s] = own[group[0]][:full] + own[s][full:]
+                r.copy_block(own[group[0]][full], own[s][full], part)
+        for s, ids in prompts.items():  # each row's own tokens after the prefix
             start = len(shared) if s in group1 else len(other) if s in group2 else 0
             if len(ids) > start:
-                r.prefill([PrefillItem(s, ids[start:], start)])
-    slots = sorted(prompts)
+                r.prefill([PrefillItem(tables[s], ids[start:], start)])
     positions = [len(prompts[s]) for s in slots]
     tokens = [rng.randrange(3, 400) for _ in slots]
+    rows = [tables[s] for s in slots]
     row = {s: i for i, s in enumerate(slots)}
     groups = [SharedPrefix([row[s] for s in group1], len(shared)), SharedPrefix([row[s] for s in group2], len(other))]
-    starts, rows, prefixes = segments(positions, groups)
+    starts, seg_rows, prefixes = segments(positions, groups)
     sizes = sorted(e - s for s, e, p in zip(starts, starts[1:], prefixes) if p > 0)
-    assert sizes == [2, len(group1) - SEGMENT_ROWS, SEGMENT_ROWS] and sorted(rows) == list(range(len(slots)))
-    plain = b.decode(slots, tokens, positions).clone()
-    grouped = b.decode(slots, tokens, positions, groups).clone()
-    want = a.decode(slots, tokens, positions)
+    assert sizes == [2, len(group1) - SEGMENT_ROWS, SEGMENT_ROWS] and sorted(seg_rows) == list(range(len(slots)))
+    plain = b.decode(rows, tokens, positions).clone()
+    grouped = b.decode(rows, tokens, positions, groups).clone()
+    want = a.decode(rows, tokens, positions)
     assert torch.allclose(grouped, plain, atol=1e-5) and torch.allclose(grouped, want, atol=1e-4)
 
 
@@ -261,9 +288,9 @@ def test_the_profile_build_times_every_phase_of_a_step(tiny_model_path):
 
     torch_runner, runner = runners(tiny_model_path)
     timed = NativeDecoder(runner, profile=True)
-    fill(runner, {0: [5, 6, 7], 1: [8, 9]})
-    want = runner.native.decode([0, 1], [3, 4], [3, 2]).clone()
-    got = timed.decode([0, 1], [3, 4], [3, 2])
+    tables = list(fill(runner, {0: [5, 6, 7], 1: [8, 9]}).values())
+    want = runner.native.decode(tables, [3, 4], [3, 2]).clone()
+    got = timed.decode(tables, [3, 4], [3, 2])
     assert torch.allclose(got, want, atol=1e-6)  # the same step, timed
     phases = timed.phase_seconds()
     assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values())
@@ -284,7 +311,7 @@ def test_a_weight_update_is_repacked_in_place_and_decoded_with(tiny_qwen2_path):
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_safetensors(tiny_qwen2_path).items()}
     for r in (a, b):
         r.load_weights(new)
-        fill(r, {3: [11, 12, 13, 14], 5: [20, 21]})
-    want, got = a.decode([3, 5], [7, 8], [4, 2]), b.decode([3, 5], [7, 8], [4, 2])
+        tables = list(fill(r, {3: [11, 12, 13, 14], 5: [20, 21]}).values())
+    want, got = a.decode(tables, [7, 8], [4, 2]), b.decode(tables, [7, 8], [4, 2])
     assert torch.allclose(got, want, atol=1e-4)
     assert {name: [t.data_ptr() for t in bufs] for name, bufs in b.native.packed.items()} == before

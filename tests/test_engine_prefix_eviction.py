@@ -1,8 +1,9 @@
 """Prefix-cache exactness under eviction: a request's output never depends on what else the cache holds.
 
-A slot chosen as the prefix donor of an admission is never that admission's eviction victim, and
-K/V computed under other weights is never reused (tested below against cold engines, also with
-in-flight weight updates between requests).
+A block an admission shares or copies from is never that admission's eviction victim, and K/V
+computed under other weights is never reused (tested below against cold engines, also with in-flight
+weight updates between requests, over a pool small enough that blocks are evicted and sequences
+preempted).
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ import torch
 
 from training.deployment.engine import EngineConfig, GenerationResult, SamplingParams
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
-from training.deployment.engine.kv_cache import SlotState
 from training.deployment.engine.weights import load_safetensors, validate_update
-from tests.test_engine import greedy, run_engine
+from tests.test_engine import greedy, kv_bytes, run_engine
 from tests.test_engine_prefix_cache import assert_same_outputs, cold, sampled
 
 
 def test_oldest_parked_session_is_never_evicted_while_it_donates_the_prefix(tiny_model_path):
-    """4 slots, each holding a parked session; a seeded request shares a prefix with the oldest one.
+    """8 blocks, all held by 4 parked sessions (2 each); a seeded request shares a prefix with the oldest one.
 
-    That parked slot is both the best donor and the least recently used slot (what eviction takes):
-    its K/V must be copied before anything is written over it, so the output equals a cold run's.
+    That session is both the best donor and the least recently parked (what eviction takes first): its
+    block must be held before anything is evicted, so the output equals a cold run's.
     """
     rng = random.Random(5)
     sessions = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(4)]
@@ -42,7 +42,8 @@ def test_oldest_parked_session_is_never_evicted_while_it_donates_the_prefix(tiny
         second = await eng.generate(*canary_greedy)
         return [first, second], eng.stats()
 
-    results, stats = run_engine(tiny_model_path, body, max_batch_size=4, prefix_cache_slots=0)
+    budget = kv_bytes(tiny_model_path, 8)
+    results, stats = run_engine(tiny_model_path, body, max_batch_size=4, kv_cache_memory_bytes=budget, kv_block_size=16)
     assert results[0].cached_prompt_tokens == 16  # the oldest parked slot did donate
     assert results[1].cached_prompt_tokens == 12
     assert_same_outputs(results, cold(tiny_model_path, [canary, canary_greedy]))
@@ -51,6 +52,9 @@ def test_oldest_parked_session_is_never_evicted_while_it_donates_the_prefix(tiny
 # ---- property: random interleavings against cold engines -----------------------------------------
 
 CHECKED = "checked"
+POOL_BLOCKS = 24
+POOL = {"kv_block_size": 16}
+"""Engine settings of the random traces (``kv_cache_memory_bytes`` added by ``random_traffic``: ``POOL_BLOCKS``)."""
 
 
 @dataclass
@@ -60,7 +64,6 @@ class Traffic:
     results: list[Union[GenerationResult, BaseException, None]] = field(default_factory=list)
     params: list[SamplingParams] = field(default_factory=list)
     weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    evictions: int = 0
     stats: dict = field(default_factory=dict)
 
 
@@ -93,17 +96,10 @@ def random_traffic(path: str, seed: int, num_requests: int, updates: int = 0, **
     rng = random.Random(seed)
     stems = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 30))] for _ in range(4)]
     weight_sets = _weight_sets(path, 3) if updates else []
+    config.setdefault("kv_cache_memory_bytes", kv_bytes(path, POOL_BLOCKS))
     engine = LLMEngine(EngineConfig(model=path, max_model_len=256, **config))
     out = Traffic(weights={0: weight_sets[0]} if updates else {})
     last_turn: dict[str, Optional[GenerationResult]] = {}  # session → its finished turn (None: running)
-    original_victim = engine.scheduler.slots.victim
-
-    def victim(candidates):
-        slot = original_victim(candidates)
-        out.evictions += slot is not None and engine.scheduler.slots.state[slot] != SlotState.EMPTY
-        return slot
-
-    engine.scheduler.slots.victim = victim
 
     def stem_prompt() -> list[int]:
         stem = stems[rng.randrange(len(stems))]
@@ -153,7 +149,7 @@ def random_traffic(path: str, seed: int, num_requests: int, updates: int = 0, **
             _push(engine, out.weights[version], version, rng.random() < 0.3, lambda exc: None)
         if engine.has_work():
             engine.step()
-    out.stats = engine.stats()
+    out.stats = {**engine.stats(), "evictions": engine.scheduler.blocks.evicted}
     return out
 
 
@@ -188,15 +184,32 @@ def assert_every_deterministic_request_matches_cold(path: str, traffic: Traffic)
 
 
 @pytest.mark.parametrize(
-    "seed, num_requests",
-    [(0, 40), pytest.param(1, 40, marks=pytest.mark.slow), pytest.param(3, 120, marks=pytest.mark.slow)],
+    "seed, num_requests, running, blocks",
+    [
+        (0, 40, 3, POOL_BLOCKS),
+        (1, 40, 8, 12),
+        pytest.param(1, 40, 3, POOL_BLOCKS, marks=pytest.mark.slow),
+        pytest.param(3, 120, 3, POOL_BLOCKS, marks=pytest.mark.slow),
+        pytest.param(3, 120, 8, 12, marks=pytest.mark.slow),
+    ],
 )
-def test_random_sessions_and_evictions_never_change_an_output(tiny_model_path, seed, num_requests):
-    """Sessions and sessionless requests interleaved over 5 slots: every output as on a cold engine."""
+def test_random_sessions_and_evictions_never_change_an_output(tiny_model_path, seed, num_requests, running, blocks):
+    """Sessions and sessionless requests interleaved over a small pool of blocks of 16 tokens (24 blocks for 3
+    running sequences of up to 11 blocks each; or 12 blocks for 8, where running sequences are preempted):
+    every output as on a cold engine."""
+    budget = kv_bytes(tiny_model_path, blocks)
     traffic = random_traffic(
-        tiny_model_path, seed, num_requests, max_batch_size=3, prefix_cache_slots=2, max_prefill_tokens=64
+        tiny_model_path,
+        seed,
+        num_requests,
+        max_batch_size=running,
+        max_prefill_tokens=64,
+        kv_cache_memory_bytes=budget,
+        **POOL,
     )
-    assert traffic.stats["cached_prompt_tokens"] > 0 and traffic.evictions > 0  # the cache was used and churned
+    assert traffic.stats["cached_prompt_tokens"] > 0 and traffic.stats["evictions"] > 0  # the cache was used, churned
+    if running == 8:
+        assert traffic.stats["preemptions"] > 0
     assert assert_every_deterministic_request_matches_cold(tiny_model_path, traffic) >= num_requests // 2
 
 
@@ -204,8 +217,6 @@ def test_random_sessions_and_evictions_never_change_an_output(tiny_model_path, s
 def test_kv_of_other_weights_is_never_reused_across_inflight_updates(tiny_model_path, kv, seed):
     """The same traffic with weight updates between steps: every request that ran on one version
     equals a cold engine holding that version's weights (no K/V computed under other weights reused)."""
-    traffic = random_traffic(
-        tiny_model_path, seed, 40, updates=4, max_batch_size=3, prefix_cache_slots=2, inflight_update_kv=kv
-    )
+    traffic = random_traffic(tiny_model_path, seed, 40, updates=4, max_batch_size=3, inflight_update_kv=kv, **POOL)
     assert len(traffic.weights) == 5 and traffic.stats["cached_prompt_tokens"] > 0
     assert assert_every_deterministic_request_matches_cold(tiny_model_path, traffic) >= 15

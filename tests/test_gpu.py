@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_engine import PROMPTS, greedy, hf_logprobs, run_engine
+from tests.test_engine import PROMPTS, greedy, hf_logprobs, row_tables, run_engine
 from tests.test_recipes import ROWS, Recorder
 from tests.test_recipes import config as recipe_config
 from tests.test_trainer import _mask_loss, _sequences
@@ -101,12 +101,13 @@ def test_captured_graph_logits_equal_the_eager_step(tiny_model_path, device):
             )
         )
         runner = eng.runner
-        runner.prefill([PrefillItem(1, PROMPTS[0], 0), PrefillItem(4, PROMPTS[2], 0), PrefillItem(2, PROMPTS[3], 0)])
-        slots, tokens = [1, 2, 4], [9, 10, 11]
-        positions = [len(PROMPTS[0]), len(PROMPTS[3]), len(PROMPTS[2])]
+        tables = row_tables(runner, [1, 4, 2], 64)
+        runner.prefill([PrefillItem(t, p, 0) for t, p in zip(tables, (PROMPTS[0], PROMPTS[2], PROMPTS[3]))])
+        tokens = [9, 10, 11]
+        positions = [len(PROMPTS[0]), len(PROMPTS[2]), len(PROMPTS[3])]
         graphs = CudaGraphDecoder(runner, (1, 2, 4, 8), max_batch_size=6, max_model_len=300)
-        replayed = graphs.run(slots, tokens, positions).clone()
-        eager = runner.decode(slots, tokens, positions)
+        replayed = graphs.run(tables, tokens, positions).clone()
+        eager = runner.decode(tables, tokens, positions)
     assert graphs.graphs and replayed.device == torch.device(device)
     assert torch.allclose(replayed, eager, atol=1e-5)
 

@@ -121,6 +121,8 @@ def test_async_and_sync_recipes_run_and_log(tiny_model_path, server, tmp_path):
             "train/mismatch_kl",
         ):
             assert key in rows[-1], key
+        assert all(r["perf/server_rss_mb"] > 50 for r in rows)  # the embedded server's resident memory, every step
+        assert all(r["perf/kv_blocks_used"] >= 0 and r["perf/kv_blocks_cached"] >= 0 for r in rows)
         trained = [json.loads(line) for line in (tmp_path / str(i) / "run" / "rollouts.jsonl").read_text().splitlines()]
         assert len(trained) == sum(r["rollout/samples"] for r in rows)
         assert {"step", "reward", "advantage", "submit_version", "text"} <= set(trained[0])

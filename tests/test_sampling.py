@@ -420,7 +420,7 @@ def test_a_sequence_that_fails_inside_a_step_fails_alone(tiny_model_path, hf_mod
     results, stats = run_engine(tiny_model_path, body)
     for prompt, res in zip((PROMPT, PROMPT[:5], [42] * 7), results):
         assert res.output_token_ids == hf_greedy(hf_model, prompt, 8)
-    assert stats["requests_failed"] == 1 and stats["running"] == 0 and stats["free_slots"] == 16
+    assert stats["requests_failed"] == 1 and stats["running"] == 0 and stats["kv_cache"]["blocks_used"] == 0
 
 
 def test_a_row_with_a_sampling_field_the_c_sampler_does_not_know_goes_to_the_torch_sampler(monkeypatch):

@@ -1,5 +1,5 @@
 """``GET /stats`` reports every pool the server keeps with its size and bound, and the sizes stay within
-the bounds when more sessions arrive than there are KV slots (real server, tiny model)."""
+the bounds when more sessions arrive than the KV blocks can keep (real server, tiny model)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import pytest
 from training.deployment.embedded import EmbeddedDeployment
 from training.deployment.kernel_caches import CAPACITY_VARIABLES, KERNEL_CACHE_CAPACITY
 from training.utils.config import DeployConfig, EngineConfig
+from tests.test_engine import kv_bytes
 
 API_KEY = "pools-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SLOTS = 4  # max_batch_size 2 + prefix_cache_slots 2
+BLOCKS = 8  # KV blocks of 16 tokens: a chat turn here takes one or two
 POOLS = (
     "running",
     "waiting",
     "parked_sessions",
-    "prefix_cache_slots",
+    "kv_cache_blocks",
     "rss_bytes",
     "heap_in_use_bytes",
     "heap_free_bytes",
@@ -36,7 +37,13 @@ def server(tiny_model_path, tmp_path_factory):
         startup_timeout_s=300,
         log_file=str(tmp_path_factory.mktemp("srv") / "server.log"),
         engine_config=EngineConfig(
-            max_model_len=128, max_batch_size=2, prefix_cache_slots=2, device="cpu", dtype="float32"
+            max_model_len=128,
+            max_batch_size=2,
+            kv_cache_memory_bytes=kv_bytes(tiny_model_path, BLOCKS),
+            kv_block_size=16,
+            max_waiting=64,
+            device="cpu",
+            dtype="float32",
         ),
     )
     with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
@@ -56,11 +63,11 @@ async def _chat(s: aiohttp.ClientSession, url: str, session_id: str) -> None:
         assert r.status == 200, await r.text()
 
 
-def test_stats_reports_every_pool_within_its_bound(server):
+def test_stats_reports_every_pool_within_its_bound(server, tiny_model_path):
     async def go():
         async with aiohttp.ClientSession() as s:
             before = await _stats(s, server.base_url)
-            for i in range(3 * SLOTS):  # more sessions than slots: the oldest parked ones are evicted
+            for i in range(3 * BLOCKS):  # more sessions than blocks: the oldest parked ones are evicted
                 await _chat(s, server.base_url, f"pools-{i}")
             return before, await _stats(s, server.base_url)
 
@@ -73,9 +80,12 @@ def test_stats_reports_every_pool_within_its_bound(server):
             if pool["bound"] is not None:
                 assert 0 <= pool["size"] <= pool["bound"], (name, pool)
     pools = after["pools"]
-    assert pools["parked_sessions"]["bound"] == SLOTS and pools["prefix_cache_slots"]["bound"] == SLOTS
-    assert 0 < pools["parked_sessions"]["size"] <= SLOTS  # 12 sessions made, at most 4 kept
-    assert pools["running"] == {"size": 0, "bound": 2}
+    assert pools["parked_sessions"]["bound"] == BLOCKS and pools["kv_cache_blocks"]["bound"] == BLOCKS
+    assert 0 < pools["parked_sessions"]["size"] <= BLOCKS  # 24 sessions made, at most 8 kept
+    assert pools["running"] == {"size": 0, "bound": 2} and pools["waiting"] == {"size": 0, "bound": 64}
+    kv = after["kv_cache"]
+    assert kv["blocks_total"] == BLOCKS and kv["blocks_used"] + kv["blocks_cached"] + kv["blocks_free"] == BLOCKS
+    assert kv["bytes_total"] == kv_bytes(tiny_model_path, BLOCKS) and kv["block_size"] == 16
     assert pools["rss_bytes"]["size"] > 50 * 2**20  # the server process's (torch and the model loaded), not zero
     assert pools["open_fds"]["size"] >= pools["open_sockets"]["size"] >= 1  # at least the listening socket
     if pools["heap_in_use_bytes"]["size"] is not None:  # glibc: the C heap, torch's tensors included

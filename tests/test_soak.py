@@ -41,7 +41,7 @@ def test_server_memory_levels_off_under_load(tiny_model_path, tmp_path):
     for column in JUDGED:
         ok, middle, last = plateau(result.rows, column)
         assert ok, f"{column} still grows after warm-up: middle third max {middle}, last third max {last}"
-    for name in ("parked_sessions", "prefix_cache_slots"):
+    for name in ("parked_sessions", "kv_cache_blocks"):
         bound = result.bounds[name]
         assert bound is not None and max(r[name] for r in result.rows) <= bound
     assert all(v <= KERNEL_CACHE_CAPACITY for v in result.kernel_caches.values()), result.kernel_caches

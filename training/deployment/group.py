@@ -206,6 +206,10 @@ class DeploymentGroup:
         if self.sampler is not None:
             await self.sampler.close()
 
+    async def server_stats(self) -> list[Optional[dict]]:
+        """``GET /stats`` of every replica at once (``ServerProcess.stats``: None where it has none)."""
+        return list(await asyncio.gather(*(asyncio.to_thread(r.stats) for r in self.replicas)))
+
     # ------------------------------------------------------------ sleep (colocation)
     async def sleep(self, level: int) -> list[dict]:
         """``POST /sleep?level=N`` on every replica at once (seed 002's step 1); each replica's answer."""

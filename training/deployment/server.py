@@ -13,7 +13,9 @@ Endpoints (see README.md for bodies):
 
 Contract: a bad request gets 400 with the OpenAI error envelope naming the field and never
 disturbs other requests; a refused weight update gets 400 and the old weights stay live;
-every generation response carries ``weight_version``.
+a request that finds the engine's waiting queue full (``EngineConfig.max_waiting``) gets 503 with
+``Retry-After``, the connection cap's busy answer (``connection_limit.py``), and nothing already
+accepted is dropped; every generation response carries ``weight_version``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from training.deployment.connection_limit import RETRY_AFTER_S
 from training.deployment.engine.requests import (
+    EngineBusyError,
     EngineError,
     GenerationResult,
     SequenceFailedError,
@@ -92,6 +96,10 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
         return error_response(400, f"weight update refused: {e}", "invalid_request_error")
     except EngineError as e:
         return error_response(400, str(e), "invalid_request_error", _engine_error_param(str(e)))
+    except EngineBusyError as e:  # the waiting queue is full: the same answer as the connection cap's
+        resp = error_response(503, str(e), "server_busy")
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
     except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
         log.error("request failed in the engine: %s", e)
         return error_response(500, f"generation failed: {e}", "internal_error")
@@ -213,10 +221,18 @@ async def _stream(request: web.Request, req: ParsedRequest, body: Any, chat: boo
     return resp
 
 
+def _check_room(engine: Any, req: ParsedRequest) -> None:
+    """EngineBusyError (503) before a request starts when its sequences would overflow the engine's waiting queue."""
+    check = getattr(engine, "check_room", None)
+    if check is not None:
+        check(len(req.prompts) * req.n)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await read_json(request)
     req = await _parse(request, parse_completion_request, body)
+    _check_room(engine, req)
     if req.stream:
         return await _stream(request, req, body, chat=False)
     if req.prompt_logprobs is None:
@@ -259,6 +275,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body = await read_json(request)
     req = await _parse(request, parse_chat_request, body)
+    _check_room(engine, req)
     if req.stream:
         return await _stream(request, req, body, chat=True)
     results = await _generate_all(request, req, body)

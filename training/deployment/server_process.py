@@ -271,6 +271,18 @@ class ServerProcess:
             return None
         return dtype if isinstance(dtype, str) else None
 
+    def stats(self) -> Optional[dict]:
+        """``GET /stats`` of this package's server (counters, ``kv_cache``, ``pools`` with ``rss_bytes``); None when
+        the server does not answer it (vLLM, SGLang) or cannot be reached."""
+        status, text = self._http("GET", "/stats", timeout=10.0)
+        if status != 200:
+            return None
+        try:
+            out = json.loads(text)
+        except ValueError:
+            return None
+        return out if isinstance(out, dict) else None
+
     # ------------------------------------------------------------ sleep (colocation)
     def sleep(self, level: int = 1) -> dict:
         """``POST /sleep?level=N`` (this package's server and vLLM's): free the KV cache (1) or the weights too (2)."""

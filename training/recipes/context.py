@@ -23,7 +23,7 @@ from training.deployment.group import DeploymentGroup
 from training.deployment.client import DeploymentRequestError
 from training.recipes.config import WAIT_POLL_S, Config
 from training.recipes.resources import CpuShare
-from training.recipes.step_metrics import StepCounters, StepTimer
+from training.recipes.step_metrics import StepCounters, StepTimer, server_metrics
 from training.recipes.teacher import Teacher
 from training.recipes.train_state import TrainState
 from training.utils import loop_watch
@@ -98,6 +98,8 @@ class RunContext:
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""
         self._checkpoint_s = 0.0
+        self._server_stats: Optional[asyncio.Future] = None
+        """The servers' ``GET /stats``, read while the trainer trains; ``finish_step`` reports it."""
         """Seconds the last checkpoint took, reported with the next step."""
         self.failure_log = FailureLog("rollout")
         """Training rollouts' failures: the first of each kind printed with its traceback, the rest counted."""
@@ -175,9 +177,11 @@ class RunContext:
         return {} if self.teacher is None else await self.teacher.distill(groups)
 
     async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
-        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics."""
+        """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics. The servers' ``GET /stats``
+        is read meanwhile (``finish_step`` reports it without waiting for it)."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
+        self._server_stats = asyncio.ensure_future(self.deployment.server_stats())
         return await loop.run_in_executor(
             self._train_pool,
             lambda: train_on_groups(
@@ -291,14 +295,28 @@ class RunContext:
 
     async def finish_step(self, groups: list[PromptGroup], step_done: int, timer: StepTimer) -> dict[str, float]:
         """After a trained step: mark its rows done and evaluate when due (the loop pushed the step's weights
-        first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due). The previous step's
-        checkpoint time goes into ``timer`` (``perf/checkpoint_s``): the checkpoint is written after the log."""
+        first: ``push_due``). Returns the ``eval/*`` metrics (empty when no eval was due) and the servers'
+        ``perf/server_rss_mb`` and ``perf/kv_blocks_*`` (``server_metrics``, read during training). The previous step's checkpoint time goes into ``timer``
+        (``perf/checkpoint_s``): the checkpoint is written after the log."""
         for g in groups:
             self.cursor.mark_done(g.position)
         if self._checkpoint_s:
             timer.seconds["checkpoint"] = self._checkpoint_s
             self._checkpoint_s = 0.0
-        return await self.evaluate() if self.eval_due(step_done) else {}
+        out = await self.evaluate() if self.eval_due(step_done) else {}
+        out.update(self._take_server_metrics())
+        return out
+
+    def _take_server_metrics(self) -> dict[str, float]:
+        """``server_metrics`` of the stats read during this step's training; empty if they did not arrive in time."""
+        task, self._server_stats = self._server_stats, None
+        if task is None or not task.done():
+            if task is not None:
+                task.cancel()
+            return {}
+        if task.cancelled() or task.exception() is not None:
+            return {}
+        return server_metrics(task.result())
 
     def log_step(self, step: int, m: dict[str, float], groups: list[PromptGroup]) -> None:
         """Write step ``step``'s metrics and rollouts. A loop logs a step before ``checkpoint_step``: a run killed in

@@ -1,14 +1,15 @@
 """What a step reports besides the training itself: ``StepCounters`` (the rollout outcomes since the last
 step: ``rollout/*``, ``agent/*``, ``rollout/failed/<cause>``), ``StepTimer`` (``perf/*``: the step's
-seconds in total and per phase, token rates) and ``batch_metrics`` (``rollout/*`` of the groups a step
-trains on). Both recipes use all three.
+seconds in total and per phase, token rates), ``batch_metrics`` (``rollout/*`` of the groups a step
+trains on) and ``server_metrics`` (``perf/server_*``: the embedded servers' resident memory and KV
+blocks, from their ``GET /stats``). Both recipes use all four.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.run_metrics import run_metrics
@@ -91,3 +92,19 @@ def batch_metrics(groups: list[PromptGroup]) -> dict[str, float]:
         "rollout/truncated_fraction": sum(1.0 for g in groups for s in g.samples if s.finish_reason == "length")
         / max(len(lengths), 1),
     }
+
+
+def server_metrics(stats: list[Optional[dict]]) -> dict[str, float]:
+    """``perf/server_rss_mb`` (the largest resident memory among the replicas), ``perf/kv_blocks_used`` (held by
+    running sequences) and ``perf/kv_blocks_cached`` (reusable prefixes), summed over the replicas, from each
+    replica's ``GET /stats``; empty when none reports them (vLLM, SGLang)."""
+    known = [s for s in stats if s]
+    rss = [s.get("pools", {}).get("rss_bytes", {}).get("size") for s in known]
+    kv = [s["kv_cache"] for s in known if isinstance(s.get("kv_cache"), dict)]
+    out: dict[str, float] = {}
+    if any(r is not None for r in rss):
+        out["perf/server_rss_mb"] = max(r for r in rss if r is not None) / 2**20
+    if kv:
+        out["perf/kv_blocks_used"] = float(sum(k.get("blocks_used", 0) for k in kv))
+        out["perf/kv_blocks_cached"] = float(sum(k.get("blocks_cached", 0) for k in kv))
+    return out

@@ -178,9 +178,24 @@ class EngineConfig:
     dtype: str = "auto"
     """``auto`` is bfloat16 on CUDA and float32 on CPU; or ``float32`` / ``bfloat16`` / ``float16``."""
     max_batch_size: int = 64
-    """KV cache slots = sequences decoded at once (running plus parked sessions)."""
+    """Most sequences decoded at once (the running batch; more requests wait). Not a memory setting: the KV
+    cache is a pool of blocks sized by ``kv_cache_memory_bytes`` / ``kv_cache_memory_fraction``."""
     max_model_len: int = 2048
-    """Longest prompt + completion, in tokens (the KV cache holds this many per slot)."""
+    """Longest prompt + completion, in tokens (a sequence takes KV blocks only for the tokens it holds)."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """Bytes of the KV cache's block pool (K and V of every layer). None: ``kv_cache_memory_fraction`` sizes it.
+    A request that alone could never fit the pool is refused with a 400 naming this setting."""
+    kv_cache_memory_fraction: float = 0.1
+    """With ``kv_cache_memory_bytes`` None: the pool takes this share of the memory free at start-up on the
+    engine's device (MemAvailable on CPU, CUDA's free memory after the weights on a GPU), and never more than
+    ``max_batch_size`` x ``max_model_len`` tokens' worth. On CPU pool pages become resident as blocks are first
+    used."""
+    kv_block_size: int = 16
+    """Tokens per KV cache block (a multiple of 16: the C decode step attends 16 keys per vector)."""
+    max_waiting: int = 4096
+    """Most sequences queued for admission (a request with ``n`` choices queues ``n``). Past it a new request
+    gets a 503 with ``Retry-After`` (the server's busy answer); requests already accepted are never dropped,
+    and a request is always accepted while nothing waits."""
     seed: Optional[int] = None
     """Seeds the per-request generators of requests that bring no seed of their own. ``None``: a
     recipe's run uses its own ``seed`` (so runs with different seeds sample differently), a server
@@ -196,9 +211,8 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     """Prompt tokens prefilled in one step (a longer single prompt still runs, alone)."""
     enable_prefix_caching: bool = True
-    """Reuse K/V of any cached prompt prefix across requests (no session id needed); False: sessions only."""
-    prefix_cache_slots: int = 0
-    """KV slots beyond ``max_batch_size`` that only hold cached prefixes (finished sequences, parked sessions)."""
+    """Share the KV blocks of any cached prompt prefix across requests (no session id needed); False: sessions
+    only."""
     inflight_update_kv: str = "keep"
     """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
     ``recompute`` it under the new weights before the next decode step."""
@@ -229,7 +243,22 @@ class EngineConfig:
             f"must be positive integers, got {self.cuda_graph_batch_sizes!r}",
         )
         _check(self.max_prefill_tokens > 0, "max_prefill_tokens", f"must be > 0, got {self.max_prefill_tokens}")
-        _check(self.prefix_cache_slots >= 0, "prefix_cache_slots", f"must be >= 0, got {self.prefix_cache_slots}")
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            f"must be > 0 or None, got {self.kv_cache_memory_bytes}",
+        )
+        _check(
+            0 < self.kv_cache_memory_fraction <= 1,
+            "kv_cache_memory_fraction",
+            f"must be in (0, 1], got {self.kv_cache_memory_fraction}",
+        )
+        _check(
+            self.kv_block_size > 0 and self.kv_block_size % 16 == 0,
+            "kv_block_size",
+            f"must be a positive multiple of 16, got {self.kv_block_size}",
+        )
+        _check(self.max_waiting > 0, "max_waiting", f"must be > 0, got {self.max_waiting}")
         _check(
             self.inflight_update_kv in INFLIGHT_UPDATE_KV,
             "inflight_update_kv",

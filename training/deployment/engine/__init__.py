@@ -1,4 +1,4 @@
-"""Generation engine: continuous batching over KV slots, prefix caching, in-flight weight updates.
+"""Generation engine: continuous batching over a pool of KV blocks, prefix caching, in-flight weight updates.
 
     from training.deployment.engine import AsyncEngine, EngineConfig, SamplingParams
     engine = AsyncEngine(EngineConfig(model="path/to/hf_folder"))
@@ -10,6 +10,7 @@ See README.md in this folder for the file map and invariants.
 
 from training.deployment.engine.async_engine import AsyncEngine
 from training.deployment.engine.requests import (
+    EngineBusyError,
     EngineConfig,
     EngineError,
     GenerationResult,
@@ -17,4 +18,12 @@ from training.deployment.engine.requests import (
     WeightUpdateError,
 )
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "GenerationResult", "SamplingParams", "WeightUpdateError"]
+__all__ = [
+    "AsyncEngine",
+    "EngineBusyError",
+    "EngineConfig",
+    "EngineError",
+    "GenerationResult",
+    "SamplingParams",
+    "WeightUpdateError",
+]

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Mapping, Optional
 import torch
 
 from training.deployment.engine.requests import (
+    EngineBusyError,
     MAX_TOP_LOGPROBS,
     EngineConfig,
     EngineError,
@@ -98,6 +99,21 @@ class AsyncEngine:
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.engine.eos_token_ids)
+
+    def queued(self) -> int:
+        """Sequences waiting for admission: handed in and not yet seen by the engine thread, or in its queue."""
+        return len(self._inbox) + len(self.engine.scheduler.waiting)
+
+    def check_room(self, sequences: int = 1) -> None:
+        """Raise :class:`EngineBusyError` unless ``sequences`` more may queue: the queue would pass
+        ``max_waiting`` (a request is always accepted while nothing waits). The server asks before it
+        starts a request (so a stream is refused with a 503 before its first byte); ``generate`` asks again."""
+        waiting = self.queued()
+        if waiting and waiting + sequences > self.config.max_waiting:
+            raise EngineBusyError(
+                f"the engine's waiting queue is full ({waiting} sequences queued, max_waiting="
+                f"{self.config.max_waiting}; EngineConfig.max_waiting): retry shortly"
+            )
 
     def stats(self) -> dict:
         with self._cond:
@@ -261,6 +277,7 @@ class AsyncEngine:
                 woke = self._sleep.level > 0
                 self._sleep.wake()
                 self.engine.scheduler.weights_changed()
+                self.engine.scheduler.blocks.reset()  # fresh pool memory: hand out blocks from the first again
                 self.sleep_counts["wakes"] += woke
             done(result)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -311,10 +328,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, session_id: Optional[str] = None
     ) -> GenerationResult:
-        """Generate for one prompt; raises EngineError (naming the field) for a bad request."""
+        """Generate for one prompt; raises EngineError (naming the field) for a bad request, EngineBusyError when
+        the waiting queue is full (``max_waiting``)."""
         fut = asyncio.get_running_loop().create_future()
         with self._cond:
             seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, self._deliver(fut))
+            self.check_room()
             self._inbox.append(seq)
             self._cond.notify_all()
         try:
@@ -329,7 +348,8 @@ class AsyncEngine:
         """Generate for one prompt, yielding the new tokens as the steps produce them.
 
         Every delta carries the tokens that arrived since the previous one; the last carries the
-        finished ``result`` too. Raises EngineError before the first delta for a bad request, and
+        finished ``result`` too. Raises EngineError before the first delta for a bad request (EngineBusyError when the
+        waiting queue is full), and
         ``SequenceFailedError`` if the engine fails this sequence. Closing the iterator early
         (``aclose``, a cancelled consumer) aborts the sequence at the next step boundary.
         """
@@ -342,6 +362,7 @@ class AsyncEngine:
 
         with self._cond:
             seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, put)
+            self.check_room()
             seq.on_token = lambda tok, lp, top, version: put((tok, lp, top, version))
             self._inbox.append(seq)
             self._cond.notify_all()

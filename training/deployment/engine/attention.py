@@ -1,7 +1,7 @@
-"""Decode attention over the slot KV cache: one query position per row.
+"""Decode attention over the paged KV cache: one query position per row.
 
-``decode_attention``: plain rows, each over its own keys. ``SharedPrefixAttention``: rows that hold
-copies of one prefix's K/V (a GRPO group, ``n > 1``) read that prefix once per group. Used by the
+``decode_attention``: plain rows, each over its own (gathered) keys. ``SharedPrefixAttention``: rows that
+share one prefix's blocks (a GRPO group, ``n > 1``) read that prefix once per group. Used by the
 lean forward's torch decode step (model_runner.py); the C step has its own (native_decode.c).
 """
 
@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from training.deployment.engine.kv_cache import gather_blocks
 
 SHARED_ATTENTION_GAIN = 2.0
 """Decode takes the shared-prefix attention when it reads at least this many times fewer keys."""
@@ -34,7 +36,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 @dataclass
 class SharedPrefix:
-    """Decode rows whose slots hold the same K/V (bitwise: copied from one computation) at positions ``[0, length)``."""
+    """Decode rows that hold the same K/V (the same blocks, or bitwise copies) at positions ``[0, length)``."""
 
     rows: list[int]
     length: int
@@ -43,40 +45,41 @@ class SharedPrefix:
 class SharedPrefixAttention:
     """Decode attention that reads a prefix shared by several rows once, not once per row.
 
-    The members of a GRPO group (and the choices of ``n > 1``) hold copies of one prompt's K/V in
-    their slots. Attention of row ``i`` over keys ``[0, len_i)`` splits into the shared prefix
-    ``[0, P)`` and the row's own suffix ``[P, len_i)``:
+    The members of a GRPO group (and the choices of ``n > 1``) share their prompt's blocks. Attention
+    of row ``i`` over keys ``[0, len_i)`` splits into the shared prefix ``[0, P)`` and the row's own
+    suffix ``[P, len_i)``:
 
-        prefix:  the queries of all the group's rows against one copy of the prefix (one flash
-                 SDPA call per group, which also returns the log-sum-exp lse_p of the scores)
+        prefix:  the queries of all the group's rows against the prefix blocks, gathered once (one
+                 flash SDPA call per group, which also returns the log-sum-exp lse_p of the scores)
         suffix:  every grouped row against its own keys at once: they are gathered into
                  ``[rows, K, W, d]`` (W = the longest suffix, masked per row), scores s_s
         merge:   m = max(lse_p, max s_s),  o = (o_p·exp(lse_p - m) + Σ exp(s_s - m)·v) / (exp(lse_p - m) + Σ exp(s_s - m))
 
     which is softmax attention over the whole row (the same maths; the sums run in another order,
-    ~1e-7 relative). Rows are cut into segments of consecutive rows (slots) with one shared prefix
-    each, or none (rows of their own: :func:`decode_attention` over their keys). Keys read per
-    layer: ``sum over groups of P + rows × (longest row - P)`` instead of ``rows × longest row``;
+    ~1e-7 relative). Rows are cut into segments of consecutive rows with one shared prefix each, or
+    none (rows of their own: :func:`decode_attention` over their gathered blocks). Keys read per layer:
+    ``sum over groups of P + rows × (longest row - P)`` instead of ``rows × longest row``;
     :meth:`plan` returns None unless that is ``SHARED_ATTENTION_GAIN`` times fewer.
     """
 
     def __init__(
         self,
-        groups: list[tuple[int, int, int]],
-        alone: list[tuple[int, int, int, torch.Tensor]],
+        groups: list[tuple[int, int, int, torch.Tensor]],
+        alone: list[tuple[int, int, torch.Tensor, torch.Tensor]],
         grouped_rows: Optional[torch.Tensor],
         suffix_rows: torch.Tensor,
         suffix_mask: torch.Tensor,
     ):
         self.groups = groups
-        """(first row, end row, shared prefix length P) per group segment, in row order."""
+        """(first row, end row, shared prefix length P, the first row's blocks covering it) per group segment."""
         self.alone = alone
-        """(first row, end row, keys end, mask 0 / -inf [rows, 1, 1, end]) per segment of rows of their own."""
+        """(first row, end row, block tables [rows, W], mask 0 / -inf [rows, 1, 1, W x block_size]) per segment of
+        rows of their own."""
         self.grouped_rows = grouped_rows
         """Rows in a group segment, in order (None: every row)."""
         self.suffix_rows = suffix_rows
-        """Flat rows of a layer's ``[slots + 1, K, max_len, d]`` cache viewed as ``[-1, d]``: each grouped row's
-        own keys, ``[rows, K, W]`` flattened (W = the longest own part; past ``max_len`` clamped, and masked)."""
+        """Flat rows of a layer's ``[blocks + 1, K, block_size, d]`` cache viewed as ``[-1, d]``: each grouped row's
+        own keys, ``[rows, K, W]`` flattened (W = the longest own part; past its table: the null block, masked)."""
         self.suffix_mask = suffix_mask
         """0 / -inf [rows, 1, 1, W]: which of the W gathered keys a grouped row attends (fp32: the suffix is computed in fp32)."""
 
@@ -85,11 +88,13 @@ class SharedPrefixAttention:
         cls,
         positions: list[int],
         shared: Sequence[SharedPrefix],
+        tables: list[list[int]],
+        block_size: int,
         num_kv_heads: int,
-        max_len: int,
         dtype: torch.dtype = torch.float32,
     ) -> Optional["SharedPrefixAttention"]:
-        """Segments for a compact batch (row i in slot i); None when plain attention reads about as much."""
+        """Segments for a batch (``tables``: block tables padded to one width with the null block); None when plain
+        attention reads about as much."""
         b = len(positions)
         group_of, prefix = [-1] * b, {}
         for gi, g in enumerate(shared):
@@ -100,6 +105,7 @@ class SharedPrefixAttention:
                     group_of[r] = gi
         if not prefix:
             return None
+        width = len(tables[0])
         groups, alone, keys, r0 = [], [], 0, 0
         for r in range(1, b + 1):
             if r < b and group_of[r] == group_of[r0]:
@@ -107,38 +113,40 @@ class SharedPrefixAttention:
             p = prefix.get(group_of[r0], 0) if r - r0 > 1 else 0  # a lone member reads its prefix in place
             end = max(positions[r0:r]) + 1
             if p:
-                groups.append((r0, r, p))
+                groups.append((r0, r, p, torch.tensor(tables[r0][: -(-p // block_size)])))
             else:
-                alone.append((r0, r, end, _length_mask(range(end), positions[r0:r], dtype)))
+                alone.append(
+                    (r0, r, torch.tensor(tables[r0:r]), _length_mask(range(width * block_size), positions[r0:r], dtype))
+                )
             keys += p + (r - r0) * (end - p)
             r0 = r
         if b * (max(positions) + 1) < SHARED_ATTENTION_GAIN * keys or not groups:
             return None
-        rows = [r for r0, r1, _ in groups for r in range(r0, r1)]
-        starts = [p for r0, r1, p in groups for _ in range(r0, r1)]
-        width = max(positions[r] + 1 - p for r, p in zip(rows, starts))
-        mask = _length_mask(range(width), [positions[r] - p for r, p in zip(rows, starts)], torch.float32)
-        pos = (torch.tensor(starts)[:, None] + torch.arange(width)[None, :]).clamp(max=max_len - 1)
-        heads = torch.tensor(rows)[:, None] * num_kv_heads + torch.arange(num_kv_heads)[None, :]
-        suffix_rows = (heads[:, :, None] * max_len + pos[:, None, :]).reshape(-1)
+        rows = [r for r0, r1, _, _ in groups for r in range(r0, r1)]
+        starts = [p for r0, r1, p, _ in groups for _ in range(r0, r1)]
+        own = max(positions[r] + 1 - p for r, p in zip(rows, starts))
+        mask = _length_mask(range(own), [positions[r] - p for r, p in zip(rows, starts)], torch.float32)
+        pos = (torch.tensor(starts)[:, None] + torch.arange(own)[None, :]).clamp(max=width * block_size - 1)
+        blocks = torch.tensor([tables[r] for r in rows]).gather(1, pos // block_size)  # [rows, own]
+        heads = torch.arange(num_kv_heads)[None, :, None]
+        suffix_rows = (
+            (blocks[:, None, :] * num_kv_heads + heads) * block_size + (pos % block_size)[:, None, :]
+        ).reshape(-1)
         grouped = None if len(rows) == b else torch.tensor(rows)
         return cls(groups, alone, grouped, suffix_rows, mask)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """``q`` [B, K, G, d] (G query heads per kv head) over one layer's cache; returns [B, K, G, d].
+        """``q`` [B, K, G, d] (G query heads per kv head) over one layer's block cache; returns [B, K, G, d].
 
         The suffix and the merge run in fp32 (no-ops in fp32; in bf16 the scores would round).
         """
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         _, kh, g, d = q.shape
         o_pre, lse_pre = [], []
-        for r0, r1, p in self.groups:
+        for r0, r1, p, blocks in self.groups:
             m = r1 - r0
-            o, lse = flash(
-                q[r0:r1].transpose(0, 1).reshape(1, kh, m * g, d),
-                k_cache[r0 : r0 + 1, :, :p],
-                v_cache[r0 : r0 + 1, :, :p],
-            )
+            k_pre, v_pre = (_blocks_as_rows(c, blocks)[:, :, :p] for c in (k_cache, v_cache))
+            o, lse = flash(q[r0:r1].transpose(0, 1).reshape(1, kh, m * g, d), k_pre, v_pre)
             o_pre.append(o.view(kh, m, g, d).transpose(0, 1))
             lse_pre.append(lse.view(kh, m, g).transpose(0, 1))
         o_pre, lse_pre = torch.cat(o_pre).float(), torch.cat(lse_pre).float()
@@ -156,9 +164,15 @@ class SharedPrefixAttention:
             return mixed
         out = torch.empty_like(q)
         out[self.grouped_rows] = mixed
-        for r0, r1, end, mask in self.alone:
-            out[r0:r1] = decode_attention(q[r0:r1], k_cache[r0:r1, :, :end], v_cache[r0:r1, :, :end], mask)
+        for r0, r1, tables, mask in self.alone:
+            k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
+            out[r0:r1] = decode_attention(q[r0:r1], k, v, mask)
         return out
+
+
+def _blocks_as_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``gather_blocks`` of one table ``blocks`` [n]: [1, K, n x block_size, d]."""
+    return gather_blocks(cache, blocks[None])
 
 
 def _length_mask(keys: range, last: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

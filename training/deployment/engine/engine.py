@@ -1,9 +1,11 @@
 """The synchronous engine: ``step()`` = schedule → run → postprocess.
 
-One step admits waiting requests (reuses cached prefixes, prefills the new tokens as one packed
-batch, samples their first token; followers of an identical prompt share its logits), then runs
-one batched decode step over every running sequence, then finishes sequences that hit a stop
-condition (their slot is cached, parked or freed at once). Not thread-safe:
+One step admits waiting requests (shares cached prefix blocks, prefills the new tokens as one
+packed batch, samples their first token; followers of an identical prompt share its logits;
+preempted sequences get their K/V back without sampling), gives every running sequence the KV block
+its next token needs (preempting the youngest when the pool is full), runs one batched decode step
+over them, then finishes sequences that hit a stop condition (their blocks are cached, parked or
+freed at once) and registers the blocks that filled up. Not thread-safe:
 :class:`~training.deployment.engine.async_engine.AsyncEngine` drives it from one thread and
 hands requests in between steps.
 
@@ -32,11 +34,12 @@ from training.deployment.engine.requests import (
     PartialWeightUpdateError,
     SamplingParams,
     SequenceFailedError,
+    validate_kv_fit,
     validate_request,
 )
+from training.deployment.engine.block_manager import BlockManager
 from training.deployment.engine.constraints import GrammarMasks
-from training.deployment.engine.kv_cache import SlotState
-from training.deployment.engine.model_runner import PrefillItem, SharedPrefix
+from training.deployment.engine.model_runner import PrefillItem
 from training.deployment.engine.runners import build_runner
 from training.deployment.engine.token_sampler import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
@@ -58,14 +61,6 @@ class PendingUpdate:
     wait_for_inflight: bool
     done: Callable[[Optional[BaseException]], None]
     load: Optional[Callable[[], None]] = None
-
-
-def shared_prefixes(running: list[Sequence]) -> list[SharedPrefix]:
-    """Rows (indices into ``running``) that hold copies of one prefix K/V, groups of two or more."""
-    rows: dict[int, list[int]] = {}
-    for i, seq in enumerate(running):
-        rows.setdefault(seq.kv_origin, []).append(i)
-    return [SharedPrefix(r, min(running[i].kv_origin_len for i in r)) for r in rows.values() if len(r) > 1]
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
@@ -99,19 +94,17 @@ class LLMEngine:
         """``config.model``, or the cached snapshot folder of a hub id (so that it gets the lean forward)."""
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        num_slots = config.max_batch_size + config.prefix_cache_slots
         self.runner, self.execution_path = build_runner(
             config, self.hf_config, self.model_path, self.device, self.dtype
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
+        cache = self.runner.cache
         self.scheduler = Scheduler(
-            num_slots,
+            BlockManager(cache.num_blocks, cache.block_size, cache.zero_block),
             config.max_batch_size,
-            config.max_model_len,
             config.max_prefill_tokens,
-            self.runner.copy_kv,
-            self.runner.cache.scratch_slot,
+            self.runner.copy_block,
             config.enable_prefix_caching,
         )
         self.grammars = GrammarMasks(self.tokenizer, self.vocab_size)
@@ -129,6 +122,7 @@ class LLMEngine:
             "requests_failed": 0,
             "requests_aborted": 0,
             "recomputed_tokens": 0,
+            "preempted_recomputed_tokens": 0,
         }
 
     # ----------------------------------------------------------------- requests
@@ -139,8 +133,13 @@ class LLMEngine:
         session_id: Optional[str] = None,
         on_finish: Optional[Callable[[GenerationResult], None]] = None,
     ) -> Sequence:
-        """Validate a request (EngineError names the field) and build its Sequence (not yet queued)."""
+        """Validate a request (EngineError names the field; also one that alone could never fit the KV pool) and
+        build its Sequence (not yet queued)."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len)
+        cache = self.runner.cache
+        validate_kv_fit(
+            len(prompt_token_ids), params.max_tokens, self.config.max_model_len, cache.block_size, cache.num_blocks
+        )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed)
@@ -170,31 +169,40 @@ class LLMEngine:
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
-        self.scheduler.compact()
-        running = sorted(self.scheduler.running, key=lambda s: s.slot)
+        running, shared = self.scheduler.schedule_decode()
         if running:
             self.counters["max_running"] = max(self.counters["max_running"], len(running))
             logits = self.runner.decode(
-                [s.slot for s in running],
+                [s.block_table for s in running],
                 [s.last_token for s in running],
                 [len(s.token_ids) - 1 for s in running],
-                shared_prefixes(running),
+                shared,
             )
             self._sample_and_postprocess(running, logits)
+        self.scheduler.after_step()
         self.counters["steps"] += 1
 
     def _prefill(self, adm: Admission) -> None:
-        """Prefill the admitted prompts, give followers their leader's K/V and logits row, sample."""
-        seqs = [s for s, _ in adm.prefill]
-        logits = self.runner.prefill([item for _, item in adm.prefill])
+        """Prefill the admitted prompts, give followers their leader's K/V and logits row, sample.
+
+        A preempted sequence's prefill only recomputes its K/V: nothing is sampled for it (its last
+        token is already sampled and decodes next)."""
+        try:
+            logits = self.runner.prefill([p.item for p in adm.prefill])
+        except BaseException:
+            self.scheduler.prefill_failed(adm)
+            raise
         self.scheduler.prefilled(adm)
-        if adm.followers:
-            row = {id(s): i for i, s in enumerate(seqs)}
-            logits = logits[[*range(len(seqs)), *(row[id(leader)] for _, leader in adm.followers)]]
-            seqs += [f for f, _ in adm.followers]
-        self.counters["prefill_tokens"] += sum(len(item.token_ids) for _, item in adm.prefill)
+        rows = [i for i, p in enumerate(adm.prefill) if p.sample]
+        seqs = [adm.prefill[i].seq for i in rows]
+        leader_row = {id(adm.prefill[i].seq): i for i in rows}
+        rows += [leader_row[id(leader)] for _, leader in adm.followers]
+        seqs += [f for f, _ in adm.followers]
+        self.counters["prefill_tokens"] += sum(len(p.item.token_ids) for p in adm.prefill if p.sample)
+        self.counters["preempted_recomputed_tokens"] += sum(len(p.item.token_ids) for p in adm.prefill if not p.sample)
         self.counters["cached_prompt_tokens"] += sum(s.cached_prompt_tokens for s in seqs)
-        self._sample_and_postprocess(seqs, logits)
+        if seqs:
+            self._sample_and_postprocess(seqs, logits[rows] if rows != list(range(len(logits))) else logits)
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         native = getattr(self.runner, "native", None) is not None  # the C sampler goes with the C step
@@ -236,7 +244,7 @@ class LLMEngine:
                 self._fail(seq, SequenceFailedError(f"sequence {seq.seq_id} failed: {type(exc).__name__}: {exc}"))
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        """End ``seq`` alone with an error (its slot is freed, its caller gets ``exc``)."""
+        """End ``seq`` alone with an error (its blocks are released, its caller gets ``exc``)."""
         if seq.status == SequenceStatus.FINISHED:
             return
         cb, seq.on_finish = seq.on_finish, None
@@ -322,46 +330,70 @@ class LLMEngine:
         self.scheduler.admitting = True
 
     def _recompute_running_kv(self) -> None:
-        """Recompute the K/V of every running sequence under the live weights (prefill, logits unused)."""
-        seqs = list(self.scheduler.running)
-        budget = self.config.max_prefill_tokens
-        while seqs:
-            batch = [seqs.pop(0)]
-            while seqs and sum(s.num_cached for s in batch) + seqs[0].num_cached <= budget:
-                batch.append(seqs.pop(0))
-            self.runner.prefill([PrefillItem(s.slot, s.token_ids[: s.num_cached], 0) for s in batch])
-            self.counters["recomputed_tokens"] += sum(s.num_cached for s in batch)
-            for s in batch:
-                self.scheduler.mark_recomputed(s)
+        """Recompute the K/V of every running sequence under the live weights (prefill, logits unused).
+
+        Blocks shared by several sequences (a group's prompt) are recomputed once: a sequence whose
+        leading blocks an earlier one recomputed starts after them (in the same batch too: the prefill
+        writes every item's K/V of a layer before any item attends in it)."""
+        bs, budget = self.scheduler.block_size, self.config.max_prefill_tokens
+        done: set[int] = set()
+        items: list[tuple[Sequence, PrefillItem]] = []
+        for seq in self.scheduler.running:
+            skip = 0
+            while skip < len(seq.block_table) and seq.block_table[skip] in done and (skip + 1) * bs <= seq.num_cached:
+                skip += 1
+            done.update(seq.block_table[: seq.num_cached // bs])
+            if seq.num_cached > skip * bs:
+                items.append((seq, PrefillItem(seq.block_table, seq.token_ids[skip * bs : seq.num_cached], skip * bs)))
+        while items:
+            batch = [items.pop(0)]
+            while items and sum(len(it.token_ids) for _, it in batch) + len(items[0][1].token_ids) <= budget:
+                batch.append(items.pop(0))
+            self.runner.prefill([it for _, it in batch])
+            self.counters["recomputed_tokens"] += sum(len(it.token_ids) for _, it in batch)
+        for seq in self.scheduler.running:
+            self.scheduler.mark_recomputed(seq)
 
     def stats(self) -> dict:
         s = self.scheduler
-        t = s.slots
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
-            "parked_sessions": len(t.parked),
-            "cached_slots": t.count(SlotState.CACHED),
-            "free_slots": t.num_slots - len(s.running),
+            "parked_sessions": len(s.blocks.parked),
+            "preemptions": s.preemptions,
             "weight_version": self.weight_version,
             "pending_weight_updates": len(self.pending_updates),
             "execution_path": self.execution_path.name,
             "execution_path_reason": self.execution_path.reason,
             **self.counters,
+            "kv_cache": self.kv_cache_stats(),
             "pools": self.pools(),
         }
 
+    def kv_cache_stats(self) -> dict:
+        """The block pool: ``blocks_used`` (held by running sequences; a shared block counts once),
+        ``blocks_cached`` (reusable prefixes: cached or parked), ``blocks_free``, ``blocks_total``, the same in
+        bytes, ``resident_bytes`` (on CPU: the blocks touched so far), ``block_size`` and how it was sized."""
+        cache = self.runner.cache
+        out: dict = {"block_size": cache.block_size, **self.scheduler.blocks.stats()}
+        for name in ("used", "cached", "free", "total"):
+            out[f"bytes_{name}"] = out[f"blocks_{name}"] * cache.bytes_per_block
+        out["resident_bytes"] = cache.resident_bytes()
+        out["sized_by"] = cache.sized_by
+        return out
+
     def pools(self) -> dict[str, dict]:
-        """Every table the engine keeps, as ``{"size": n, "bound": m}``: each is bounded by the KV slots or the
-        running cap; ``waiting`` holds one entry per open request (``bound`` None: the server's request limits)."""
+        """Every table the engine keeps, as ``{"size": n, "bound": m}``: the running batch (``max_batch_size``),
+        the waiting queue (``max_waiting``; preempted sequences may go past it: they were accepted),
+        the parked sessions and the KV blocks holding K/V (used + cached), both bounded by the pool's blocks."""
         s = self.scheduler
-        t = s.slots
+        blocks = s.blocks.stats()
         return {
             "running": {"size": len(s.running), "bound": s.max_running},
-            "waiting": {"size": len(s.waiting), "bound": None},
-            "parked_sessions": {"size": len(t.parked), "bound": t.num_slots},
-            "prefix_cache_slots": {
-                "size": t.count(SlotState.CACHED) + t.count(SlotState.PARKED),
-                "bound": t.num_slots,
+            "waiting": {"size": len(s.waiting), "bound": self.config.max_waiting},
+            "parked_sessions": {"size": len(s.blocks.parked), "bound": blocks["blocks_total"]},
+            "kv_cache_blocks": {
+                "size": blocks["blocks_used"] + blocks["blocks_cached"],
+                "bound": blocks["blocks_total"],
             },
         }

@@ -1,36 +1,35 @@
-"""KV cache: the preallocated slot tensors, and the table of what each slot holds (the prefix cache).
+"""KV cache: one pool of fixed-size blocks (``KVCache``), sized by a memory budget (``KVBudget``).
 
-Tensors (``KVCache``): ``k_all`` and ``v_all`` are ``[layers, slots + 1, kv_heads, max_model_len, head_dim]``
-in the engine dtype; ``k[layer]`` / ``v[layer]`` are one layer's views. Slot ``num_slots`` (the last) is
-scratch: padded rows of a CUDA-graph batch write there, and compaction swaps through it.
-``copy(src, dst, n)`` copies positions ``[0, n)`` of one slot into another, every layer at once.
+Tensors: ``k_all`` and ``v_all`` are ``[layers, num_blocks + 1, kv_heads, block_size, head_dim]`` in the
+engine dtype; ``k[layer]`` / ``v[layer]`` are one layer's views. Position ``p`` of a sequence lives in
+block ``block_table[p // block_size]`` at offset ``p % block_size``; its flat *KV slot* is
+``block * block_size + offset`` (vLLM's slot mapping). Inside a block the keys of one kv head are one
+contiguous run of ``block_size x head_dim`` values, which the C decode step streams as it is.
 
-Slot table (``SlotTable``): every slot in ``[0, num_slots)`` is in exactly one state:
+Block ``num_blocks`` (the last, ``null_block``) belongs to no sequence: padded rows of a CUDA-graph batch
+write there and block tables are padded with it. Its values stay finite (zeroed at creation and wake;
+only padding rows write it), and it is always masked out of attention.
 
-- RUNNING: owned by one running sequence. After ``Scheduler.compact`` the running sequences hold
-  exactly the slots ``[0, R)``, so a decode step attends over cache rows ``[:R]`` with no gather.
-- CACHED: K/V of a finished sequence, reusable by any request whose prompt starts with its tokens.
-- PARKED: the same, pinned to a session id (``x-multi-turn-session-id``).
-- EMPTY: nothing reusable.
-
-A slot's content is ``token_table[slot, :valid_len]``: those tokens have K/V at positions
-``[0, valid_len)``, all computed under the weights of ``version[slot]`` (the scheduler's weight
-epoch, bumped by every swap). Only a slot whose version is the live one is ever a donor, so K/V
-computed under other weights is never reused. A running slot
-counts its prompt as content once prefilled (``valid_len = 0`` while its prefill is pending).
-Eviction takes the least valuable non-running slot: EMPTY first, then CACHED least recently used,
-then PARKED least recently used (``rank``).
+Which block holds what, who shares it and what is evicted is the block manager's (``block_manager.py``).
+A block is zeroed when it is handed out (``zero_block``): attention reads whole blocks and masks the
+positions past a row's length, so they must hold finite values, never leftover bits of freed memory.
+On CPU the pool is allocated untouched (``torch.empty``): its pages become resident as blocks are first
+handed out, so the process holds the blocks used so far, not the budget (``resident_bytes``).
 """
 
 from __future__ import annotations
 
-import enum
+import ctypes
+import ctypes.util
 import logging
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+GIB = 1024**3
 
 
 def available_memory_bytes(device: torch.device) -> Optional[int]:
@@ -47,185 +46,195 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
-class KVCache:
-    """Per-layer K and V tensors for every slot (plus one scratch slot).
+UNKNOWN_MEMORY_BUDGET = GIB
+"""Pool bytes sized by ``kv_cache_memory_fraction`` where the free memory cannot be read (no /proc)."""
 
-    The whole cache is allocated up front: layers × (slots + 1) × kv_heads × max_model_len ×
-    (head_dim + v_head_dim) × element size. A cache that needs more than 90 % of the memory available
-    raises ``MemoryError`` naming the two settings that size it, instead of being killed later.
-    """
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How many blocks the pool gets: ``num_blocks`` as given, else ``memory_bytes``, else ``memory_fraction`` of
+    the free memory capped at ``max_tokens`` positions. ``EngineConfig`` names: ``kv_block_size``,
+    ``kv_cache_memory_bytes``, ``kv_cache_memory_fraction`` (``max_tokens`` = max_batch_size x max_model_len)."""
+
+    block_size: int = 16
+    memory_bytes: Optional[int] = None
+    memory_fraction: float = 0.1
+    max_tokens: Optional[int] = None
+    num_blocks: Optional[int] = None
+    """An exact block count (tests, benchmarks); the engine sizes by memory."""
+
+    @classmethod
+    def from_config(cls, config) -> "KVBudget":
+        """The budget an ``EngineConfig`` asks for."""
+        return cls(
+            block_size=config.kv_block_size,
+            memory_bytes=config.kv_cache_memory_bytes,
+            memory_fraction=config.kv_cache_memory_fraction,
+            max_tokens=config.max_batch_size * config.max_model_len,
+        )
+
+    def blocks(self, bytes_per_block: int, device: torch.device) -> tuple[int, str]:
+        """(number of blocks, how that was decided); raises ValueError / MemoryError naming the setting."""
+        if self.num_blocks is not None:
+            return self.num_blocks, f"{self.num_blocks} blocks as given"
+        available = available_memory_bytes(device)
+        if self.memory_bytes is not None:
+            if available is not None and self.memory_bytes > 0.9 * available:
+                raise MemoryError(
+                    f"KV cache: kv_cache_memory_bytes={self.memory_bytes} ({self.memory_bytes / GIB:.2f} GiB) but "
+                    f"{available / GIB:.2f} GiB is available on {device}: lower "
+                    f"deployment.engine_config.kv_cache_memory_bytes (or leave it None and set kv_cache_memory_fraction)"
+                )
+            n, how = self.memory_bytes // bytes_per_block, f"kv_cache_memory_bytes={self.memory_bytes}"
+        else:
+            if available is None:
+                n, how = UNKNOWN_MEMORY_BUDGET // bytes_per_block, "1 GiB: the free memory is unknown here"
+            else:
+                n = int(self.memory_fraction * available) // bytes_per_block
+                how = f"kv_cache_memory_fraction={self.memory_fraction:g} of {available / GIB:.2f} GiB free"
+            if self.max_tokens is not None:
+                cap = -(-self.max_tokens // self.block_size)
+                if cap < n:
+                    n, how = cap, how + f", capped at max_batch_size x max_model_len = {self.max_tokens} tokens"
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes: the KV cache budget ({how}) holds no block of {self.block_size} tokens "
+                f"({bytes_per_block} bytes): raise deployment.engine_config.kv_cache_memory_bytes or "
+                f"kv_cache_memory_fraction"
+            )
+        return n, how
+
+
+def bytes_per_block(
+    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, v_head_dim: int = 0
+) -> int:
+    """Bytes of one block: K and V of ``block_size`` positions in every layer and kv head."""
+    return num_layers * num_kv_heads * block_size * (head_dim + (v_head_dim or head_dim)) * dtype.itemsize
+
+
+class KVCache:
+    """The block pool: per-layer K and V for ``num_blocks`` blocks plus the null block (module docstring)."""
 
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        budget: KVBudget,
         num_kv_heads: int,
-        max_model_len: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
         v_head_dim: Optional[int] = None,
     ):
         v_head_dim = v_head_dim or head_dim
-        rows = num_layers * (num_slots + 1) * num_kv_heads * max_model_len
-        nbytes = rows * (head_dim + v_head_dim) * dtype.itemsize
-        available = available_memory_bytes(torch.device(device))
-        gib = 1024**3
-        if available is not None and nbytes > 0.9 * available:
-            raise MemoryError(
-                f"KV cache needs {nbytes / gib:.1f} GiB ({num_slots} slots × {max_model_len} tokens × "
-                f"{num_layers} layers) but {available / gib:.1f} GiB is available on {device}: lower "
-                f"max_batch_size (slots) or max_model_len (deployment.engine_config.max_batch_size / "
-                f".max_model_len)"
-            )
-        logger.info("KV cache: %.2f GiB for %d slots × %d tokens", nbytes / gib, num_slots, max_model_len)
-        shape = (num_layers, num_slots + 1, num_kv_heads, max_model_len)
-        self.k_all = torch.zeros(shape + (head_dim,), dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape + (v_head_dim,), dtype=dtype, device=device)
+        bs = budget.block_size
+        self.bytes_per_block = bytes_per_block(num_layers, num_kv_heads, bs, head_dim, dtype, v_head_dim)
+        self.num_blocks, how = budget.blocks(self.bytes_per_block, torch.device(device))
+        self.block_size = bs
+        self.null_block = self.num_blocks
+        shape = (num_layers, self.num_blocks + 1, num_kv_heads, bs)
+        self.k_all = torch.empty(shape + (head_dim,), dtype=dtype, device=device)
+        self.v_all = torch.empty(shape + (v_head_dim,), dtype=dtype, device=device)
         self.k = list(self.k_all.unbind(0))
         self.v = list(self.v_all.unbind(0))
-        self.num_slots = num_slots
-        self.scratch_slot = num_slots
+        advise_huge_pages(self.k_all, self.v_all)
+        self.touched = 0
+        """Blocks ``[0, touched)`` have been handed out at least once (their pages are resident on CPU)."""
+        self.zero_block(self.null_block)
+        logger.info("KV cache: %d blocks of %d tokens, %.2f GiB (%s)", self.num_blocks, bs, self.nbytes / GIB, how)
+        self.sized_by = how
+        """How the pool size was decided (``GET /stats`` ``kv_cache.sized_by``)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool's blocks (the null block not counted)."""
+        return self.num_blocks * self.bytes_per_block
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pool in memory: all of it on a GPU; on CPU the blocks handed out so far."""
+        if self.k_all.device.type != "cpu":
+            return self.nbytes
+        return self.touched * self.bytes_per_block
 
     @torch.inference_mode()
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """K/V of positions ``[0, n)`` of slot ``src`` into slot ``dst`` (all layers)."""
+    def zero_block(self, block: int) -> None:
+        """Zero every layer's K and V of ``block`` (a block about to be written; see the module docstring)."""
+        self.k_all[:, block].zero_()
+        self.v_all[:, block].zero_()
+        if block < self.num_blocks:
+            self.touched = max(self.touched, block + 1)
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """K/V of the first ``n`` positions of block ``src`` into block ``dst`` (every layer at once)."""
         if n > 0 and src != dst:
             self.k_all[:, dst, :, :n].copy_(self.k_all[:, src, :, :n])
             self.v_all[:, dst, :, :n].copy_(self.v_all[:, src, :, :n])
 
+    def restored(self) -> None:
+        """After sleep.py gave the storage back (new, untouched memory): the null block zeroed, nothing touched."""
+        advise_huge_pages(self.k_all, self.v_all)
+        self.touched = 0
+        self.zero_block(self.null_block)
 
-class SlotState(enum.IntEnum):
-    """What a slot holds; the value orders eviction (lowest goes first; RUNNING is never evicted)."""
+    # ---- addressing (torch paths) ---------------------------------------------------------
+    def flat_rows(self, kv_slots: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's cache viewed as ``[-1, head_dim]`` for the KV slots ``kv_slots`` [N]: [N, kv_heads],
+        token-major then head (what ``write`` indexes)."""
+        kh, bs = self.k_all.shape[2], self.block_size
+        heads = torch.arange(kh, device=kv_slots.device)
+        block, offset = kv_slots // bs, kv_slots % bs
+        return ((block * kh)[:, None] + heads[None, :]) * bs + offset[:, None]
 
-    EMPTY = 0
-    CACHED = 1
-    PARKED = 2
-    RUNNING = 3
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k`` [N, kv_heads, d] and ``v`` at ``rows`` (``flat_rows`` of the tokens' KV slots)."""
+        kc, vc = self.k[layer], self.v[layer]
+        rows = rows.reshape(-1)
+        kc.view(-1, kc.shape[-1])[rows] = k.reshape(-1, kc.shape[-1])
+        vc.view(-1, vc.shape[-1])[rows] = v.reshape(-1, vc.shape[-1])
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks ``tables`` [R, W] lists, laid out per row: [R, kv_heads, W x block_size, d]."""
+        return gather_blocks(self.k[layer], tables), gather_blocks(self.v[layer], tables)
 
 
-class SlotTable:
-    """State, content tokens, weight version and recency of every KV slot; prefix lookup over all of them."""
+HUGE_PAGE = 2 * 1024**2
+_MADV_HUGEPAGE = 14
 
-    def __init__(self, num_slots: int, max_model_len: int):
-        self.num_slots = num_slots
-        self.max_model_len = max_model_len
-        self.state = [SlotState.EMPTY] * num_slots
-        self.token_table = torch.full((num_slots, max_model_len), -1, dtype=torch.int32)
-        """Row s: the tokens of slot s's content (only ``[:valid_len[s]]`` is meaningful)."""
-        self.valid_len = [0] * num_slots
-        self.version = [0] * num_slots
-        self.session: list[Optional[str]] = [None] * num_slots
-        self.parked: dict[str, int] = {}
-        """Session id → its PARKED slot."""
-        self._stamp = [0] * num_slots
-        self._clock = 0
 
-    # ----------------------------------------------------------------- queries
-    def count(self, state: SlotState) -> int:
-        return sum(1 for s in self.state if s == state)
+def advise_huge_pages(*tensors: torch.Tensor) -> None:
+    """Ask Linux to back the CPU tensors with transparent huge pages (``madvise(MADV_HUGEPAGE)``; a no-op elsewhere).
 
-    def rank(self, slot: int) -> tuple[int, int]:
-        """Eviction order of a non-running slot: lower goes first."""
-        return int(self.state[slot]), self._stamp[slot]
+    A sequence's blocks lie anywhere in the pool, so decode attention jumps between them: on 4 KB pages
+    nearly every block of every layer costs a TLB miss, on 2 MB pages hardly any. Pages still become
+    resident only when touched (2 MB at a time, so a pool holds up to 2 MB per layer more than its
+    blocks in use)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return
+    for t in tensors:
+        if t.device.type != "cpu" or t.nbytes < HUGE_PAGE:
+            continue
+        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
-    def victim(self, candidates: Iterable[int]) -> Optional[int]:
-        """The least valuable non-running slot among ``candidates`` (None if there is none)."""
-        pool = [s for s in candidates if self.state[s] != SlotState.RUNNING]
-        return min(pool, key=self.rank) if pool else None
 
-    def prefix_lengths(self, prompt: list[int], version: int) -> torch.Tensor:
-        """Per slot: how many leading prompt tokens it holds valid K/V for under ``version`` ([num_slots] int64).
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The K (or V) of the blocks ``tables`` [R, W] lists, from one layer's ``[blocks + 1, K, block_size, d]``
+    cache, laid out per row: [R, K, W x block_size, d] (a copy)."""
+    r, w = tables.shape
+    got = cache.index_select(0, tables.reshape(-1))  # [R W, K, bs, d]
+    kh, bs, d = got.shape[1:]
+    return got.view(r, w, kh, bs, d).transpose(1, 2).reshape(r, kh, w * bs, d)
 
-        One vectorised comparison of the prompt against every slot's token row (no hashing, so
-        no collisions): the first mismatch, capped at the slot's ``valid_len``, 0 for unusable slots.
-        """
-        m = min(len(prompt), self.max_model_len)
-        eq = self.token_table[:, :m] == torch.tensor(prompt[:m], dtype=torch.int32)
-        lcp = torch.where(eq.all(1), m, (~eq).to(torch.int8).argmax(1))
-        usable = [self.state[s] != SlotState.EMPTY and self.version[s] == version for s in range(self.num_slots)]
-        limit = torch.tensor([v if ok else 0 for v, ok in zip(self.valid_len, usable)])
-        return torch.minimum(lcp, limit)
 
-    # ----------------------------------------------------------------- changes
-    def touch(self, slot: int) -> None:
-        """Mark ``slot`` most recently used."""
-        self._clock += 1
-        self._stamp[slot] = self._clock
+def kv_slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Flat KV slots of positions ``[start, stop)`` of a sequence with block table ``table``."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
-    def write(
-        self,
-        slot: int,
-        state: SlotState,
-        tokens: list[int],
-        valid_len: int,
-        version: int,
-        session: Optional[str] = None,
-    ) -> None:
-        """Set a slot's state and content (``tokens[:valid_len]`` have K/V under ``version``)."""
-        self._unpark(slot)
-        n = min(len(tokens), self.max_model_len)
-        self.token_table[slot, :n] = torch.tensor(tokens[:n], dtype=torch.int32)
-        self.state[slot] = state
-        self.valid_len[slot] = min(valid_len, n)
-        self.version[slot] = version
-        if state == SlotState.PARKED:
-            old = self.parked.get(session)
-            if old is not None and old != slot:  # the session's previous turn stays, as anonymous cache
-                self.state[old], self.session[old] = SlotState.CACHED, None
-            self.parked[session] = slot
-            self.session[slot] = session
-        self.touch(slot)
 
-    def clear(self, slot: int) -> None:
-        """Forget a slot's content."""
-        self._unpark(slot)
-        self.state[slot] = SlotState.EMPTY
-        self.valid_len[slot] = 0
-
-    def move(self, src: int, dst: int) -> None:
-        """Move ``src``'s description to ``dst`` (the caller moved the K/V); ``src`` becomes EMPTY."""
-        session = self.session[src]
-        self._unpark(src)
-        self._unpark(dst)
-        n = self.valid_len[src]
-        self.token_table[dst, :n] = self.token_table[src, :n]
-        self.state[dst], self.valid_len[dst], self.version[dst] = self.state[src], n, self.version[src]
-        self._stamp[dst] = self._stamp[src]
-        if session is not None:
-            self.session[dst] = session
-            self.parked[session] = dst
-        self.clear(src)
-
-    def swap(self, a: int, b: int) -> None:
-        """Exchange the descriptions of two slots (the caller swapped the K/V)."""
-        row = self.token_table[a].clone()
-        self.token_table[a] = self.token_table[b]
-        self.token_table[b] = row
-        for attr in ("state", "valid_len", "version", "session", "_stamp"):
-            values = getattr(self, attr)
-            values[a], values[b] = values[b], values[a]
-        for s in (a, b):
-            if self.session[s] is not None:
-                self.parked[self.session[s]] = s
-
-    def unpark(self, slot: int) -> None:
-        """A PARKED slot becomes anonymous cache (its session moved on)."""
-        if self.state[slot] == SlotState.PARKED:
-            self._unpark(slot)
-            self.state[slot] = SlotState.CACHED
-
-    def drop_reusable(self) -> int:
-        """Every CACHED / PARKED slot becomes EMPTY (after a weight update); returns how many sessions were parked."""
-        n = len(self.parked)
-        for s in range(self.num_slots):
-            if self.state[s] in (SlotState.CACHED, SlotState.PARKED):
-                self.clear(s)
-        return n
-
-    def _unpark(self, slot: int) -> None:
-        session = self.session[slot]
-        if session is not None:
-            if self.parked.get(session) == slot:
-                del self.parked[session]
-            self.session[slot] = None
+def padded_tables(tables: list[list[int]], width: int, null_block: int) -> list[list[int]]:
+    """Block tables padded with ``null_block`` to ``width`` entries each."""
+    return [t + [null_block] * (width - len(t)) for t in tables]

@@ -1,4 +1,4 @@
-"""Lean forward for Llama / Qwen2 / Qwen3 decoders over the slot KV cache.
+"""Lean forward for Llama / Qwen2 / Qwen3 decoders over the paged KV cache (kv_cache.py).
 
 Same weights as the transformers model, read from the folder's safetensors, stored fused:
 ``qkv = [q; k; v]`` and ``gate_up = [gate; up]`` so a layer is four matmuls (plus biases where
@@ -8,12 +8,14 @@ RoPE (``rope_parameters`` / ``rope_theta``, transformers' init functions for sca
 and attention (SDPA, GQA) follow the transformers definitions, so greedy outputs match token
 for token and fp32 logprobs to ~1e-5.
 
-Two entry points, both return fp32 logits:
+Two entry points, both return fp32 logits; a sequence's K/V lives in the blocks of its block table:
 - ``prefill(items)``: new tokens of several sequences packed into one ``[N, hidden]`` batch for
-  the matmuls; attention per sequence over its slot (cached prefix + new tokens).
-- ``decode(slots, tokens, positions)``: one token per running sequence; attention over the
-  slot rows ``[:S]`` of the cache, keys ``[:L]``, masked per row by its length, or, for rows
-  that hold copies of one prefix (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
+  the matmuls; per layer every item's K/V is written first, then each item attends (SDPA) over
+  its blocks (cached prefix + new tokens). So an item may attend to blocks another item of the same
+  batch writes (the scheduler shares a prefix admitted in the same step that way).
+- ``decode(block_tables, tokens, positions)``: one token per running sequence; attention over the
+  blocks of each row's table (gathered per layer), masked per row by its length, or, for rows
+  that share prefix blocks (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
 On CPU in fp32 the decode step runs in C by default (``native``, chosen by runners.py:
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from training.deployment.engine.attention import SharedPrefix, SharedPrefixAttention, decode_attention
-from training.deployment.engine.kv_cache import KVCache
+from training.deployment.engine.kv_cache import KVBudget, KVCache, padded_tables
 from training.deployment.engine.native import NativeDecoder, silu_mul
 from training.deployment.engine.native import rms_norm as native_rms_norm
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
@@ -52,6 +54,8 @@ LOGITS_CHUNK = 4096
 """Vocabulary rows of the LM head per matmul on CPU without oneDNN (a chunk of the head stays in cache)."""
 PACK_BATCH = 32
 """Batch size oneDNN's weight reorder is tuned for (any batch size runs on the packed weights)."""
+LOGITS_ROWS = 64
+"""Rows the CPU logits buffer is first made for (it grows to the largest batch)."""
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -65,11 +69,17 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass
 class PrefillItem:
-    """New tokens of one sequence: ``token_ids`` go to positions ``start_pos ..`` of ``slot``."""
+    """New tokens of one sequence: ``token_ids`` go to positions ``start_pos ..`` of the blocks of ``block_table``
+    (which covers every position up to the last new token)."""
 
-    slot: int
+    block_table: list[int]
     token_ids: list[int]
     start_pos: int
+
+    def kv_slots(self, block_size: int) -> torch.Tensor:
+        """Flat KV slot (block x block_size + offset) of each new token, int64 [n]."""
+        pos = torch.arange(self.start_pos, self.start_pos + len(self.token_ids))
+        return torch.tensor(self.block_table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
 
 
 def lean_supported(config) -> str | None:
@@ -102,7 +112,7 @@ class LeanModelRunner:
         self,
         path: str,
         config,
-        num_slots: int,
+        budget: KVBudget,
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -139,9 +149,8 @@ class LeanModelRunner:
             dtype=dtype, device=device
         )
         self.max_len = max_model_len
-        self.cache = KVCache(self.num_layers, num_slots, self.num_kv_heads, max_model_len, self.head_dim, dtype, device)
+        self.cache = KVCache(self.num_layers, budget, self.num_kv_heads, self.head_dim, dtype, device)
         self._logits_buf: torch.Tensor | None = None
-        self._logits_rows = num_slots
         self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
         self.native: Optional[NativeDecoder] = NativeDecoder(self) if native else None
         """The decode step in C (native.py), or None: torch ops (``decode_forward``)."""
@@ -301,52 +310,58 @@ class LeanModelRunner:
             return F.linear(h, self.lm_head).float()
         n, vocab = h.shape[0], self.lm_head.shape[0]
         if self._logits_buf is None or self._logits_buf.shape[0] < n:
-            self._logits_buf = torch.empty(max(n, self._logits_rows), vocab, dtype=self.dtype)
+            self._logits_buf = torch.empty(max(n, LOGITS_ROWS), vocab, dtype=self.dtype)
         out = self._logits_buf[:n]
         for j in range(0, vocab, LOGITS_CHUNK):
             torch.mm(h, self.lm_head[j : j + LOGITS_CHUNK].t(), out=out[:, j : j + LOGITS_CHUNK])
         return out.float()
 
-    def copy_kv(self, src: int, dst: int, n: int) -> None:
-        """K/V positions ``[0, n)`` of slot ``src`` into slot ``dst`` (prefix reuse, compaction)."""
-        self.cache.copy(src, dst, n)
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """K/V of the first ``n`` positions of block ``src`` into block ``dst`` (a partial prefix block's copy)."""
+        self.cache.copy_block(src, dst, n)
 
     # ----------------------------------------------------------------- entry points
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
-        """Run the new tokens of each item, write their K/V; return last-position logits [n, V]."""
+        """Run the new tokens of each item, write their K/V; return last-position logits [n, V].
+
+        Per layer every item's K/V is written before any item attends, so an item may read blocks that
+        an earlier item of the same batch writes (a shared prefix admitted in the same step)."""
+        bs, h_q, kh = self.cache.block_size, self.num_heads, self.num_kv_heads
         lens = [len(it.token_ids) for it in items]
         tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
         positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(items, lens)])
-        positions = positions.to(self.device)
+        kv_slots = torch.cat([it.kv_slots(bs) for it in items])
+        positions, kv_slots = positions.to(self.device), kv_slots.to(self.device)
+        rows = None if self.native is not None else self.cache.flat_rows(kv_slots)
+        tables = [
+            torch.tensor(it.block_table[: -(-(it.start_pos + n) // bs)], device=self.device)[None]
+            for it, n in zip(items, lens)
+        ]
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope_tables(positions)
         bounds = [0]
         for n in lens:
             bounds.append(bounds[-1] + n)
-        h_q = self.num_heads
-        if self.native is not None:
-            token_slots = torch.cat([torch.full((n,), it.slot, dtype=torch.int64) for it, n in zip(items, lens)])
         for li, L in enumerate(self.layers):
             qkv = self._linear(L, "qkv", self._norm(x, L["in_norm"]))
-            kc, vc = self.cache.k[li], self.cache.v[li]
             if self.native is not None:  # norms, RoPE and every token's K/V write in one C pass
-                self.native.rope_store(li, qkv, positions, token_slots)
-                qk = qkv.view(len(positions), -1, self.head_dim)
+                self.native.rope_store(li, qkv, positions, kv_slots)
+                heads = qkv.view(len(positions), -1, self.head_dim)
+                qk, v = heads[:, : h_q + kh], heads[:, h_q + kh :]
             else:
                 qk, v = self._qk_rope(L, qkv, cos, sin), self._value(qkv)
-                for it, a, b in zip(items, bounds[:-1], bounds[1:]):
-                    s, p = it.slot, it.start_pos
-                    kc[s, :, p : p + b - a] = qk[a:b, h_q:].transpose(0, 1)
-                    vc[s, :, p : p + b - a] = v[a:b].transpose(0, 1)
+                self.cache.write(li, rows, qk[:, h_q:], v)
             outs = []
-            for it, a, b in zip(items, bounds[:-1], bounds[1:]):
-                s, p, n = it.slot, it.start_pos, b - a
+            for it, table, a, b in zip(items, tables, bounds[:-1], bounds[1:]):
+                p, n = it.start_pos, b - a
                 qi = qk[a:b, :h_q].transpose(0, 1).unsqueeze(0)
-                ki, vi = kc[s : s + 1, :, : p + n], vc[s : s + 1, :, : p + n]
-                if p == 0:
+                if p == 0:  # nothing cached before: the new K/V as computed (what was just written)
+                    ki, vi = qk[a:b, h_q:].transpose(0, 1).unsqueeze(0), v[a:b].transpose(0, 1).unsqueeze(0)
                     o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
                 else:
+                    ki, vi = self.cache.gather(li, table)
+                    ki, vi = ki[:, :, : p + n], vi[:, :, : p + n]
                     mask = (
                         torch.arange(p + n, device=self.device)[None, :]
                         <= torch.arange(p, p + n, device=self.device)[:, None]
@@ -361,80 +376,67 @@ class LeanModelRunner:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
-        num_rows: int,
-        key_len: int,
-        compact: bool,
+        tables: torch.Tensor,
         shared: Optional["SharedPrefixAttention"] = None,
     ) -> torch.Tensor:
         """One decode step, tensor ops only (CUDA-graph safe without ``shared``); logits [B, V].
 
-        ``num_rows``: cache rows attended (> every slot used); ``key_len``: keys attended
-        (> every position); ``compact``: slots == arange(B), so rows need no scatter/gather.
-        The engine keeps running sequences in slots ``[0, B)``, so it always decodes compact and
-        attends over exactly the live rows and the keys up to the longest live position.
-        ``shared``: attention by :class:`SharedPrefixAttention` instead (compact only).
+        ``tables`` [B, W]: each row's block table padded with the null block; rows attend to the
+        ``W x block_size`` keys of their blocks, masked past their position (padded rows of a CUDA
+        graph: position 0 of a table of null blocks). ``shared``: attention by
+        :class:`SharedPrefixAttention` instead.
         """
-        b, dev = tokens.shape[0], tokens.device
-        kh, group, d, max_len = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, self.max_len
-        lens = torch.zeros(num_rows, dtype=torch.long, device=dev)
-        lens[slots] = positions + 1
-        visible = torch.arange(key_len, device=dev)[None, :] < lens.clamp(min=1)[:, None]
+        b, dev, bs = tokens.shape[0], tokens.device, self.cache.block_size
+        kh, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        kv_slot = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        rows = self.cache.flat_rows(kv_slot)
+        visible = torch.arange(tables.shape[1] * bs, device=dev)[None, :] <= positions[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
         mask = mask[:, None, None, :]
-        # flat row of (slot, kv head, position) in a layer's [slots + 1, K, max_len, d] cache, shared by all layers
-        rows = ((slots * kh)[:, None] + torch.arange(kh, device=dev)[None, :]) * max_len + positions[:, None]
-        rows = rows.reshape(-1)
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope_tables(positions)
         for li, L in enumerate(self.layers):
             qkv = self._linear(L, "qkv", self._norm(x, L["in_norm"]))
             qk = self._qk_rope(L, qkv, cos, sin)
-            kc, vc = self.cache.k[li], self.cache.v[li]
-            kc.view(-1, d)[rows] = qk[:, self.num_heads :].reshape(-1, d)
-            vc.view(-1, d)[rows] = self._value(qkv).reshape(-1, d)
+            self.cache.write(li, rows, qk[:, self.num_heads :], self._value(qkv))
             # GQA folded into the query axis: the `group` query heads of a kv head attend together
-            if compact:
-                qs = qk[:, : self.num_heads].view(b, kh, group, d)
-            else:
-                qs = qk.new_zeros(num_rows, kh, group, d)
-                qs[slots] = qk[:, : self.num_heads].reshape(b, kh, group, d)
+            qs = qk[:, : self.num_heads].view(b, kh, group, self.head_dim)
             if shared is not None:
-                o = shared.attend(qs, kc, vc)
+                o = shared.attend(qs, self.cache.k[li], self.cache.v[li])
             else:
-                o = decode_attention(qs, kc[:num_rows, :, :key_len], vc[:num_rows, :, :key_len], mask)
-                o = o if compact else o[slots]
+                k, v = self.cache.gather(li, tables)
+                o = decode_attention(qs, k, v, mask)
             x = self._mlp_and_residual(L, x, o.reshape(b, -1))
         return self._logits(x)
 
     @torch.inference_mode()
     def decode(
         self,
-        slots: list[int],
+        block_tables: list[list[int]],
         tokens: list[int],
         positions: list[int],
         shared_prefixes: Sequence[SharedPrefix] = (),
     ) -> torch.Tensor:
-        """Decode one token for each row (``positions[i]`` = where ``tokens[i]`` goes); logits [B, V].
+        """Decode one token for each row (``positions[i]`` = where ``tokens[i]`` goes, in the blocks of
+        ``block_tables[i]``); logits [B, V].
 
-        ``shared_prefixes``: groups of rows whose prefix K/V is the same (GRPO group members,
+        ``shared_prefixes``: groups of rows that share their leading blocks (GRPO group members,
         ``n > 1``); on CPU their attention reads that prefix once per group when it saves enough
         (``SHARED_ATTENTION_GAIN``), see :class:`SharedPrefixAttention`.
         """
         if self.graphs is not None:
-            out = self.graphs.run(slots, tokens, positions)
+            out = self.graphs.run(block_tables, tokens, positions)
             if out is not None:
                 return out
         if self.native is not None:
-            return self.native.decode(slots, tokens, positions, shared_prefixes)
-        compact = slots == list(range(len(slots)))
+            return self.native.decode(block_tables, tokens, positions, shared_prefixes)
+        null = self.cache.null_block
+        tables = padded_tables(block_tables, max(len(t) for t in block_tables), null)
         shared = None
-        if compact and shared_prefixes and self.device.type == "cpu":
-            shared = SharedPrefixAttention.plan(positions, shared_prefixes, self.num_kv_heads, self.max_len, self.dtype)
+        if shared_prefixes and self.device.type == "cpu":
+            shared = SharedPrefixAttention.plan(
+                positions, shared_prefixes, tables, self.cache.block_size, self.num_kv_heads, self.dtype
+            )
         t = torch.tensor(tokens, device=self.device)
         p = torch.tensor(positions, device=self.device)
-        s = torch.tensor(slots, device=self.device)
-        return self.decode_forward(t, p, s, max(slots) + 1, max(positions) + 1, compact, shared)
-
-    def release(self, slot: int) -> None:
-        """Nothing to do: a slot's stale K/V is overwritten before it is attended again."""
+        return self.decode_forward(t, p, torch.tensor(tables, device=self.device), shared)

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from training.deployment.engine.kv_cache import padded_tables
 from training.utils.cache_folder import cache_dir
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 """A layer's fused matmuls, by the runner's weight names (``L[name + "_w"]``, ``L[name + "_b"]``)."""
 SEGMENT_ROWS = 8
 """Most rows of one attention segment: a bigger GRPO group is split, so its tasks spread over the threads."""
+LOGITS_ROWS = 64
+"""Rows the logits buffer is first made for (it grows to the largest batch)."""
 
 P = ctypes.c_void_p
 PP = ctypes.POINTER(ctypes.c_void_p)
@@ -61,7 +64,7 @@ class NativeUnavailable(RuntimeError):
 class _Model(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, ctypes.c_int32) for name in ("inter", "vocab", "max_len", "num_slots")),
+        *((name, ctypes.c_int32) for name in ("inter", "vocab", "block_size", "num_blocks")),
         ("eps", ctypes.c_float),
         *((name, PP) for name in ("in_norm", "post_norm", "qkv_w", "o_w", "gate_up_w", "down_w")),
         *((name, PP) for name in ("qkv_b", "o_b", "gate_up_b", "down_b", "q_norm", "k_norm")),
@@ -134,7 +137,7 @@ def _build_and_load(profile: bool) -> ctypes.CDLL | NativeUnavailable:
     except (OSError, subprocess.SubprocessError) as exc:
         return NativeUnavailable(f"native decode step unavailable: {exc}")
     i32, i64p, i32p = ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
-    lib.decode_step.argtypes = [ctypes.POINTER(_Model), i32, i64p, i64p, i64p, i32, i32p, i32p, i32p, P]
+    lib.decode_step.argtypes = [ctypes.POINTER(_Model), i32, i64p, i64p, i32p, i32, i32, i32p, i32p, i32p, P]
     lib.decode_step.restype = ctypes.c_int
     lib.matmul.argtypes = [i32, i32, i32, P, P, P, P, P]
     lib.matmul.restype = None
@@ -252,7 +255,7 @@ def _i64(values: Sequence[int]) -> torch.Tensor:
 
 
 class NativeDecoder:
-    """The decode step of a ``LeanModelRunner`` (``runner``) in C; it shares the runner's weights' values and K/V cache.
+    """The decode step of a ``LeanModelRunner`` (``runner``) in C; it shares the runner's weights' values and block pool.
 
     Holds its own packed copy of the matmul weights (``pack_weights``, called from the runner's
     ``weights_changed``), and views of the runner's norms, embedding, RoPE tables and cache.
@@ -297,8 +300,8 @@ class NativeDecoder:
 
         m = _Model()
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = r.num_layers, r.hidden, r.num_heads, r.num_kv_heads
-        m.head_dim, m.inter, m.vocab, m.max_len = r.head_dim, layers[0]["down_w"].shape[1], r.vocab_size, r.max_len
-        m.num_slots, m.eps = r.cache.num_slots, r.eps
+        m.head_dim, m.inter, m.vocab = r.head_dim, layers[0]["down_w"].shape[1], r.vocab_size
+        m.block_size, m.num_blocks, m.eps = r.cache.block_size, r.cache.num_blocks, r.eps
         tables = {
             "in_norm": [L["in_norm"] for L in layers],
             "post_norm": [L["post_norm"] for L in layers],
@@ -336,30 +339,33 @@ class NativeDecoder:
             ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
         return out
 
-    def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
         """Prefill: per-head norms (Qwen3) and RoPE on the q and k heads of ``qkv`` [N, (H + 2K) d] in place, and
-        each token's k and v written into the cache at (``slots[i]``, ``positions[i]``) (int64 [N] each)."""
-        assert qkv.is_contiguous() and positions.dtype == slots.dtype == torch.int64
-        positions, slots = positions.contiguous(), slots.contiguous()
+        each token's k and v written into the pool at its KV slot ``kv_slots[i]`` (block x block_size + offset;
+        int64 [N], as ``positions``)."""
+        assert qkv.is_contiguous() and positions.dtype == kv_slots.dtype == torch.int64
+        positions, kv_slots = positions.contiguous(), kv_slots.contiguous()
         self.lib.rope_store(
-            ctypes.byref(self.model), layer, qkv.data_ptr(), qkv.shape[0], positions.data_ptr(), slots.data_ptr()
+            ctypes.byref(self.model), layer, qkv.data_ptr(), qkv.shape[0], positions.data_ptr(), kv_slots.data_ptr()
         )
 
     @torch.inference_mode()
     def decode(
         self,
-        slots: list[int],
+        block_tables: list[list[int]],
         tokens: list[int],
         positions: list[int],
         shared_prefixes: Sequence = (),
     ) -> torch.Tensor:
         """Logits [B, V] (a buffer reused by the next call); same arguments as ``LeanModelRunner.decode``."""
-        b = len(slots)
+        b = len(block_tables)
         starts, rows, prefixes = segments(positions, shared_prefixes)
         if self._logits.shape[0] < b:
-            self._logits = torch.empty(max(b, self.runner.cache.num_slots), self.runner.vocab_size)
+            self._logits = torch.empty(max(b, LOGITS_ROWS), self.runner.vocab_size)
         out = self._logits[:b]
-        t, p, s = _i64(tokens), _i64(positions), _i64(slots)
+        t, p = _i64(tokens), _i64(positions)
+        width = max(len(tb) for tb in block_tables)
+        tables = torch.tensor(padded_tables(block_tables, width, self.runner.cache.null_block), dtype=torch.int32)
         st = torch.tensor(starts, dtype=torch.int32)
         ro = torch.tensor(rows, dtype=torch.int32)
         pr = torch.tensor(prefixes, dtype=torch.int32)
@@ -369,7 +375,8 @@ class NativeDecoder:
             b,
             ctypes.cast(t.data_ptr(), i64p),
             ctypes.cast(p.data_ptr(), i64p),
-            ctypes.cast(s.data_ptr(), i64p),
+            ctypes.cast(tables.data_ptr(), i32p),
+            width,
             len(prefixes),
             ctypes.cast(st.data_ptr(), i32p),
             ctypes.cast(ro.data_ptr(), i32p),
@@ -384,7 +391,7 @@ class NativeDecoder:
 def segments(positions: Sequence[int], shared_prefixes: Sequence) -> tuple[list[int], list[int], list[int]]:
     """Attention segments of a decode batch: (start offsets, rows, shared prefix length per segment).
 
-    ``shared_prefixes``: the engine's ``SharedPrefix`` groups (``rows``, ``length``), as for ``decode``.
+    ``shared_prefixes``: the scheduler's ``SharedPrefix`` groups (``rows``, ``length``), as for ``decode``.
 
     A group of two or more rows with a shared prefix becomes segments of at most ``SEGMENT_ROWS``
     rows that read the prefix ``[0, P)`` once (P never covers a row's current token); every other

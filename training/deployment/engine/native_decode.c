@@ -5,7 +5,7 @@
    extensions (16 floats), so it builds wherever gcc does; on AVX-512 a vector is one register.
 
    Per layer:  h = rmsnorm(x)  ->  qkv = h W_qkv^T (+b)  ->  per-head q/k norm (Qwen3), RoPE
-               ->  k, v written at (slot, position)  ->  attention  ->  x += o W_o^T (+b)
+               ->  k, v written at the row's KV slot  ->  attention  ->  x += o W_o^T (+b)
                ->  h = rmsnorm(x)  ->  a = silu(g) * u, [g u] = h W_gu^T (+b)  ->  x += a W_down^T (+b)
    then logits = rmsnorm(x) W_head^T.
 
@@ -14,11 +14,16 @@
    for the next one (a software prefetch into L2), which is what keeps cold weights flowing: a
    decode step reads every weight once, from memory, not from cache.
 
-   Attention: one task per (segment, kv head). A segment is a set of rows that hold bitwise copies
-   of one prefix K/V at positions [0, P) (a GRPO group: its prefix is read once for all its rows'
-   queries) or a single row (P = 0). Online softmax (running max and sum) over blocks of keys:
+   KV cache: a pool of blocks of block_size positions (kv_cache.py); a row's position p is in block
+   table[p / block_size] of its block table, at offset p % block_size, and inside a block the keys of one
+   kv head are one contiguous run. The step gets each row's table; keys are read in runs that never cross
+   a block boundary, the next run prefetched while the current one is attended.
+
+   Attention: one task per (segment, kv head). A segment is a set of rows that share the blocks (or hold
+   bitwise copies) of one prefix at positions [0, P) (a GRPO group: its prefix is read once for all its
+   rows' queries) or a single row (P = 0). Online softmax (running max and sum) over chunks of keys:
    first the shared prefix for every query of the segment, then each row's own keys [P, len).
-   A few queries take a block of 16 keys as one vector of scores each (attend_keys_v); 8 to 32
+   A few queries take a chunk of 16 keys as one vector of scores each (attend_keys_v); 8 to 32
    queries over a prefix go across the lanes instead (attend_keys_wide); a head_dim that is not a
    multiple of 16 takes the scalar loops (attend_keys_scalar).
 
@@ -54,17 +59,17 @@ double native_phase_seconds[6];
 #define KEY_BLOCK 32   /* keys per online-softmax block (scalar path; the vector path takes 16) */
 
 typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, max_len, num_slots;
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, num_blocks;
     float eps;
     const float *const *in_norm, *const *post_norm;                              /* [layers] -> [hidden] */
     const float *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w;  /* packed (pack_weight) */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;  /* padded to panels, or NULL */
     const float *const *q_norm, *const *k_norm;                                  /* [head_dim] (Qwen3), or NULL */
-    float *k_cache, *v_cache;       /* [layers][num_slots + 1][kv_heads][max_len][head_dim] */
+    float *k_cache, *v_cache;       /* the block pool: [layers][num_blocks + 1][kv_heads][block_size][head_dim] */
     const float *embed;             /* [vocab][hidden], plain */
     const float *final_norm;        /* [hidden] */
     const float *lm_head;           /* packed */
-    const float *cos, *sin_signed;  /* [max_len][head_dim]: x*cos + roll(x, d/2)*sin_signed is RoPE */
+    const float *cos, *sin_signed;  /* [max_model_len][head_dim]: x*cos + roll(x, d/2)*sin_signed is RoPE */
 } Model;
 
 /* ------------------------------------------------------------------ helpers */
@@ -282,6 +287,56 @@ size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K * NB; }
 
 #define QUERY_CHUNK 4 /* most queries whose p.V accumulators stay in registers through a key block */
 
+/* The keys and values of one kv head of one layer for one row: positions [bs i, bs (i + 1)) are in block
+   table[i] of the pool, where the head's block_size keys (and values) are one contiguous run of rows of d. */
+typedef struct {
+    const float *k, *v;  /* the layer's pool, offset to the kv head */
+    size_t block_stride; /* floats from one block to the next */
+    const int32_t *table;
+    int block_size, d;
+} KVRow;
+
+static inline size_t kv_offset(const KVRow *r, int t) {
+    return (size_t)r->table[t / r->block_size] * r->block_stride + (size_t)(t % r->block_size) * r->d;
+}
+
+/* Keys from t on that are contiguous: up to the end of t's block and at most n (and t_end). */
+static inline int kv_run(const KVRow *r, int t, int t_end, int n) {
+    int run = r->block_size - t % r->block_size;
+    run = run < n ? run : n;
+    return run < t_end - t ? run : t_end - t;
+}
+
+/* A position t in a row's blocks (block index blk, offset off), advanced chunk by chunk without a division. */
+typedef struct {
+    int t, blk, off;
+} KVCursor;
+
+static inline KVCursor kv_cursor(const KVRow *r, int t) { return (KVCursor){t, t / r->block_size, t % r->block_size}; }
+
+static inline size_t kv_at(const KVRow *r, KVCursor c) {
+    return (size_t)r->table[c.blk] * r->block_stride + (size_t)c.off * r->d;
+}
+
+/* Keys of the chunk at c: at most 16, inside c's block, before t_end (0 past the end). */
+static inline int kv_chunk(const KVRow *r, KVCursor c, int t_end) {
+    int n = t_end - c.t < 16 ? t_end - c.t : 16;
+    n = n < r->block_size - c.off ? n : r->block_size - c.off;
+    return n > 0 ? n : 0;
+}
+
+static inline KVCursor kv_next(const KVRow *r, KVCursor c, int n) {
+    c.t += n;
+    c.off += n;
+    if (c.off == r->block_size) {
+        c.blk++;
+        c.off = 0;
+    }
+    return c;
+}
+
+#define KV_PREFETCH_AHEAD 2 /* chunks of keys (and values) prefetched ahead of the one attended */
+
 /* Scores of one query (head_dim 16 * DV) against a block of 16 keys kb [16][d]: one vector, lane t = key t. */
 static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const float *kb) {
     v16 qv[8], part[16];
@@ -295,16 +350,15 @@ static inline __attribute__((always_inline)) v16 block_scores(const int DV, cons
 }
 
 /* acc[i] += sum over t < nt of p[i * qs + t * ks] * v[t] for NC queries, the accumulators in registers;
-   the key and value rows of the first pf_n keys after this block are prefetched on the way. */
+   on the way the key and value rows of the pf_n keys at pf_k / pf_v (the next keys to attend) are prefetched. */
 static inline __attribute__((always_inline)) void pv_chunk(const int DV, const int NC, const float *p, const int qs,
                                                            const int ks, const float *vb, int nt, float *acc,
-                                                           const float *pf_k, int pf_n) {
-    const float *pf_v = vb + (size_t)nt * 16 * DV;
+                                                           const float *pf_k, const float *pf_v, int pf_n) {
     v16 o[QUERY_CHUNK][8];
     for (int i = 0; i < NC; i++)
         for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
     for (int t = 0; t < nt; t++) {
-        if (t < pf_n) /* the next block's key and value rows, one each per key of this block */
+        if (t < pf_n) /* the next keys' key and value rows, one each per key of this block */
             for (int c = 0; c < DV; c++) {
                 __builtin_prefetch(pf_k + (size_t)t * 16 * DV + 16 * c, 0, 3);
                 __builtin_prefetch(pf_v + (size_t)t * 16 * DV + 16 * c, 0, 3);
@@ -320,32 +374,47 @@ static inline __attribute__((always_inline)) void pv_chunk(const int DV, const i
         for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * 16 * DV + 16 * c) = o[i][c];
 }
 
-/* pv_chunk over all nq queries, QUERY_CHUNK at a time (the first chunk prefetches the next block). */
+/* pv_chunk over all nq queries, QUERY_CHUNK at a time (the first chunk prefetches the next keys). */
 static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, const float *p, const int qs,
                                                          const int ks, const float *vb, int nt, float *acc,
-                                                         const float *pf_k, int pf_n) {
+                                                         const float *pf_k, const float *pf_v, int pf_n) {
     int i0 = 0;
     for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
-        pv_chunk(DV, QUERY_CHUNK, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n);
+        pv_chunk(DV, QUERY_CHUNK, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_v, pf_n);
     switch (nq - i0) {
-        case 1: pv_chunk(DV, 1, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
-        case 2: pv_chunk(DV, 2, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
-        case 3: pv_chunk(DV, 3, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_n); break;
+        case 1: pv_chunk(DV, 1, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_v, pf_n); break;
+        case 2: pv_chunk(DV, 2, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_v, pf_n); break;
+        case 3: pv_chunk(DV, 3, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_v, pf_n); break;
     }
 }
 
-/* attend_keys for head_dim = 16 * DV: each block of 16 keys gives a query one vector of 16 scores
-   (v16_sum16 of its partial products), the softmax runs on that vector, and p.V accumulates with
-   up to QUERY_CHUNK queries' outputs in registers. A last block of fewer than 16 keys is copied into
-   a zero-padded buffer first (no read past the cache, no garbage in the scores). */
+/* attend_keys for head_dim = 16 * DV: each chunk of up to 16 keys (never across a block boundary) gives a
+   query one vector of 16 scores (v16_sum16 of its partial products), the softmax runs on that vector, and
+   p.V accumulates with up to QUERY_CHUNK queries' outputs in registers; the next chunk's keys and values
+   are prefetched meanwhile. A chunk of fewer than 16 keys is copied into a zero-padded buffer first (no read
+   past the block, no garbage in the scores). */
 static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
-                                                                const float *keys, const float *vals, int t0, int t1,
-                                                                float *m, float *l, float *acc, float *scores) {
+                                                                const KVRow *row, int t0, int t1, float *m,
+                                                                float *l, float *acc, float *scores) {
     const int d = 16 * DV;
     float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
-    for (int b0 = t0; b0 < t1; b0 += 16) {
-        const int nb = t1 - b0 < 16 ? t1 - b0 : 16;
-        const float *kb = keys + (size_t)b0 * d, *vb = vals + (size_t)b0 * d;
+    KVCursor cur = kv_cursor(row, t0), pf = cur;
+    for (int i = 1; i < KV_PREFETCH_AHEAD; i++) { /* the chunks before the loop's first prefetch: asked for now */
+        pf = kv_next(row, pf, kv_chunk(row, pf, t1));
+        const int n = kv_chunk(row, pf, t1);
+        const size_t at = n ? kv_at(row, pf) : 0;
+        for (int t = 0; t < n; t++)
+            for (int c = 0; c < DV; c++) {
+                __builtin_prefetch(row->k + at + (size_t)t * d + 16 * c, 0, 3);
+                __builtin_prefetch(row->v + at + (size_t)t * d + 16 * c, 0, 3);
+            }
+    }
+    for (int nb; (nb = kv_chunk(row, cur, t1)) > 0; cur = kv_next(row, cur, nb)) {
+        const size_t at = kv_at(row, cur);
+        const float *kb = row->k + at, *vb = row->v + at;
+        pf = kv_next(row, pf, kv_chunk(row, pf, t1)); /* KV_PREFETCH_AHEAD chunks ahead: prefetched during p.V */
+        const int pf_n = kv_chunk(row, pf, t1);
+        const size_t pf_at = pf_n ? kv_at(row, pf) : 0;
         if (nb < 16) {
             memcpy(pad_k, kb, sizeof(float) * nb * d);
             memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
@@ -365,19 +434,17 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
             l[i] += v16_sum_lanes(pr);
             *(v16 *)(scores + 16 * i) = pr;
         }
-        /* while the first queries' p.V runs, the next block's keys and values are asked for */
-        const int pf_n = kb == pad_k ? 0 : (t1 - b0 - 16 < 16 ? t1 - b0 - 16 : 16);
-        pv_all(DV, nq, scores, 16, 1, vb, nb, acc, kb + (size_t)16 * d, pf_n);
+        pv_all(DV, nq, scores, 16, 1, vb, nb, acc, row->k + pf_at, row->v + pf_at, pf_n);
     }
 }
 
 /* Online-softmax state of one query: running max m, sum l, unnormalised output acc[d]. */
-static void attend_keys_scalar(const float *q, int nq, int d, const float *keys, const float *vals, int t0, int t1,
-                               float *m, float *l, float *acc, float *scores) {
+static void attend_keys_scalar(const float *q, int nq, int d, const KVRow *row, int t0, int t1, float *m, float *l,
+                               float *acc, float *scores) {
     for (int b0 = t0; b0 < t1; b0 += KEY_BLOCK) {
         int nb = t1 - b0 < KEY_BLOCK ? t1 - b0 : KEY_BLOCK;
         for (int t = 0; t < nb; t++) {
-            const float *kt = keys + (size_t)(b0 + t) * d;
+            const float *kt = row->k + kv_offset(row, b0 + t);
             for (int i = 0; i < nq; i++) scores[i * KEY_BLOCK + t] = dot(q + (size_t)i * d, kt, d);
         }
         for (int i = 0; i < nq; i++) {
@@ -400,7 +467,7 @@ static void attend_keys_scalar(const float *q, int nq, int d, const float *keys,
             }
             l[i] += sum;
             for (int t = 0; t < nb; t++) {
-                const float *vt = vals + (size_t)(b0 + t) * d;
+                const float *vt = row->v + kv_offset(row, b0 + t);
                 float pt = s[t];
 #pragma omp simd
                 for (int j = 0; j < d; j++) o[j] += pt * vt[j];
@@ -410,15 +477,16 @@ static void attend_keys_scalar(const float *q, int nq, int d, const float *keys,
 }
 
 #define WIDE_MIN 8    /* queries from which a shared prefix is attended with the queries across the lanes */
-#define WIDE_KEYS 48  /* keys per block of the wide path (4 matmul row blocks) */
+#define WIDE_KEYS 48  /* keys per online-softmax step of the wide path */
 
-/* attend_keys for 8..32 queries over keys [0, t1) that they all share (a GRPO group's prefix), head_dim
-   16 * DV: the queries go across the lanes instead of the keys. Scores of a block of keys are a small
-   matmul (keys as rows, the queries packed as one 32-column panel: the weight matmul's kernel), so the
-   softmax's max, exp and sum run lane-wise over keys with no shuffles, and p.V is as in the narrow path. */
+/* attend_keys for 8..32 queries over keys [0, t1) that they all share (a GRPO group's prefix blocks), head_dim
+   16 * DV: the queries go across the lanes instead of the keys. Scores of a step's keys are small matmuls
+   (keys as rows, in runs inside one block, the queries packed as one 32-column panel: the weight matmul's
+   kernel), so the softmax's max, exp and sum run lane-wise over keys with no shuffles, and p.V is as in the
+   narrow path, run by run, the next step's keys and values prefetched meanwhile. */
 static inline __attribute__((always_inline)) void attend_keys_wide(const int DV, const float *q, int nq,
-                                                                   const float *keys, const float *vals, int t1,
-                                                                   float *m, float *l, float *acc) {
+                                                                   const KVRow *row, int t1, float *m, float *l,
+                                                                   float *acc) {
     const int d = 16 * DV;
     float qp[16 * 8 * 32] __attribute__((aligned(64))), sc[WIDE_KEYS * 32] __attribute__((aligned(64)));
     for (int j = 0; j < d; j++)
@@ -432,9 +500,10 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
         }
     for (int b0 = 0; b0 < t1; b0 += WIDE_KEYS) {
         const int nt = t1 - b0 < WIDE_KEYS ? t1 - b0 : WIDE_KEYS;
-        for (int r0 = 0; r0 < nt; r0 += MR_MAX)
-            panel_rows(nt - r0 < MR_MAX ? nt - r0 : MR_MAX, d, keys + (size_t)(b0 + r0) * d, d, qp, NULL, 0,
-                       sc + 32 * r0, 32, NULL, NULL, 32);
+        for (int r0 = 0, run; r0 < nt; r0 += run) {
+            run = kv_run(row, b0 + r0, b0 + nt, MR_MAX);
+            panel_rows(run, d, row->k + kv_offset(row, b0 + r0), d, qp, NULL, 0, sc + 32 * r0, 32, NULL, NULL, 32);
+        }
         v16 corr[2];
         for (int h = 0; h < 2; h++) {
             v16 top = mv[h];
@@ -455,8 +524,17 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
             if (ci != 1.0f)
                 for (int c = 0; c < DV; c++) *(v16 *)(acc + (size_t)i * d + 16 * c) *= ci;
         }
-        const int pf_n = t1 - b0 - nt < nt ? t1 - b0 - nt : nt;
-        pv_all(DV, nq, sc, 1, 32, vals + (size_t)b0 * d, nt, acc, keys + (size_t)(b0 + nt) * d, pf_n);
+        const int n1 = t1 - b0 - nt < WIDE_KEYS ? t1 : b0 + nt + WIDE_KEYS; /* the next step's keys: [b0 + nt, n1) */
+        for (int r0 = 0, run, pf_t = b0 + nt; r0 < nt; r0 += run) {
+            const int t = b0 + r0;
+            run = kv_run(row, t, b0 + nt, nt);
+            /* while this run's p.V goes, the next step's keys and values come in, run by run */
+            const int pf_n = pf_t < n1 ? kv_run(row, pf_t, n1, run) : 0;
+            const size_t pf_at = pf_n ? kv_offset(row, pf_t) : 0;
+            pv_all(DV, nq, sc + 32 * r0, 1, 32, row->v + kv_offset(row, t), run, acc, row->k + pf_at,
+                   row->v + pf_at, pf_n);
+            pf_t += pf_n;
+        }
     }
     for (int i = 0; i < nq; i++) {
         m[i] = mv[i / 16][i % 16];
@@ -464,42 +542,47 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
     }
 }
 
-/* Fold keys [t0, t1) into the online-softmax state (m, l, acc) of nq queries q [nq][d]; scores: scratch. */
-static void attend_keys(const float *q, int nq, int d, const float *keys, const float *vals, int t0, int t1,
-                        float *m, float *l, float *acc, float *scores) {
+/* Fold keys [t0, t1) of a row into the online-softmax state (m, l, acc) of nq queries q [nq][d]; scores: scratch. */
+static void attend_keys(const float *q, int nq, int d, const KVRow *row, int t0, int t1, float *m, float *l,
+                        float *acc, float *scores) {
     if (t0 == 0 && nq >= WIDE_MIN && nq <= 32 && d % 16 == 0 && d <= 128) {
         switch (d / 16) {
-            case 1: attend_keys_wide(1, q, nq, keys, vals, t1, m, l, acc); return;
-            case 2: attend_keys_wide(2, q, nq, keys, vals, t1, m, l, acc); return;
-            case 3: attend_keys_wide(3, q, nq, keys, vals, t1, m, l, acc); return;
-            case 4: attend_keys_wide(4, q, nq, keys, vals, t1, m, l, acc); return;
-            case 5: attend_keys_wide(5, q, nq, keys, vals, t1, m, l, acc); return;
-            case 6: attend_keys_wide(6, q, nq, keys, vals, t1, m, l, acc); return;
-            case 7: attend_keys_wide(7, q, nq, keys, vals, t1, m, l, acc); return;
-            case 8: attend_keys_wide(8, q, nq, keys, vals, t1, m, l, acc); return;
+            case 1: attend_keys_wide(1, q, nq, row, t1, m, l, acc); return;
+            case 2: attend_keys_wide(2, q, nq, row, t1, m, l, acc); return;
+            case 3: attend_keys_wide(3, q, nq, row, t1, m, l, acc); return;
+            case 4: attend_keys_wide(4, q, nq, row, t1, m, l, acc); return;
+            case 5: attend_keys_wide(5, q, nq, row, t1, m, l, acc); return;
+            case 6: attend_keys_wide(6, q, nq, row, t1, m, l, acc); return;
+            case 7: attend_keys_wide(7, q, nq, row, t1, m, l, acc); return;
+            case 8: attend_keys_wide(8, q, nq, row, t1, m, l, acc); return;
         }
     }
     switch (d % 16 ? 0 : d / 16) {
-        case 1: attend_keys_v(1, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 2: attend_keys_v(2, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 3: attend_keys_v(3, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 4: attend_keys_v(4, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 5: attend_keys_v(5, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 6: attend_keys_v(6, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 7: attend_keys_v(7, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        case 8: attend_keys_v(8, q, nq, keys, vals, t0, t1, m, l, acc, scores); break;
-        default: attend_keys_scalar(q, nq, d, keys, vals, t0, t1, m, l, acc, scores);
+        case 1: attend_keys_v(1, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 2: attend_keys_v(2, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 3: attend_keys_v(3, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 4: attend_keys_v(4, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 5: attend_keys_v(5, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 6: attend_keys_v(6, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 7: attend_keys_v(7, q, nq, row, t0, t1, m, l, acc, scores); break;
+        case 8: attend_keys_v(8, q, nq, row, t0, t1, m, l, acc, scores); break;
+        default: attend_keys_scalar(q, nq, d, row, t0, t1, m, l, acc, scores);
     }
 }
 
-/* attn[row][head*d] for every row: q in qkv (already scaled by 1/sqrt(d)), K/V of this layer in the cache. */
-static int attention(const Model *m, int layer, const float *qkv, const int64_t *positions, const int64_t *slots,
-                      int num_segments, const int32_t *seg_start, const int32_t *seg_rows, const int32_t *seg_prefix,
-                      float *attn) {
+/* Floats from one block of a layer's pool to the next, and from one layer's pool to the next. */
+static inline size_t block_stride(const Model *m) { return (size_t)m->num_kv_heads * m->block_size * m->head_dim; }
+static inline size_t layer_stride(const Model *m) { return (size_t)(m->num_blocks + 1) * block_stride(m); }
+
+/* attn[row][head*d] for every row: q in qkv (already scaled by 1/sqrt(d)), K/V of this layer in the blocks of
+   each row's table (tables [B][width]). A segment's shared prefix [0, P) is read through its first row's table:
+   its rows hold the same blocks there. */
+static int attention(const Model *m, int layer, const float *qkv, const int64_t *positions, const int32_t *tables,
+                     int width, int num_segments, const int32_t *seg_start, const int32_t *seg_rows,
+                     const int32_t *seg_prefix, float *attn) {
     const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, G = H / KH;
     const int qkv_n = (H + 2 * KH) * d;
-    const size_t slot_stride = (size_t)KH * m->max_len * d, head_stride = (size_t)m->max_len * d;
-    const size_t layer_off = (size_t)layer * (m->num_slots + 1) * slot_stride;
+    const size_t head_stride = (size_t)m->block_size * d, layer_off = (size_t)layer * layer_stride(m);
     const float *kc = m->k_cache + layer_off, *vc = m->v_cache + layer_off;
     int max_rows = 1;
     for (int s = 0; s < num_segments; s++)
@@ -522,6 +605,7 @@ static int attention(const Model *m, int layer, const float *qkv, const int64_t 
             int s = task / KH, h = task % KH;
             const int32_t *rows = seg_rows + seg_start[s];
             int nrows = seg_start[s + 1] - seg_start[s], nq = nrows * G, P = seg_prefix[s];
+            KVRow kv = {kc + h * head_stride, vc + h * head_stride, block_stride(m), NULL, m->block_size, d};
             for (int r = 0; r < nrows; r++)
                 memcpy(q + (size_t)r * G * d, qkv + (size_t)rows[r] * qkv_n + (size_t)h * G * d, sizeof(float) * G * d);
             for (int i = 0; i < nq; i++) {
@@ -530,13 +614,13 @@ static int attention(const Model *m, int layer, const float *qkv, const int64_t 
             }
             memset(acc, 0, sizeof(float) * (size_t)nq * d);
             if (P > 0) {
-                size_t base = (size_t)slots[rows[0]] * slot_stride + h * head_stride;
-                attend_keys(q, nq, d, kc + base, vc + base, 0, P, mx, l, acc, scores);
+                kv.table = tables + (size_t)rows[0] * width;
+                attend_keys(q, nq, d, &kv, 0, P, mx, l, acc, scores);
             }
             for (int r = 0; r < nrows; r++) {
-                size_t base = (size_t)slots[rows[r]] * slot_stride + h * head_stride;
-                attend_keys(q + (size_t)r * G * d, G, d, kc + base, vc + base, P, (int)positions[rows[r]] + 1,
-                            mx + r * G, l + r * G, acc + (size_t)r * G * d, scores);
+                kv.table = tables + (size_t)rows[r] * width;
+                attend_keys(q + (size_t)r * G * d, G, d, &kv, P, (int)positions[rows[r]] + 1, mx + r * G, l + r * G,
+                            acc + (size_t)r * G * d, scores);
             }
             for (int r = 0; r < nrows; r++) {
                 float *o = attn + (size_t)rows[r] * H * d + (size_t)h * G * d;
@@ -556,13 +640,12 @@ static int attention(const Model *m, int layer, const float *qkv, const int64_t 
 /* ------------------------------------------------------------------ the step */
 
 /* Per-head RMSNorm (Qwen3, optional), RoPE on the q and k heads of each row of qkv (in place), q scaled by
-   1/sqrt(d) if scale_q; each row's k and v written into the cache at (slots[b], positions[b]). */
+   1/sqrt(d) if scale_q; each row's k and v written into the pool at its KV slot (block * block_size + offset). */
 static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const int64_t *positions,
-                          const int64_t *slots, int scale_q) {
-    const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, half = d / 2;
+                          const int64_t *kv_slots, int scale_q) {
+    const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, half = d / 2, bs = m->block_size;
     const int qkv_n = (H + 2 * KH) * d;
-    const size_t slot_stride = (size_t)KH * m->max_len * d, head_stride = (size_t)m->max_len * d;
-    const size_t layer_off = (size_t)layer * (m->num_slots + 1) * slot_stride;
+    const size_t head_stride = (size_t)bs * d, layer_off = (size_t)layer * layer_stride(m);
     const float *qn = m->q_norm ? m->q_norm[layer] : NULL, *kn = m->k_norm ? m->k_norm[layer] : NULL;
     const float scale = scale_q ? 1.0f / sqrtf((float)d) : 1.0f;
 #pragma omp parallel for schedule(static) if (B >= 64)
@@ -570,6 +653,7 @@ static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const in
         float tmp[1024];
         float *row = qkv + (size_t)b * qkv_n;
         const float *cs = m->cos + (size_t)positions[b] * d, *sn = m->sin_signed + (size_t)positions[b] * d;
+        const size_t slot_at = layer_off + (size_t)(kv_slots[b] / bs) * block_stride(m) + (size_t)(kv_slots[b] % bs) * d;
         for (int h = 0; h < H + KH; h++) {
             float *x = row + (size_t)h * d;
             const float *nw = h < H ? qn : kn;
@@ -581,7 +665,7 @@ static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const in
 #pragma omp simd
                     for (int j = 0; j < d; j++) x[j] *= scale;
             } else {
-                size_t at = layer_off + (size_t)slots[b] * slot_stride + (h - H) * head_stride + (size_t)positions[b] * d;
+                size_t at = slot_at + (size_t)(h - H) * head_stride;
                 memcpy(m->k_cache + at, x, sizeof(float) * d);
                 memcpy(m->v_cache + at, row + (size_t)(H + KH + h - H) * d, sizeof(float) * d);
             }
@@ -594,8 +678,8 @@ static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const in
    these replace its elementwise passes. */
 
 /* qk_rope_store for the new tokens of a prefill (q left unscaled: SDPA scales it). */
-void rope_store(const Model *m, int layer, float *qkv, int M, const int64_t *positions, const int64_t *slots) {
-    qk_rope_store(m, layer, qkv, M, positions, slots, 0);
+void rope_store(const Model *m, int layer, float *qkv, int M, const int64_t *positions, const int64_t *kv_slots) {
+    qk_rope_store(m, layer, qkv, M, positions, kv_slots, 0);
 }
 
 void rmsnorm_rows(float *out, const float *x, const float *w, int rows, int n, float eps) {
@@ -614,32 +698,38 @@ void silu_mul(float *out, const float *gu, int M, int I) {
     }
 }
 
-/* Decode one token per row; logits [B][vocab]. Segments: see the file comment (every row in exactly one).
+/* Decode one token per row; logits [B][vocab]. Row b's token goes to position positions[b] in the blocks of its
+   table (tables [B][width], padded with any block id). Segments: see the file comment (every row in exactly one).
    Returns 0, or -1 if a work buffer could not be allocated or head_dim is out of range. */
-int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *slots,
-                int num_segments, const int32_t *seg_start, const int32_t *seg_rows, const int32_t *seg_prefix,
-                float *logits) {
+int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *positions, const int32_t *tables,
+                int width, int num_segments, const int32_t *seg_start, const int32_t *seg_rows,
+                const int32_t *seg_prefix, float *logits) {
     const int hid = m->hidden, d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, I = m->inter;
-    const int qkv_n = (H + 2 * KH) * d;
+    const int qkv_n = (H + 2 * KH) * d, bs = m->block_size;
     if (d > 1024) return -1;
     size_t per_row = (size_t)2 * hid + qkv_n + H * d + 2 * I + I;
     float *work = malloc(sizeof(float) * per_row * B);
-    if (!work) return -1;
+    int64_t *kv_slots = malloc(sizeof(int64_t) * B);
+    if (!work || !kv_slots) {
+        free(work);
+        free(kv_slots);
+        return -1;
+    }
     float *x = work, *h = x + (size_t)B * hid, *qkv = h + (size_t)B * hid, *attn = qkv + (size_t)B * qkv_n;
     float *gu = attn + (size_t)B * H * d, *act = gu + (size_t)B * 2 * I;
+    for (int b = 0; b < B; b++)
+        kv_slots[b] = (int64_t)tables[(size_t)b * width + positions[b] / bs] * bs + positions[b] % bs;
     PHASE_START
     for (int b = 0; b < B; b++) memcpy(x + (size_t)b * hid, m->embed + (size_t)tokens[b] * hid, sizeof(float) * hid);
-    for (int layer = 0; layer < m->num_layers; layer++) {
+    int rc = 0;
+    for (int layer = 0; layer < m->num_layers && rc == 0; layer++) {
         rmsnorm(h, x, m->in_norm[layer], B, hid, m->eps);
         PHASE(0)
         matmul(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv);
         PHASE(1)
-        qk_rope_store(m, layer, qkv, B, positions, slots, 1);
+        qk_rope_store(m, layer, qkv, B, positions, kv_slots, 1);
         PHASE(2)
-        if (attention(m, layer, qkv, positions, slots, num_segments, seg_start, seg_rows, seg_prefix, attn)) {
-            free(work);
-            return -1;
-        }
+        rc = attention(m, layer, qkv, positions, tables, width, num_segments, seg_start, seg_rows, seg_prefix, attn);
         PHASE(3)
         matmul(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x);
         PHASE(1)
@@ -652,12 +742,15 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
         matmul(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x);
         PHASE(1)
     }
-    rmsnorm(h, x, m->final_norm, B, hid, m->eps);
-    PHASE(0)
-    matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
-    PHASE(5)
+    if (rc == 0) {
+        rmsnorm(h, x, m->final_norm, B, hid, m->eps);
+        PHASE(0)
+        matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
+        PHASE(5)
+    }
     free(work);
-    return 0;
+    free(kv_slots);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ sampling */

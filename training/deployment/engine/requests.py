@@ -22,6 +22,11 @@ class EngineError(ValueError):
     """A bad request; the message names the offending field (the server maps it to HTTP 400)."""
 
 
+class EngineBusyError(RuntimeError):
+    """The engine's waiting queue is full (``EngineConfig.max_waiting``): retry later (the server answers 503
+    with ``Retry-After``). Nothing already accepted is affected."""
+
+
 class WeightUpdateError(ValueError):
     """A refused weight update (missing, mismatched or extra tensor, named); the old weights stay live."""
 
@@ -199,3 +204,21 @@ def _check_number(x, name: str, lo: float, hi: float, expected: str, low_open: b
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
     if not ok or (low_open and x == lo):
         raise EngineError(f"{name}: must be {expected}, got {x!r}")
+
+
+def validate_kv_fit(prompt_len: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """Raise :class:`EngineError` when a request alone could never fit the KV cache's block pool.
+
+    A sequence holds K/V for every token but its last: at most ``min(prompt + max_tokens, max_model_len) - 1``
+    positions, in blocks of ``block_size``; preemption gives a lone sequence the whole pool, never more."""
+    positions = max(prompt_len, min(prompt_len + max_tokens, max_model_len) - 1)
+    need = -(-positions // block_size)
+    if need <= num_blocks:
+        return
+    field = "prompt_token_ids" if -(-prompt_len // block_size) > num_blocks else "max_tokens"
+    raise EngineError(
+        f"{field}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs up to {need} KV cache blocks of "
+        f"{block_size} tokens, but the pool holds {num_blocks} ({num_blocks * block_size} tokens): raise "
+        f"EngineConfig.kv_cache_memory_bytes (or kv_cache_memory_fraction; deployment.engine_config.*) or ask "
+        f"for fewer tokens"
+    )

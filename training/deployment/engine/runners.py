@@ -5,7 +5,7 @@
 | ``native`` | lean forward, CPU, fp32, ``decode_kernel`` ``auto`` or ``native``, native_decode.c builds | the fastest CPU decode step: one call into C per step (engine/README.md, "The native decode step") |
 | ``torch`` | lean forward, and ``decode_kernel="torch"``, or bf16 / fp16, or no working C compiler (``auto``), or CUDA without graph batch sizes | the lean forward's decode step in torch ops: any device and dtype |
 | ``cuda_graphs`` | lean forward on CUDA with ``cuda_graph_batch_sizes`` | the torch step replayed from CUDA graphs (cuda_graphs.py): no launch overhead per op |
-| ``hf_fallback`` | ``use_lean_forward=False``, or the model is not a local safetensors folder (a hub id not in the local cache), or its architecture is not Llama / Qwen2 / Qwen3 | transformers' forward over the same slot cache (hf_runner.py): any causal LM it can load, slower |
+| ``hf_fallback`` | ``use_lean_forward=False``, or the model is not a local safetensors folder (a hub id not in the local cache), or its architecture is not Llama / Qwen2 / Qwen3 | transformers' forward over the same block pool (hf_runner.py): any causal LM it can load, slower |
 
 A hub id (``Qwen/Qwen3-0.6B``) is resolved to its cached snapshot folder by the engine first
 (``training.utils.hub_cache.local_model_path``), so a cached model takes the lean path.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.model_runner import LeanModelRunner, lean_supported
 from training.deployment.engine.native import NativeUnavailable, native_available
 from training.utils.config import EngineConfig
@@ -73,16 +74,16 @@ def build_runner(config: EngineConfig, hf_config, model_path: str, device: torch
     ``model_path``: the folder to load (a hub id already resolved by ``local_model_path``).
     Raises ValueError when ``decode_kernel="native"`` cannot run here (naming the reason).
     """
-    num_slots = config.max_batch_size + config.prefix_cache_slots
+    budget = KVBudget.from_config(config)
     fallback = _fallback_reason(config, hf_config, model_path)
     if fallback is not None:
         from training.deployment.engine.hf_runner import HFModelRunner
 
         path = ExecutionPath("hf_fallback", fallback)
-        runner = HFModelRunner(model_path, dtype, device, num_slots, config.max_model_len)
+        runner = HFModelRunner(model_path, dtype, device, budget, config.max_model_len)
     else:
         not_native = _native_reason(config, device, dtype)
-        args = (model_path, hf_config, num_slots, config.max_model_len, dtype, device)
+        args = (model_path, hf_config, budget, config.max_model_len, dtype, device)
         try:
             runner = LeanModelRunner(*args, native=not_native is None)
         except NativeUnavailable as exc:  # the library built, but this model's shape is not one it runs

@@ -1,80 +1,121 @@
-"""Which sequences run in the next step: admission with prefix reuse, compaction, release of slots.
+"""Which sequences run in the next step: admission with prefix reuse, blocks for decode, preemption, release.
 
-Policy (FIFO, no preemption): waiting requests are admitted in arrival order while fewer than
-``max_running`` sequences run and the step's prefill token budget lasts (the first admitted prompt
-always fits).
+Admission (FIFO): waiting sequences are admitted in arrival order while fewer than ``max_running``
+run, the step's prefill token budget lasts (the first admitted prompt always fits) and the pool can
+give the blocks their prompt needs (``can_allocate``: the blocks not held by running sequences, less a
+watermark of 1 % while something runs, so that admission does not preempt at once).
 
-Prefix reuse (automatic prefix caching by copy-on-admit; see the engine README for why):
+Prefix reuse (automatic prefix caching; block_manager.py holds the tree):
 
-- A new sequence gets slot ``R`` (the first after the running ones). Its donor is the usable slot
-  holding the longest prefix of its prompt: running, cached or parked, computed under the live
-  weights, capped at ``len(prompt) - 1`` so at least one token is prefilled for logits. A session's
-  own parked slot wins ties, then slot ``R`` itself (reused in place, nothing copied). The donor's
-  K/V for that prefix is copied into slot ``R``.
-- A request whose prompt equals the prompt of a sequence admitted earlier in the same step (the
-  members of a GRPO group, the choices of ``n > 1``) is a follower: nothing is prefilled for it;
-  after the step's prefill the leader's prompt K/V is copied into its slot and it samples its first
-  token from the leader's logits (``cached_prompt_tokens = len(prompt)``).
-- Cached content already in slot ``R`` swaps places with a cached donor, or moves to the least
-  valuable non-running slot other than the donor, unless it is itself the least valuable: then it
-  is the one evicted (LRU within the slots). The donor is pinned until its prefix is copied: the
-  donor of an admission is never its eviction victim, even when it is the least recently used.
+- A new sequence shares, block for block, the longest chain of full cached blocks holding its prompt's
+  first tokens (held once, reference-counted: a GRPO group's prompt is stored once), capped at
+  ``len(prompt) - 1`` so at least one token is prefilled for logits. The partial block after it is
+  *copied* (the positions that match) from the best donor: a cached partial block (a finished turn's
+  end), a full cached block the prompt leaves mid-block, or a running sequence's last block. Blocks
+  registered earlier in the same admission are shared too: their prefill is in the same batch.
+- A request whose prompt equals the prompt of a sequence admitted earlier in the same step (the members
+  of a GRPO group, the choices of ``n > 1``) is a follower: nothing is prefilled for it; it shares the
+  leader's full prompt blocks, gets a copy of the leader's last partial block after the prefill, and
+  samples its first token from the leader's logits (``cached_prompt_tokens = len(prompt)``).
+- Sessions: a finished turn stays PARKED (its blocks pinned) until the session's next turn is admitted,
+  which then lets it go (it stays as plain cache). With ``prefix_caching`` off only a session's own
+  parked turn is reused (its blocks private, not in the tree).
+- Only K/V computed in the live weight epoch is shared or registered (``kv_epoch``).
 
-Release: a finished sequence's slot becomes PARKED under its session id, or CACHED, holding the
-tokens whose K/V is valid, when that K/V was computed under the live weights; else EMPTY.
-``compact`` (before every admission and decode) moves running sequences above ``R`` into the holes
-below it; a hole's cached content is swapped out through the scratch slot, not lost.
+Decode (``schedule_decode``): every running sequence needs a block for the position its last token is
+written to (``may_append``). When none is left, the youngest running sequence (latest arrival) is
+preempted: its blocks are released (registered ones stay cached) and it goes back to the front of the
+waiting queue with its tokens, logprobs, versions and generator; when admitted again its K/V is
+recomputed (prefilled, or shared from blocks still cached) and nothing is sampled for it, so it
+continues exactly where it stopped. The oldest running sequence is never preempted while younger ones
+run, so it always progresses. Newly filled blocks are registered after every step.
+
+Release (``finish``): a finished sequence's blocks are registered (the last, partial one too) and,
+for a session, parked; then released: unheld registered blocks are cached (LRU), the rest freed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
-from training.deployment.engine.kv_cache import SlotState, SlotTable
+from training.deployment.engine.attention import SharedPrefix
+from training.deployment.engine.block_manager import BlockManager
 from training.deployment.engine.model_runner import PrefillItem
 from training.deployment.engine.sequence import Sequence, SequenceStatus
+
+WATERMARK_FRACTION = 0.01
+"""Blocks admission leaves free while something runs (vLLM's 1 %), so new sequences do not preempt at once."""
+
+
+@dataclass
+class Prefill:
+    """One sequence's prefill: ``item`` for the runner; ``sample`` False for a preempted sequence's recompute."""
+
+    seq: Sequence
+    item: PrefillItem
+    sample: bool = True
 
 
 @dataclass
 class Admission:
     """One step's admissions: sequences to prefill, and followers that share a leader's prompt and logits."""
 
-    prefill: list[tuple[Sequence, PrefillItem]] = field(default_factory=list)
+    prefill: list[Prefill] = field(default_factory=list)
     followers: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     """(follower, leader): identical prompts admitted in the same step; the leader is in ``prefill``."""
+    pending: list[int] = field(default_factory=list)
+    """Blocks registered before this step's prefill computes them (ready after ``Scheduler.prefilled``)."""
 
     def __bool__(self) -> bool:
         return bool(self.prefill)
 
 
+@dataclass
+class Reuse:
+    """What an admission takes over: ``shared`` full blocks, and ``copy`` positions of block ``donor``."""
+
+    shared: list[int] = field(default_factory=list)
+    donor: int = -1
+    copy: int = 0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Scheduler:
-    """Owns the waiting queue, the running set and the slot table; moves K/V through ``copy_kv``."""
+    """Owns the waiting queue, the running set and the block manager; copies K/V through ``copy_block``."""
 
     def __init__(
         self,
-        num_slots: int,
+        blocks: BlockManager,
         max_running: int,
-        max_model_len: int,
         max_prefill_tokens: int,
-        copy_kv: Callable[[int, int, int], None],
-        scratch_slot: int,
+        copy_block: Callable[[int, int, int], None],
         prefix_caching: bool = True,
     ):
-        self.slots = SlotTable(num_slots, max_model_len)
+        self.blocks = blocks
+        self.block_size = blocks.block_size
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
-        self.copy_kv = copy_kv
-        """``copy_kv(src, dst, n)``: K/V positions ``[0, n)`` of slot ``src`` into slot ``dst``."""
-        self.scratch_slot = scratch_slot
+        self.copy_block = copy_block
+        """``copy_block(src, dst, n)``: K/V of the first ``n`` positions of block ``src`` into block ``dst``."""
         self.prefix_caching = prefix_caching
+        self.watermark = int(WATERMARK_FRACTION * blocks.num_blocks)
         self.weight_epoch = 0
         """Counts weight swaps (a version number may repeat): only K/V computed in this epoch is reused."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admitting = True
         """False while a weight update drains the running batch."""
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -82,168 +123,291 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or (self.admitting and bool(self.waiting))
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` positions."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, blocks: int) -> bool:
+        """Whether ``blocks`` more can be held now (a watermark kept while anything runs)."""
+        return blocks <= self.blocks.capacity() - (self.watermark if self.running else 0)
+
     # ----------------------------------------------------------------- admission
     def admit(self) -> Admission:
-        """Move waiting sequences into slots ``R, R+1, ...``; return what to prefill and the followers."""
-        self.compact()
+        """Give waiting sequences their blocks (shared, copied, new); return what to prefill and the followers."""
         adm = Admission()
         budget = self.max_prefill_tokens
         leaders: dict[tuple[int, ...], Sequence] = {}
-        running_in = {s.slot: s for s in self.running}
+        admitted: set[int] = set()
+        bs = self.block_size
         while self.admitting and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            target = len(self.running)
-            leader = leaders.get(tuple(seq.prompt_token_ids)) if self.prefix_caching else None
+            resumed = seq.num_output_tokens > 0  # preempted: its K/V is recomputed, nothing sampled
+            target = len(seq.token_ids) - 1 if resumed else seq.num_prompt_tokens
+            leader = leaders.get(tuple(seq.prompt_token_ids)) if self.prefix_caching and not resumed else None
             if leader is not None:
+                full, part = divmod(target, bs)
+                if not self.can_allocate(1 if part else 0):
+                    break
                 self.waiting.popleft()
-                self._make_room(target, donor=-1)
-                self._start(seq, target, reuse=0)
-                seq.cached_prompt_tokens = seq.num_prompt_tokens
-                seq.kv_origin, seq.kv_origin_len = leader.kv_origin, min(leader.kv_origin_len, seq.num_prompt_tokens)
+                table = leader.block_table[:full]
+                for b in table:
+                    self.blocks.hold(b)
+                self._start(seq, table + ([self.blocks.allocate()] if part else []), 0)
+                seq.cached_prompt_tokens = target
                 adm.followers.append((seq, leader))
+                admitted.add(seq.seq_id)
                 continue
-            donor, reuse = self._find_donor(seq, target)
-            if adm.prefill and seq.num_prompt_tokens - reuse > budget:
+            reuse = self._find_reuse(seq, target - (0 if resumed else 1), admitted)
+            reused = len(reuse.shared) * bs + reuse.copy
+            fresh = self.blocks_needed(target) - len(reuse.shared)
+            cost = fresh + sum(self.blocks.ref[b] == 0 for b in reuse.shared)
+            cost += reuse.copy > 0 and self.blocks.ref[reuse.donor] == 0
+            if adm.prefill and target - reused > budget:
+                break
+            if not self.can_allocate(cost):
                 break
             self.waiting.popleft()
-            donor = self._make_room(target, donor, seq.session_id)
-            if reuse:
-                self.copy_kv(donor, target, reuse)
-                self.slots.touch(donor)
-                if self.slots.session[donor] == seq.session_id:
-                    self.slots.unpark(donor)  # the session moves on; its old turn stays as plain cache
-            self._start(seq, target, reuse)
-            if donor in running_in:  # a copy of a running sequence's K/V: shared with it at decode
-                origin = running_in[donor]
-                seq.kv_origin, seq.kv_origin_len = origin.kv_origin, min(origin.kv_origin_len, reuse)
-            adm.prefill.append((seq, PrefillItem(target, seq.prompt_token_ids[reuse:], reuse)))
-            leaders[tuple(seq.prompt_token_ids)] = seq
-            budget -= seq.num_prompt_tokens - reuse
+            self._start(seq, self._take(reuse, fresh), reused)
+            if not resumed:
+                seq.cached_prompt_tokens = reused
+            if seq.session_id is not None:
+                self.blocks.unpark(seq.session_id)  # the session moves on; its old turn stays as plain cache
+            if target > reused:
+                item = PrefillItem(seq.block_table, seq.token_ids[reused:target], reused)
+                adm.prefill.append(Prefill(seq, item, sample=not resumed))
+            if self.prefix_caching:  # its prompt blocks, computed by this step's prefill: shareable already
+                first = seq.num_registered
+                self._register(seq, target // bs, ready=False, switch=False)
+                adm.pending += seq.block_table[first : seq.num_registered]
+            if not resumed:
+                leaders[tuple(seq.prompt_token_ids)] = seq
+            admitted.add(seq.seq_id)
+            budget -= target - reused
         return adm
 
     def prefilled(self, adm: Admission) -> None:
-        """After the step's prefill: prompts have K/V; copy each leader's into its followers' slots."""
-        for seq, _ in adm.prefill:
-            self.slots.valid_len[seq.slot] = seq.num_prompt_tokens
+        """After the step's prefill: its blocks are ready; copy each leader's last partial block to its followers."""
+        self.blocks.mark_ready(adm.pending)
+        for p in adm.prefill:
+            p.seq.num_cached = p.item.start_pos + len(p.item.token_ids)
         for seq, leader in adm.followers:
-            self.copy_kv(leader.slot, seq.slot, seq.num_prompt_tokens)
+            full, part = divmod(seq.num_prompt_tokens, self.block_size)
+            if part:
+                self.copy_block(leader.block_table[full], seq.block_table[full], part)
             seq.num_cached = seq.num_prompt_tokens
-            self.slots.valid_len[seq.slot] = seq.num_prompt_tokens
 
-    def _find_donor(self, seq: Sequence, target: int) -> tuple[int, int]:
-        """(slot, tokens) of the best prefix to reuse: (-1, 0) when nothing is reusable."""
-        parked = self.slots.parked.get(seq.session_id) if seq.session_id is not None else None
-        if not self.prefix_caching and parked is None:
-            return -1, 0
-        lengths = self.slots.prefix_lengths(seq.prompt_token_ids, self.weight_epoch)
-        lengths.clamp_(max=seq.num_prompt_tokens - 1)
+    def prefill_failed(self, adm: Admission) -> None:
+        """The step's prefill raised: its pending blocks never got their K/V, so nobody may share them."""
+        self.blocks.forget_pending(adm.pending)
+
+    def _find_reuse(self, seq: Sequence, limit: int, admitted: set[int]) -> Reuse:
+        """The blocks to share and the partial block to copy for ``seq.token_ids[:limit]`` (at most ``limit`` positions)."""
+        tokens, bs = seq.token_ids, self.block_size
         if not self.prefix_caching:
-            n = int(lengths[parked])
-            return (parked, n) if n > 0 else (-1, 0)
-        best = int(lengths.max())
-        if best <= 0:
-            return -1, 0
-        for preferred in (parked, target if target < self.slots.num_slots else None):
-            if preferred is not None and int(lengths[preferred]) == best:
-                return preferred, best
-        return int(lengths.argmax()), best
+            turn = self.blocks.parked.get(seq.session_id) if seq.session_id is not None else None
+            if turn is None:
+                return Reuse()
+            n = min(_common(tokens[:limit], turn.tokens), limit)
+            return Reuse(turn.blocks[: n // bs], turn.blocks[n // bs] if n % bs else -1, n % bs)
+        shared = self.blocks.match(tokens, limit)
+        depth = len(shared)
+        start = depth * bs
+        out = Reuse(shared)
+        if start >= limit:
+            return out
+        want = tokens[start:limit]
+        last = shared[-1] if shared else None
+        for node in self.blocks.tail_candidates(last, want[0]):
+            n = _common(want, list(node.tokens))
+            if n > out.copy:
+                out.donor, out.copy = node.block, n
+        for r in self.running:  # a running sequence's last block (registered once it is full)
+            if (
+                r.seq_id in admitted
+                or r.kv_epoch != self.weight_epoch
+                or r.num_registered != depth
+                or len(r.block_table) <= depth
+                or (depth and r.block_table[depth - 1] != last)
+            ):
+                continue
+            n = _common(want, r.token_ids[start : min(r.num_cached, start + bs)])
+            if n > out.copy:
+                out.donor, out.copy = r.block_table[depth], n
+        return out
 
-    def _make_room(self, target: int, donor: int, session_id: Optional[str] = None) -> int:
-        """Free slot ``target`` for a new sequence whose prefix comes from ``donor``; returns where the donor now is.
+    def _take(self, reuse: Reuse, fresh: int) -> list[int]:
+        """Hold the shared blocks, allocate ``fresh`` ones, copy the donor's positions into the first of them."""
+        for b in reuse.shared:
+            self.blocks.hold(b)
+        if reuse.copy:
+            self.blocks.hold(reuse.donor)  # pinned: the allocations below never evict it
+        table = reuse.shared + [self.blocks.allocate() for _ in range(fresh)]
+        if reuse.copy:
+            self.copy_block(reuse.donor, table[len(reuse.shared)], reuse.copy)
+            self.blocks.release(reuse.donor)
+        return table
 
-        A donor that the new sequence consumes (anonymous cache, or its own session's parked slot)
-        swaps places with ``target``'s content and is used in place: nothing is evicted.
-        Otherwise ``target``'s content moves to the least valuable other non-running slot, or is
-        evicted when it is itself the least valuable. The donor is pinned for this admission: it is
-        never the slot written over, so its K/V is intact when the prefix is copied from it.
-        """
-        slots = self.slots
-        if target == donor or slots.state[target] == SlotState.EMPTY:
-            return donor
-        if donor >= 0 and (
-            slots.state[donor] == SlotState.CACHED
-            or (slots.state[donor] == SlotState.PARKED and slots.session[donor] == session_id)
-        ):
-            self._swap(target, donor)
-            return target
-        victim = slots.victim(s for s in range(len(self.running) + 1, slots.num_slots) if s != donor)
-        if victim is not None and slots.rank(victim) < slots.rank(target):
-            self.copy_kv(target, victim, slots.valid_len[target])
-            slots.move(target, victim)
-        else:
-            slots.clear(target)
-        return donor
-
-    def _swap(self, a: int, b: int) -> None:
-        """Exchange the K/V and descriptions of two slots through the scratch slot."""
-        n_a, n_b = self.slots.valid_len[a], self.slots.valid_len[b]
-        self.copy_kv(a, self.scratch_slot, n_a)
-        self.copy_kv(b, a, n_b)
-        self.copy_kv(self.scratch_slot, b, n_a)
-        self.slots.swap(a, b)
-
-    def _start(self, seq: Sequence, slot: int, reuse: int) -> None:
-        seq.slot = slot
-        seq.num_cached = reuse
-        seq.cached_prompt_tokens = reuse
+    def _start(self, seq: Sequence, table: list[int], reused: int) -> None:
+        seq.block_table = table
+        seq.num_cached = reused
         seq.status = SequenceStatus.RUNNING
-        seq.kv_origin, seq.kv_origin_len = seq.seq_id, seq.num_prompt_tokens  # its own prefill
+        seq.kv_epoch = self.weight_epoch
+        n = 0
+        while n < len(table) and self.blocks.node[table[n]] is not None:
+            n += 1
+        seq.num_registered = n
         self.running.append(seq)
-        # content counts once prefilled (``prefilled``); until then no other request may copy from it
-        self.slots.write(slot, SlotState.RUNNING, seq.prompt_token_ids, 0, self.weight_epoch)
 
-    # ----------------------------------------------------------------- compaction and release
-    def compact(self) -> None:
-        """Move running sequences into slots ``[0, R)`` (``R`` = number running), keeping cached content."""
-        r = len(self.running)
-        holes = [s for s in range(r) if self.slots.state[s] != SlotState.RUNNING]
-        if not holes:
-            return
-        movers = sorted((s for s in self.running if s.slot >= r), key=lambda s: s.slot, reverse=True)
-        for hole, seq in zip(holes, movers):
-            src, n_hole = seq.slot, self.slots.valid_len[hole]
-            if self.slots.state[hole] != SlotState.EMPTY and n_hole:
-                scratch = self.scratch_slot  # swap: the hole's cached content ends up in the mover's old slot
-                self.copy_kv(hole, scratch, n_hole)
-                self.copy_kv(src, hole, seq.num_cached)
-                self.copy_kv(scratch, src, n_hole)
-                self.slots.swap(hole, src)
+    def _register(self, seq: Sequence, upto: int, ready: bool, switch: bool) -> None:
+        """Register ``seq``'s full blocks up to ``upto``. Where the tree already holds a block's content in another
+        block, ``switch`` makes ``seq`` share that one (its own is released); otherwise registration stops there."""
+        bs = self.block_size
+        while seq.num_registered < upto:
+            j = seq.num_registered
+            b = seq.block_table[j]
+            canon = self.blocks.register(
+                seq.block_table[j - 1] if j else None, b, seq.token_ids[j * bs : (j + 1) * bs], ready
+            )
+            if canon is None or (canon != b and not switch):
+                return
+            if canon != b:
+                self.blocks.hold(canon)
+                seq.block_table[j] = canon
+                self.blocks.release(b)
+            seq.num_registered += 1
+
+    # ----------------------------------------------------------------- decode
+    def schedule_decode(self) -> tuple[list[Sequence], list[SharedPrefix]]:
+        """Give every running sequence the block its next K/V goes to, preempting the youngest when none is left.
+
+        Returns the decode batch (rows that share prefix blocks next to each other) and those groups."""
+        for seq in sorted(self.running, key=lambda s: s.seq_id):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            if (len(seq.token_ids) - 1) // self.block_size < len(seq.block_table):
+                continue
+            while self.blocks.capacity() == 0:
+                victim = max(self.running, key=lambda s: s.seq_id)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                seq.block_table.append(self.blocks.allocate())
+        return self.decode_batch()
+
+    def decode_batch(self) -> tuple[list[Sequence], list[SharedPrefix]]:
+        """The running sequences in decode order and the groups among them that hold the same prefix blocks.
+
+        A row's shared depth is the number of its leading blocks that another running row holds too (a
+        prefix of its table: holders hold whole chains); rows whose deepest shared block is the same form
+        a group over ``depth x block_size`` positions (a GRPO group over its prompt's full blocks)."""
+        ref = self.blocks.ref
+        groups: dict[int, list[Sequence]] = {}
+        alone: list[Sequence] = []
+        depth_of: dict[int, int] = {}
+        for seq in sorted(self.running, key=lambda s: s.seq_id):
+            table = seq.block_table
+            lo, hi = 0, len(table)
+            while lo < hi:  # the first block held by this row alone
+                mid = (lo + hi) // 2
+                if ref[table[mid]] >= 2:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo:
+                groups.setdefault(table[lo - 1], []).append(seq)
+                depth_of[seq.seq_id] = lo
             else:
-                self.copy_kv(src, hole, seq.num_cached)
-                self.slots.clear(hole)
-                self.slots.move(src, hole)
-            seq.slot = hole
+                alone.append(seq)
+        order: list[Sequence] = []
+        shared: list[SharedPrefix] = []
+        for members in groups.values():
+            if len(members) > 1:
+                shared.append(
+                    SharedPrefix(
+                        list(range(len(order), len(order) + len(members))),
+                        depth_of[members[0].seq_id] * self.block_size,
+                    )
+                )
+            order += members
+        return order + alone, shared
 
+    def preempt(self, seq: Sequence) -> None:
+        """Back to the front of the waiting queue without blocks; tokens, logprobs and generator kept.
+
+        Its blocks are registered first (the partial last one too), so what is still cached when it is
+        admitted again is shared or copied back bit for bit rather than recomputed."""
+        self.running.remove(seq)
+        self._keep_reusable(seq)
+        for b in reversed(seq.block_table):
+            self.blocks.release(b)
+        seq.block_table, seq.num_cached, seq.num_registered = [], 0, 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def after_step(self) -> None:
+        """Register the blocks that running sequences filled in this step (their K/V is final)."""
+        if not self.prefix_caching:
+            return
+        for seq in self.running:
+            if seq.kv_epoch == self.weight_epoch and seq.num_registered < seq.num_cached // self.block_size:
+                self._register(seq, seq.num_cached // self.block_size, ready=True, switch=True)
+
+    # ----------------------------------------------------------------- release
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished and release its slot (cached, parked for its session, or emptied)."""
+        """Mark ``seq`` finished; its blocks are registered (cached), parked for its session, then released."""
         seq.finish_reason = reason
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            slot, slots = seq.slot, self.slots
-            fresh = seq.num_cached > 0 and slots.version[slot] == self.weight_epoch
+            n = seq.num_cached
+            fresh = self._keep_reusable(seq)
             if fresh and seq.session_id is not None and reason != "abort":
-                slots.write(
-                    slot, SlotState.PARKED, seq.token_ids, seq.num_cached, self.weight_epoch, session=seq.session_id
-                )
-            elif fresh and self.prefix_caching:
-                slots.write(slot, SlotState.CACHED, seq.token_ids, seq.num_cached, self.weight_epoch)
-            else:
-                slots.clear(slot)
-            seq.slot = -1
+                self.blocks.park(seq.session_id, seq.block_table[: self.blocks_needed(n)], seq.token_ids[:n])
+            for b in reversed(seq.block_table):
+                self.blocks.release(b)
+            seq.block_table = []
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def weights_changed(self) -> int:
-        """New live weights: no cached or parked K/V is reusable any more. Returns the sessions dropped.
+    def _keep_reusable(self, seq: Sequence) -> bool:
+        """Register every block of a sequence that stops running (the partial last one too) when its K/V is of the
+        live weights; returns whether it is."""
+        n, bs = seq.num_cached, self.block_size
+        fresh = n > 0 and seq.kv_epoch == self.weight_epoch
+        if fresh and self.prefix_caching:
+            self._register(seq, n // bs, ready=True, switch=True)
+            if n % bs and seq.num_registered == n // bs:
+                self._register_last(seq)
+        return fresh
 
-        Running slots keep the version their K/V was computed under (so they are never donors
-        again) unless the engine recomputes their K/V and calls ``mark_recomputed``.
-        """
+    def _register_last(self, seq: Sequence) -> None:
+        """Register the partial last block of a sequence that stops running (a later turn copies from it)."""
+        j, bs = seq.num_registered, self.block_size
+        b = seq.block_table[j]
+        canon = self.blocks.register(
+            seq.block_table[j - 1] if j else None, b, seq.token_ids[j * bs : seq.num_cached], True
+        )
+        if canon is not None and canon != b:
+            self.blocks.hold(canon)
+            seq.block_table[j] = canon
+            self.blocks.release(b)
+
+    def weights_changed(self) -> int:
+        """New live weights: nothing cached or parked is reusable any more. Returns the sessions dropped.
+
+        Running sequences keep their blocks (unregistered: never shared again) unless the engine
+        recomputes their K/V and calls ``mark_recomputed``."""
         self.weight_epoch += 1
-        return self.slots.drop_reusable()
+        dropped = len(self.blocks.parked)
+        self.blocks.drop_all()
+        for seq in self.running:
+            seq.num_registered = 0
+        return dropped
 
     def mark_recomputed(self, seq: Sequence) -> None:
-        """``seq``'s K/V was recomputed under the live weights (by its own computation: shared with no one)."""
-        self.slots.version[seq.slot] = self.weight_epoch
-        seq.kv_origin, seq.kv_origin_len = seq.seq_id, seq.num_cached
+        """``seq``'s K/V was recomputed under the live weights: its blocks are shareable again."""
+        seq.kv_epoch = self.weight_epoch
+        if self.prefix_caching:
+            self._register(seq, seq.num_cached // self.block_size, ready=True, switch=True)

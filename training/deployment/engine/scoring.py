@@ -8,7 +8,7 @@ distillation asks a teacher for (the teacher's logprob of each token the student
 Invariants:
 - It never reads or writes the engine's KV cache: every layer attends over the prompt's own
   keys and values, computed in this forward and dropped after it (a causal forward, like a
-  prefill from position 0 into a throw-away cache). Scheduling, slots and cached prefixes are
+  prefill from position 0 into a throw-away cache). Scheduling, blocks and cached prefixes are
   untouched, so it can run on the engine thread between any two steps.
 - The logprob is ``log_softmax(logits)`` of the raw logits: no temperature, no penalty, no bias
   (vLLM's prompt logprobs are raw too, whatever ``--logprobs-mode`` says). Position 0 has none.

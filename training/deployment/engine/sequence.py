@@ -2,9 +2,11 @@
 
 Invariants:
 - ``token_ids = prompt_token_ids + output_token_ids``; ``num_cached`` tokens of it have K/V in
-  the sequence's slot (positions ``0 .. num_cached-1``). After a prefill or a decode step the
-  last token (just sampled) is the only one without K/V: ``num_cached == len(token_ids) - 1``.
-- A sequence holds exactly one KV slot while RUNNING and none while WAITING or FINISHED.
+  the blocks of ``block_table`` (position ``p`` in block ``block_table[p // block_size]``). After a
+  prefill or a decode step the last token (just sampled) is the only one without K/V:
+  ``num_cached == len(token_ids) - 1``, and the table has ``ceil(num_cached / block_size)`` blocks.
+- A sequence holds blocks only while RUNNING. A preempted sequence is WAITING again with its tokens,
+  logprobs, versions and generator kept and no blocks: its K/V is recomputed when it is admitted again.
 - ``token_weight_versions[i]`` is the weight version whose forward produced the logits output
   token ``i`` was sampled from; the result's ``weight_version`` is the oldest of them.
 """
@@ -54,13 +56,14 @@ class Sequence:
         self.session_id = session_id
         self.on_finish = on_finish
         self.status = SequenceStatus.WAITING
-        self.slot: int = -1
+        self.block_table: list[int] = []
+        """KV blocks holding positions ``[0, num_cached)`` (shared prefix blocks first; the rest its own)."""
         self.num_cached = 0
+        self.num_registered = 0
+        """Leading blocks of ``block_table`` registered in the prefix tree (reusable by other requests)."""
+        self.kv_epoch = -1
+        """The scheduler's weight epoch its K/V was computed in (only the live epoch is ever shared)."""
         self.cached_prompt_tokens = 0
-        self.kv_origin = self.seq_id
-        """Sequences with the same ``kv_origin`` hold copies of one computation's K/V at positions
-        ``[0, kv_origin_len)`` (the smallest of theirs): decode reads it once for them all."""
-        self.kv_origin_len = 0
         self.finish_reason: Optional[str] = None
         self.text = ""
         self.matched_stop_string = False

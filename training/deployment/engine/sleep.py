@@ -2,15 +2,17 @@
 
 | level | freed | kept |
 | --- | --- | --- |
-| 1 | the KV cache; the derived weight copies (the native step's packed panels, oneDNN's reordered weights, CUDA graphs, logits buffers) | the weights |
+| 1 | the KV cache's block pool; the derived weight copies (the native step's packed panels, oneDNN's reordered weights, CUDA graphs, logits buffers) | the weights |
 | 2 | the same, and the weights | nothing but small tables (norm scales, RoPE, biases of the native step) |
 
 Freeing resizes each tensor's storage to 0 bytes: the tensor objects, their views (``runner.targets``,
 ``cache.k[i]``) and their shapes stay, so whoever holds them needs no new reference; waking resizes the
 storage back (new addresses: the native step's pointer table is rebuilt, CUDA graphs are re-captured on
 first use). A storage that cannot be resized (the transformers fallback's parameters, memory-mapped from
-the checkpoint) has its tensor's ``.data`` swapped for an empty one instead, and back at wake. The contents do not survive: the KV cache is garbage after a wake (the caller drops every
-cached prefix), and level-2 weights must be loaded again (``restore_weights`` then a weight update,
+the checkpoint) has its tensor's ``.data`` swapped for an empty one instead, and back at wake. The contents do
+not survive: the block pool is new memory after a wake (the caller drops every cached prefix and resets the
+block manager; a block is zeroed when it is handed out, so the pool is not written whole), and level-2
+weights must be loaded again (``restore_weights`` then a weight update,
 or ``reload_weights`` from the model folder). Freed memory goes back to the system: ``torch.cuda.empty_cache``
 on CUDA; on CPU ``gc.collect`` and glibc's ``malloc_trim(0)`` (where libc has it).
 """
@@ -155,7 +157,8 @@ class RunnerSleep:
             raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
         freed = {"kv_cache_bytes": 0, "derived_bytes": 0, "weight_bytes": 0}
         if self.level == 0:
-            freed["kv_cache_bytes"] = self._kv.free(self._kv_tensors())
+            resident = self.runner.cache.resident_bytes()  # on CPU the untouched rest of the pool was never resident
+            freed["kv_cache_bytes"] = min(resident, self._kv.free(self._kv_tensors()))
             freed["derived_bytes"] = self._free_derived()
         if level == 2 and self.level < 2:
             freed["weight_bytes"] = self._weights.free(self._weight_tensors())
@@ -179,9 +182,7 @@ class RunnerSleep:
         if self.level == 2:
             raise RuntimeError("wake: the weights are freed; restore_weights() and load them first")
         self._kv.restore()
-        with torch.inference_mode():
-            for t in self._kv_tensors():
-                t.zero_()
+        self.runner.cache.restored()
         self._derived.restore()
         self.runner.sleeping = False
         self.runner.weights_changed()  # re-pack the native panels, re-make oneDNN's copies

@@ -22,9 +22,11 @@ On CPU in fp32 the decode step runs in C by default (``native``, chosen by runne
 ``NativeDecoder``, native.py), and so do the prefill's norms, RoPE, K/V writes and SiLU gate; ``decode_forward`` below
 is the torch step (``decode_kernel="torch"``, bf16, CUDA, or no C compiler).
 
-On CPU in fp32 (and in bf16 where the CPU has native bf16) the five matmuls (qkv, o, gate_up,
-down, LM head) of the torch step and of every prefill run as oneDNN linears on weights reordered
-once into oneDNN's blocked layout (``weights_changed``, called after every weight change). In fp32
+With the native step, the prefill's five matmuls (qkv, o, gate_up, down, LM head) run in C too, on
+its packed weights (``native.linear``): no other copy is made. Otherwise, on CPU in fp32 (and in
+bf16 where the CPU has native bf16) the five matmuls of the torch step and of every prefill run as
+oneDNN linears on weights reordered once into oneDNN's blocked layout (``weights_changed``, called
+after every weight change). In fp32
 they are 1.3–3.5× faster than
 ``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch size on the AMD EPYC this was measured
 on. The reordered copies double the weights' memory. The fp32 sums run in another order than
@@ -43,7 +45,8 @@ import torch.nn.functional as F
 
 from training.deployment.engine.attention import SharedPrefix, SharedPrefixAttention, decode_attention
 from training.deployment.engine.kv_cache import KVBudget, KVCache, padded_tables
-from training.deployment.engine.native import NativeDecoder, silu_mul
+from training.deployment.engine.native import MATMULS, NativeDecoder, silu_mul
+from training.deployment.engine.native import linear as native_linear
 from training.deployment.engine.native import rms_norm as native_rms_norm
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
 
@@ -134,7 +137,10 @@ class LeanModelRunner:
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.weight_shapes = checkpoint_shapes(path)
         self.tied = self.tied and "lm_head.weight" not in self.weight_shapes
-        self.onednn = onednn_linear_available(device, dtype)
+        self.native_linears = native and dtype == torch.float32
+        """The prefill's (and scoring's) matmuls and LM head run in C on the native step's packed weights
+        (``native.linear``, the decode step's own kernel): no third copy of the weights."""
+        self.onednn = onednn_linear_available(device, dtype) and not self.native_linears
         """The matmuls run as oneDNN linears on reordered weights (``weights_changed`` makes them)."""
         self.lm_head_packed: torch.Tensor | None = None
         self._allocate(self.weight_shapes)
@@ -154,6 +160,10 @@ class LeanModelRunner:
         self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
         self.native: Optional[NativeDecoder] = NativeDecoder(self) if native else None
         """The decode step in C (native.py), or None: torch ops (``decode_forward``)."""
+        if self.native_linears:
+            for i, L in enumerate(self.layers):
+                for name in MATMULS:
+                    L[name + "_native"] = self.native.packed[name][i]
 
     # ----------------------------------------------------------------- weights
     def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -275,6 +285,9 @@ class LeanModelRunner:
     @staticmethod
     def _linear(L: dict, name: str, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T (+ b)`` for layer weight ``name`` (``qkv``, ``gate_up``)."""
+        native_packed = L.get(name + "_native")
+        if native_packed is not None:
+            return native_linear(a, native_packed, L[name + "_w"].shape[0], L.get(name + "_b"))
         packed = L.get(name + "_packed")
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(a, packed, L.get(name + "_b"), "none", [], "")
@@ -282,8 +295,12 @@ class LeanModelRunner:
 
     @staticmethod
     def _linear_add(L: dict, name: str, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """``x + a @ W.T (+ b)`` for layer weight ``name`` (``o``, ``down``): the residual add fused into the matmul."""
+        """``x + a @ W.T (+ b)`` for layer weight ``name`` (``o``, ``down``): the residual add fused into the matmul
+        (in place in ``x`` on the native path)."""
         packed, b = L.get(name + "_packed"), L.get(name + "_b")
+        native_packed = L.get(name + "_native")
+        if native_packed is not None:
+            return native_linear(a, native_packed, x.shape[1], b, residual=x)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(a.contiguous(), x, packed, b, "add")
         out = torch.addmm(x, a, L[name + "_w"].t())
@@ -304,6 +321,8 @@ class LeanModelRunner:
         [N, 49152] matmul ran ~25 % slower here than the chunked form (same values).
         """
         h = self._norm(x, self.final_norm)
+        if self.native_linears:
+            return native_linear(h, self.native.lm_head, self.lm_head.shape[0])
         if self.lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(h, self.lm_head_packed, None, "none", [], "").float()
         if self.device.type != "cpu":

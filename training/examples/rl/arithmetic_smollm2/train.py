@@ -29,9 +29,8 @@ cfg = Config(
     dynamic_filter_fn=has_learning_signal,  # drop zero-advantage groups
     trainer=TrainerConfig(learning_rate=1e-5, micro_batch_tokens=1024),  # ~1.5 GB of activations on CPU
     loss=LossConfig(policy_loss="grpo", kl_beta=0.0),
-    deployment=DeployConfig(
-        engine_config=EngineConfig(max_model_len=512)
-    ),  # the KV cache is preallocated: 64 x 2048 tokens would take 6 GB
+    # the server's KV blocks: 512 MiB hold ~11,000 tokens (46 KB each), 64 replies of 128 tokens with room to spare
+    deployment=DeployConfig(engine_config=EngineConfig(kv_cache_memory_bytes=512 * 2**20)),
 )
 
 if __name__ == "__main__":

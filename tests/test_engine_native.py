@@ -287,8 +287,11 @@ def test_the_profile_build_times_every_phase_of_a_step(tiny_model_path):
     from training.deployment.engine.native import PHASES, NativeDecoder
 
     torch_runner, runner = runners(tiny_model_path)
-    timed = NativeDecoder(runner, profile=True)
+    with pytest.raises(ValueError, match="holds no memory"):  # the native runner's matmul weights are its panels
+        NativeDecoder(runner, profile=True)
+    timed = NativeDecoder(torch_runner, profile=True)  # as benchmarks/profile_decode.py builds it
     tables = list(fill(runner, {0: [5, 6, 7], 1: [8, 9]}).values())
+    assert tables == list(fill(torch_runner, {0: [5, 6, 7], 1: [8, 9]}).values())
     want = runner.native.decode(tables, [3, 4], [3, 2]).clone()
     got = timed.decode(tables, [3, 4], [3, 2])
     assert torch.allclose(got, want, atol=1e-6)  # the same step, timed
@@ -315,3 +318,46 @@ def test_a_weight_update_is_repacked_in_place_and_decoded_with(tiny_qwen2_path):
     want, got = a.decode(tables, [7, 8], [4, 2]), b.decode(tables, [7, 8], [4, 2])
     assert torch.allclose(got, want, atol=1e-4)
     assert {name: [t.data_ptr() for t in bufs] for name, bufs in b.native.packed.items()} == before
+
+
+def _step_logits(runner: LeanModelRunner, prompts: dict[int, list[int]]) -> torch.Tensor:
+    """A prefill of every prompt (into fresh blocks) and one decode step: both kinds of forward, their logits."""
+    tables = row_tables(runner, list(prompts), MAX_LEN)
+    first = runner.prefill([PrefillItem(t, ids, 0) for t, ids in zip(tables, prompts.values())]).clone()
+    step = runner.decode(tables, [7] * len(prompts), [len(ids) for ids in prompts.values()])
+    return torch.cat([first, step.clone()])
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen2_path", "odd_llama_path"])
+def test_native_runner_holds_the_matmul_weights_once_and_updates_them_exactly(model, request):
+    """With the native step the packed panels are the only copy of the matmul weights between updates: the
+    checkpoint-layout tensors hold no memory and no oneDNN copy exists. A full update, a streamed one and a
+    streamed one that stops before writing all serve what they should: the new weights (what a full update
+    with them serves), or bit for bit the old ones (the panels unpacked and packed again)."""
+    from training.deployment.engine.weights import load_safetensors
+
+    path = request.getfixturevalue(model)
+    _, runner = runners(path)
+    weights = [L[name + "_w"] for L in runner.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)
+    assert runner.lm_head_packed is None and not any(k.endswith("_packed") for L in runner.layers for k in L)
+    rng = random.Random(1)
+    prompts = {row: [rng.randrange(3, 400) for _ in range(rng.randint(5, 40))] for row in range(3)}
+    before = _step_logits(runner, prompts)
+
+    runner.begin_weight_write(whole=False)  # a streamed update that fails before its first tensor
+    runner.weights_changed()
+    assert torch.equal(_step_logits(runner, prompts), before)
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)
+
+    scaled = {name: t * 1.5 if t.ndim == 2 else t for name, t in load_safetensors(path).items()}
+    runner.begin_weight_write(whole=False)  # a streamed update: every tensor written one by one
+    for name, target in runner.targets.items():
+        target.copy_(scaled[name])
+    runner.weights_changed()
+    streamed = _step_logits(runner, prompts)
+    assert not torch.allclose(streamed, before, atol=1e-3)
+    runner.load_weights(load_safetensors(path))  # a full update back to the checkpoint
+    assert torch.equal(_step_logits(runner, prompts), before)
+    runner.load_weights(scaled)
+    assert torch.equal(_step_logits(runner, prompts), streamed)

@@ -45,9 +45,10 @@ import torch.nn.functional as F
 
 from training.deployment.engine.attention import SharedPrefix, SharedPrefixAttention, decode_attention
 from training.deployment.engine.kv_cache import KVBudget, KVCache, padded_tables
-from training.deployment.engine.native import MATMULS, NativeDecoder, silu_mul
+from training.deployment.engine.native import MATMULS, PANEL_COLUMNS, NativeDecoder, silu_mul
 from training.deployment.engine.native import linear as native_linear
 from training.deployment.engine.native import rms_norm as native_rms_norm
+from training.deployment.engine.sleep import FreedStorages, release_host_memory
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class LeanModelRunner:
         self.onednn = onednn_linear_available(device, dtype) and not self.native_linears
         """The matmuls run as oneDNN linears on reordered weights (``weights_changed`` makes them)."""
         self.lm_head_packed: torch.Tensor | None = None
+        self._unheld = FreedStorages()
+        """With ``native_linears``: the checkpoint-layout matmul weights, their memory given back between updates
+        (nothing reads them: the packed panels are the live copy); ``begin_weight_write`` allocates them again."""
         self._allocate(self.weight_shapes)
         self.load_weights(load_safetensors(path))
         inv, scale = _rope_inv_freq(config, self.head_dim)
@@ -164,6 +168,8 @@ class LeanModelRunner:
             for i, L in enumerate(self.layers):
                 for name in MATMULS:
                     L[name + "_native"] = self.native.packed[name][i]
+            self._unheld.free(self._matmul_weights())
+            release_host_memory(device)
 
     # ----------------------------------------------------------------- weights
     def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -228,9 +234,29 @@ class LeanModelRunner:
         if unknown:
             raise ValueError(f"lean forward does not know checkpoint tensor {unknown[0]}")
 
+    def _matmul_weights(self) -> list[torch.Tensor]:
+        return [L[name + "_w"] for L in self.layers for name in MATMULS]
+
+    @torch.inference_mode()
+    def begin_weight_write(self, whole: bool) -> None:
+        """Call before writing ``targets``: the checkpoint-layout matmul weights get their memory back, filled from
+        the packed panels unless ``whole`` (a full set overwrites every tensor), so a streamed update that stops
+        early leaves the served weights as they were. A no-op unless ``native_linears``."""
+        if not self._unheld.tensors:
+            return
+        self._unheld.restore()
+        if whole:
+            return
+        for name in MATMULS:
+            for L, packed in zip(self.layers, self.native.packed[name]):
+                w = L[name + "_w"]
+                n, k = w.shape
+                w.copy_(packed.view(-1, k, PANEL_COLUMNS).transpose(1, 2).reshape(-1, k)[:n])
+
     @torch.inference_mode()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a validated full set into the fused tensors in place (CUDA graphs stay valid)."""
+        self.begin_weight_write(whole=True)
         try:
             for name, target in self.targets.items():
                 target.copy_(tensors[name])
@@ -239,11 +265,16 @@ class LeanModelRunner:
 
     def weights_changed(self) -> None:
         """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.
-        While the runner sleeps (``sleeping``, sleep.py) nothing is derived: waking rebuilds the copies."""
+        While the runner sleeps (``sleeping``, sleep.py) nothing is derived: waking rebuilds the copies. With
+        ``native_linears`` the packed panels are then the only copy of the matmul weights (``begin_weight_write``);
+        when nothing was written since (a wake without an update), they are already current."""
         if getattr(self, "sleeping", False):
             return
-        if getattr(self, "native", None) is not None:
+        if getattr(self, "native", None) is not None and not self._unheld.tensors:
             self.native.pack_weights()
+            if self.native_linears:
+                self._unheld.free(self._matmul_weights())
+                release_host_memory(self.device)
         if not self.onednn:
             return
         with torch.inference_mode():

@@ -48,6 +48,9 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
 """gcc's: the 16-float vectors are one register on AVX-512 (two on AVX2); the loops it vectorises itself use 512 bits too."""
 MATMULS = ("qkv", "o", "gate_up", "down")
 """A layer's fused matmuls, by the runner's weight names (``L[name + "_w"]``, ``L[name + "_b"]``)."""
+PANEL_COLUMNS = 32
+"""Output columns per packed weight panel (``NB`` in native_decode.c): ``pack_weight`` lays a [N, K] weight out
+as [ceil(N / 32)][K][32], the columns past N zero."""
 SEGMENT_ROWS = 8
 """Most rows of one attention segment: a bigger GRPO group is split, so its tasks spread over the threads."""
 LOGITS_ROWS = 64
@@ -182,6 +185,8 @@ def pack_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     lib = load_library()
     n, k = w.shape
     w = w.contiguous()
+    if w.untyped_storage().nbytes() < w.storage_offset() * 4 + w.nbytes:  # its memory given back (model_runner)
+        raise ValueError(f"pack_weight: the {n}x{k} weight holds no memory (a runner's unheld matmul weight)")
     size = lib.packed_size(n, k)
     if out is None:
         out = torch.empty(size, dtype=torch.float32)

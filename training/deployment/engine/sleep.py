@@ -2,7 +2,7 @@
 
 | level | freed | kept |
 | --- | --- | --- |
-| 1 | the KV cache's block pool; the derived weight copies (the native step's packed panels, oneDNN's reordered weights, CUDA graphs, logits buffers) | the weights |
+| 1 | the KV cache's block pool; the derived weight copies (the native step's packed panels, oneDNN's reordered weights, CUDA graphs, logits buffers) | the weights (in fp32 on CPU with the native step: its packed panels, the only copy of the matmul weights between updates) |
 | 2 | the same, and the weights | nothing but small tables (norm scales, RoPE, biases of the native step) |
 
 Freeing resizes each tensor's storage to 0 bytes: the tensor objects, their views (``runner.targets``,
@@ -127,7 +127,11 @@ class RunnerSleep:
         return [cache.k_all, cache.v_all]
 
     def _weight_tensors(self) -> list[torch.Tensor]:
-        return list(self.runner.targets.values())
+        tensors = list(self.runner.targets.values())
+        if getattr(self.runner, "native_linears", False):  # the packed panels are the live matmul weights
+            native = self.runner.native
+            tensors += [*(p for ps in native.packed.values() for p in ps), native.lm_head]
+        return tensors
 
     def _free_derived(self) -> int:
         """Drop the copies made from the weights (rebuilt by ``weights_changed`` at wake)."""
@@ -141,7 +145,7 @@ class RunnerSleep:
             freed += r._logits_buf.nbytes
             r._logits_buf = None
         native = getattr(r, "native", None)
-        if native is not None:
+        if native is not None and not getattr(r, "native_linears", False):  # else they are the weights: level 2
             freed += self._derived.free([*(p for ps in native.packed.values() for p in ps), native.lm_head])
             native._logits = torch.empty(0)
         graphs = getattr(r, "graphs", None)

@@ -190,7 +190,7 @@ WHY = {
     "earlier runs were on an AMD EPYC, so compare ratios). SmolLM2 fp32 (the default, whose logprobs match an "
     "fp32 trainer), with the native decode step: 2.60× vLLM's CPU build at 8 clients, 2.77× at 32, 3.00× at 64 "
     "(1.49× / 1.90× / 2.06× in the previous run, with the torch step), and 3.8–5.2× `generate`. bf16 (every side "
-    "in bf16; the native step is fp32 only, so this is the torch step on oneDNN's bf16 linears): 1.40–1.49× "
+    "in bf16; in this run the native step was fp32 only, so this is the torch step on oneDNN's bf16 linears): 1.40–1.49× "
     "vLLM, now slower than our fp32. Tiny model: the native step cut per-token compute, so these rows went up "
     "(32 clients 8,060 → 16,030 tok/s, 1.4–1.7× `generate`); what is left is per-request overhead (an HTTP hop, "
     "JSON, a Python scheduler step per decode step) that one in-process `generate` call does not pay.",

@@ -20,9 +20,9 @@ prefixes). In bf16 (a second library, built with ``-DNATIVE_BF16``) the matmul w
 and the K/V pool stay bf16 and everything else runs in fp32 (the residual stream, the norms, RoPE,
 softmax, SiLU, every accumulation): the matmuls run on AMX tiles where the CPU has them (their inputs
 rounded to bf16), elsewhere with the weights widened to fp32 as they stream (``BF16_MATMULS``). It is
-closer to fp32
-than the bf16 torch step, which rounds after every op (tested). OpenMP runs on the libgomp torch already loaded (same soname), so the engine's thread
-count (``torch.set_num_threads``) applies and there is one worker pool.
+closer to fp32 than the bf16 torch step, which rounds after every op (tested). OpenMP runs on the
+libgomp torch already loaded (same soname), so the engine's thread count (``torch.set_num_threads``)
+applies and there is one worker pool.
 """
 
 from __future__ import annotations

@@ -204,3 +204,21 @@ def test_a_bf16_server_reports_the_native_step_over_http(tiny_model_path, tmp_pa
     assert status == 200 and out["usage"]["completion_tokens"] == 6, out
     assert stats["execution_path"] == "native", stats["execution_path_reason"]
     assert "bfloat16" in stats["execution_path_reason"]
+
+
+def test_bf16_native_step_decodes_the_same_after_sleep_and_wake(tiny_model_path):
+    """Sleep level 1 (packed panels freed) and level 2 (weights freed, reloaded): after wake the C step reads the new
+    storage (the struct rebuilt, the panels and the fp32 norm copies refreshed) and gives the same logits, bitwise."""
+    from training.deployment.engine.sleep import RunnerSleep
+    from training.deployment.engine.weights import load_safetensors
+
+    r = runner(tiny_model_path, torch.bfloat16, True)
+    before = decode_run(r)[0]
+    sleep = RunnerSleep(r)
+    for level in (1, 2):
+        sleep.sleep(level)
+        if level == 2:
+            sleep.restore_weights()
+            r.load_weights(load_safetensors(tiny_model_path))
+        sleep.wake()
+        assert torch.equal(decode_run(r)[0], before), level

@@ -217,7 +217,7 @@ class EngineConfig:
     """An update with ``wait_for_inflight=False``: running sequences ``keep`` their K/V (PipelineRL), or
     ``recompute`` it under the new weights before the next decode step."""
     decode_kernel: str = "auto"
-    """The lean forward's decode step on CPU in fp32: ``native`` (C, compiled on first use with gcc; see
+    """The lean forward's decode step on CPU in fp32 or bf16: ``native`` (C, compiled on first use with gcc; see
     training/deployment/engine/README.md), ``torch`` (torch ops), or ``auto`` (native where it builds, else torch)."""
     max_tools: int = 128
     """Most entries a request's ``tools`` list may have (the server answers 400 naming ``tools`` and this limit)."""

@@ -18,9 +18,10 @@ Two entry points, both return fp32 logits; a sequence's K/V lives in the blocks 
   that share prefix blocks (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
-On CPU in fp32 the decode step runs in C by default (``native``, chosen by runners.py:
-``NativeDecoder``, native.py), and so do the prefill's norms, RoPE, K/V writes and SiLU gate; ``decode_forward`` below
-is the torch step (``decode_kernel="torch"``, bf16, CUDA, or no C compiler).
+On CPU in fp32 and bf16 the decode step runs in C by default (``native``, chosen by runners.py:
+``NativeDecoder``, native.py), and in fp32 so do the prefill's norms, RoPE, K/V writes and SiLU gate
+(``native_passes``); ``decode_forward`` below is the torch step (``decode_kernel="torch"``, fp16, CUDA,
+or no C compiler).
 
 With the native step, the prefill's five matmuls (qkv, o, gate_up, down, LM head) run in C too, on
 its packed weights (``native.linear``): no other copy is made. Otherwise, on CPU in fp32 (and in
@@ -153,11 +154,13 @@ class LeanModelRunner:
         pos = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         sin = emb.sin() * scale
-        self.sin_signed = torch.cat([-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]], -1).to(
-            dtype=dtype, device=device
+        self.rope_fp32 = (
+            (emb.cos() * scale).to(device=device),
+            torch.cat([-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]], -1).to(device=device),
         )
+        """cos and signed sin [max_model_len, head_dim] in fp32 (the native step's, whatever the dtype)."""
+        self.cos, self.sin_signed = (t.to(dtype=dtype) for t in self.rope_fp32)
         self.max_len = max_model_len
         self.cache = KVCache(self.num_layers, budget, self.num_kv_heads, self.head_dim, dtype, device)
         self._logits_buf: torch.Tensor | None = None
@@ -284,8 +287,13 @@ class LeanModelRunner:
             self.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, PACK_BATCH)
 
     # ----------------------------------------------------------------- forward pieces
+    @property
+    def native_passes(self) -> bool:
+        """The norms, RoPE, K/V writes and SiLU gate of the prefill run in C too (the fp32 native step only)."""
+        return self.native is not None and self.native.elementwise
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dim() == 2:
+        if self.native_passes and x.dim() == 2:
             return native_rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
@@ -340,7 +348,7 @@ class LeanModelRunner:
     def _mlp_and_residual(self, L: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = self._linear_add(L, "o", x, attn)
         gu = self._linear(L, "gate_up", self._norm(x, L["post_norm"]))
-        if self.native is not None:
+        if self.native_passes:
             return self._linear_add(L, "down", x, silu_mul(gu))
         g, u = gu.chunk(2, dim=-1)
         return self._linear_add(L, "down", x, F.silu(g, inplace=True).mul_(u))
@@ -383,7 +391,7 @@ class LeanModelRunner:
         positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(items, lens)])
         kv_slots = torch.cat([it.kv_slots(bs) for it in items])
         positions, kv_slots = positions.to(self.device), kv_slots.to(self.device)
-        rows = None if self.native is not None else self.cache.flat_rows(kv_slots)
+        rows = None if self.native_passes else self.cache.flat_rows(kv_slots)
         tables = [
             torch.tensor(it.block_table[: -(-(it.start_pos + n) // bs)], device=self.device)[None]
             for it, n in zip(items, lens)
@@ -395,7 +403,7 @@ class LeanModelRunner:
             bounds.append(bounds[-1] + n)
         for li, L in enumerate(self.layers):
             qkv = self._linear(L, "qkv", self._norm(x, L["in_norm"]))
-            if self.native is not None:  # norms, RoPE and every token's K/V write in one C pass
+            if self.native_passes:  # norms, RoPE and every token's K/V write in one C pass
                 self.native.rope_store(li, qkv, positions, kv_slots)
                 heads = qkv.view(len(positions), -1, self.head_dim)
                 qk, v = heads[:, : h_q + kh], heads[:, h_q + kh :]

@@ -1,4 +1,4 @@
-"""The decode step in C on CPU (fp32): one call per step instead of ~40 torch ops per layer.
+"""The decode step in C on CPU (fp32 or bf16): one call per step instead of ~40 torch ops per layer.
 
 ``native_decode.c`` holds the whole decode forward of the lean runner (embedding, 30 × (norm,
 matmuls, RoPE, K/V write, attention, SiLU), final norm, LM head). It is compiled on first use with
@@ -16,8 +16,13 @@ prefix once for all its rows; the norms, RoPE and SiLU cost no op dispatch.
 
 Contract: the same maths as ``LeanModelRunner.decode_forward`` in fp32, the sums in another order
 (tested: logits within 1e-4 of the torch path, greedy tokens equal, over churn and shared
-prefixes). OpenMP runs on the libgomp torch already loaded (same soname), so the engine's thread
-count (``torch.set_num_threads``) applies and there is one worker pool.
+prefixes). In bf16 (a second library, built with ``-DNATIVE_BF16``) the matmul weights, the embedding
+and the K/V pool stay bf16 and everything else runs in fp32 (the residual stream, the norms, RoPE,
+softmax, SiLU, every accumulation): the matmuls run on AMX tiles where the CPU has them (their inputs
+rounded to bf16), elsewhere with the weights widened to fp32 as they stream (``BF16_MATMULS``). It is
+closer to fp32 than the bf16 torch step, which rounds after every op (tested). OpenMP runs on the
+libgomp torch already loaded (same soname), so the engine's thread count (``torch.set_num_threads``)
+applies and there is one worker pool.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 """gcc's: the 16-float vectors are one register on AVX-512 (two on AVX2); the loops it vectorises itself use 512 bits too."""
+DTYPE_FLAGS = {torch.float32: (), torch.bfloat16: ("-DNATIVE_BF16",)}
+"""The library built per engine dtype: fp32, or bf16 weights and K/V (native_decode.c's file comment)."""
+BF16_MATMULS = {"auto": ("-DNATIVE_BF16_AMX",), "widen": (), "vdpbf16ps": ("-DNATIVE_BF16_DOT",)}
+"""The bf16 builds' matmul kernels: ``widen`` (bf16 weights widened to fp32 as they stream; every CPU), ``auto``
+(AMX tiles where the CPU has AMX, else ``widen``), ``vdpbf16ps`` (AVX-512 BF16 where the CPU has it, else
+``widen``); AMX and ``vdpbf16ps`` round the activations to bf16."""
+BF16_MATMUL = "auto"
+"""The bf16 kernel the engine builds (engine README, "The native step in bf16": the fastest measured)."""
 MATMULS = ("qkv", "o", "gate_up", "down")
 """A layer's fused matmuls, by the runner's weight names (``L[name + "_w"]``, ``L[name + "_b"]``)."""
 PANEL_COLUMNS = 32
@@ -97,14 +110,21 @@ def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     return cache_dir() / "native" / f"native_decode-{key.hexdigest()[:16]}.so"
 
 
-def load_library(profile: bool = False) -> ctypes.CDLL:
-    """The compiled library (built on first use, then cached on disk); raises NativeUnavailable.
+def load_library(profile: bool = False, dtype: torch.dtype = torch.float32, matmuls: str = BF16_MATMUL) -> ctypes.CDLL:
+    """The compiled library for ``dtype`` (fp32 or bf16; built on first use, then cached on disk); raises
+    NativeUnavailable.
 
     The outcome is kept for the process, a failure too (no compiler run per call);
     ``load_library.cache_clear()`` forgets it. ``profile``: the build whose ``decode_step`` times
-    its phases (``PHASES``; benchmarks/profile_decode.py reads them).
+    its phases (``PHASES``; benchmarks/profile_decode.py reads them). ``matmuls``: the bf16 build's matmul
+    kernel (``BF16_MATMULS``).
     """
-    built = _build_and_load(profile)
+    if dtype not in DTYPE_FLAGS:
+        raise NativeUnavailable(f"dtype {dtype} (the native step runs float32 and bfloat16)")
+    if matmuls not in BF16_MATMULS:
+        raise ValueError(f"matmuls={matmuls!r} is not one of {tuple(BF16_MATMULS)}")
+    kernel = matmuls if dtype == torch.bfloat16 else BF16_MATMUL
+    built = _build_and_load(profile, str(dtype).removeprefix("torch."), kernel)
     if isinstance(built, NativeUnavailable):
         raise built
     return built
@@ -114,12 +134,13 @@ PHASES = ("embedding and norms", "layer matmuls", "RoPE and K/V writes", "attent
 """What the profile build's ``native_phase_seconds`` counts, in order."""
 
 
-@functools.lru_cache(maxsize=2)
-def _build_and_load(profile: bool) -> ctypes.CDLL | NativeUnavailable:
+@functools.lru_cache(maxsize=8)
+def _build_and_load(profile: bool, dtype_name: str, matmuls: str) -> ctypes.CDLL | NativeUnavailable:
     compiler = os.environ.get("CC") or "gcc"
     if shutil.which(compiler) is None:
         return NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
-    flags = CFLAGS + (("-DNATIVE_PROFILE",) if profile else ())
+    flags = CFLAGS + DTYPE_FLAGS[getattr(torch, dtype_name)] + (("-DNATIVE_PROFILE",) if profile else ())
+    flags += BF16_MATMULS[matmuls] if dtype_name == "bfloat16" else ()
     try:
         path = _library_path(compiler, flags)
         if not path.exists():
@@ -166,10 +187,8 @@ def native_available(device: torch.device, dtype: torch.dtype) -> str | None:
     """None if the native decode step can run here, else the reason it cannot."""
     if device.type != "cpu":
         return f"device {device.type} (the native step is CPU only)"
-    if dtype != torch.float32:
-        return f"dtype {dtype} (the native step is fp32 only)"
     try:
-        load_library()
+        load_library(dtype=dtype)
     except NativeUnavailable as exc:
         return str(exc)
     return None
@@ -179,18 +198,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def pack_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``w`` [N, K] (fp32) in the matmul's panel layout (``[ceil(N/32)][K][32]``, columns past N zero), flat;
-    into ``out`` (a buffer of that size, rewritten in place) when given."""
-    lib = load_library()
+def pack_weight(w: torch.Tensor, out: torch.Tensor | None = None, matmuls: str = BF16_MATMUL) -> torch.Tensor:
+    """``w`` [N, K] (fp32 or bf16) in the matmul's panel layout (fp32 ``[ceil(N/32)][K][32]``, columns past N
+    zero; bf16 the same with each k's columns interleaved, or in pairs along K for ``vdpbf16ps`` / ``amx``), flat, in
+    ``w``'s dtype; into ``out`` (a buffer of that size, rewritten in place) when given."""
+    lib = load_library(dtype=w.dtype, matmuls=matmuls)
     n, k = w.shape
     w = w.contiguous()
     if w.untyped_storage().nbytes() < w.storage_offset() * 4 + w.nbytes:  # its memory given back (model_runner)
         raise ValueError(f"pack_weight: the {n}x{k} weight holds no memory (a runner's unheld matmul weight)")
     size = lib.packed_size(n, k)
     if out is None:
-        out = torch.empty(size, dtype=torch.float32)
-    elif out.numel() != size or not out.is_contiguous():
+        out = torch.empty(size, dtype=w.dtype)
+    elif out.numel() != size or not out.is_contiguous() or out.dtype != w.dtype:
         raise ValueError(f"pack_weight: out holds {out.numel()} floats, the panels of a {n}x{k} weight {size}")
     lib.pack_weight(n, k, w.data_ptr(), out.data_ptr())
     return out
@@ -202,8 +222,10 @@ def linear(
     n: int,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    matmuls: str = BF16_MATMUL,
 ) -> torch.Tensor:
-    """``a @ w.T (+ bias) (+ residual)`` for ``packed = pack_weight(w)`` (``w`` has ``n`` rows); fp32 on CPU.
+    """``a @ w.T (+ bias) (+ residual)`` for ``packed = pack_weight(w, matmuls=matmuls)`` (``w`` has ``n`` rows);
+    ``a``, ``bias``, ``residual`` and the result fp32 on CPU, ``packed`` fp32 or bf16.
 
     ``bias`` is padded to whole panels here; ``residual`` [M, n] is added in the same pass and may be
     the output buffer itself (it is then updated in place and returned).
@@ -212,7 +234,8 @@ def linear(
     m, k = a.shape
     out = residual if residual is not None else torch.empty(m, n, dtype=torch.float32)
     bias = _pad(bias)
-    load_library().matmul(m, n, k, a.data_ptr(), packed.data_ptr(), _ptr(bias), _ptr(residual), out.data_ptr())
+    lib = load_library(dtype=packed.dtype, matmuls=matmuls)
+    lib.matmul(m, n, k, a.data_ptr(), packed.data_ptr(), _ptr(bias), _ptr(residual), out.data_ptr())
     return out
 
 
@@ -249,10 +272,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _pad(b: torch.Tensor | None) -> torch.Tensor | None:
-    """A bias padded with zeros to whole panels of 32 (the matmul adds it a panel at a time)."""
+    """A bias in fp32 padded with zeros to whole panels of 32 (the matmul adds it a panel at a time)."""
     if b is None:
         return None
-    return torch.cat([b, b.new_zeros(-b.numel() % 32)]).contiguous()
+    return torch.cat([b.float(), b.new_zeros(-b.numel() % 32, dtype=torch.float32)]).contiguous()
 
 
 def _i64(values: Sequence[int]) -> torch.Tensor:
@@ -263,22 +286,38 @@ class NativeDecoder:
     """The decode step of a ``LeanModelRunner`` (``runner``) in C; it shares the runner's weights' values and block pool.
 
     Holds its own packed copy of the matmul weights (``pack_weights``, called from the runner's
-    ``weights_changed``), and views of the runner's norms, embedding, RoPE tables and cache.
+    ``weights_changed``), and views of the runner's norms, embedding, RoPE tables and cache; in bf16
+    fp32 copies of the norms (refreshed by ``pack_weights``) and the runner's fp32 RoPE tables.
+    ``matmuls``: the bf16 build's matmul kernel (``BF16_MATMULS``).
     """
 
-    def __init__(self, runner, profile: bool = False):
+    def __init__(self, runner, profile: bool = False, matmuls: str = BF16_MATMUL):
         if runner.head_dim > 1024:
             raise NativeUnavailable(f"head_dim {runner.head_dim} > 1024")
-        self.lib = load_library(profile)
-        self.profile = profile
+        self.lib = load_library(profile, runner.dtype, matmuls)
+        self.profile, self.matmuls = profile, matmuls
         self.runner = runner
+        self.elementwise = runner.dtype == torch.float32
+        """The prefill's norms, RoPE, K/V writes and SiLU gate run in this library too (fp32; bf16 keeps torch's)."""
         layers = runner.layers
-        self.packed = {name: [pack_weight(L[name + "_w"]) for L in layers] for name in MATMULS}
+        self.packed = {name: [pack_weight(L[name + "_w"], matmuls=matmuls) for L in layers] for name in MATMULS}
         """Per matmul name, per layer: the packed weight (rewritten in place by ``pack_weights``)."""
         self.biases = {name: [_pad(L.get(name + "_b")) for L in layers] for name in MATMULS}
-        self.lm_head = pack_weight(runner.lm_head)
+        self.lm_head = pack_weight(runner.lm_head, matmuls=matmuls)
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(runner tensor, its fp32 copy) for what the step reads in fp32 that a bf16 runner holds in bf16."""
+        self.norms = {n: [self._fp32(L.get(n)) for L in layers] for n in ("in_norm", "post_norm", "q_norm", "k_norm")}
+        self.final_norm = self._fp32(runner.final_norm)
         self.model, self._keep = self._struct()
         self._logits = torch.empty(0)
+
+    def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` itself if fp32, else an fp32 copy kept current by ``pack_weights``."""
+        if t is None or t.dtype == torch.float32:
+            return t
+        copy = t.float()
+        self._copies.append((t, copy))
+        return copy
 
     @torch.inference_mode()
     def pack_weights(self) -> None:
@@ -286,10 +325,12 @@ class NativeDecoder:
         (the runner's ``weights_changed`` calls it after every weight update; no second copy is made)."""
         for name in MATMULS:
             for L, packed, bias in zip(self.runner.layers, self.packed[name], self.biases[name]):
-                pack_weight(L[name + "_w"], out=packed)
+                pack_weight(L[name + "_w"], out=packed, matmuls=self.matmuls)
                 if bias is not None:
                     bias[: L[name + "_b"].numel()].copy_(L[name + "_b"])
-        pack_weight(self.runner.lm_head, out=self.lm_head)
+        pack_weight(self.runner.lm_head, out=self.lm_head, matmuls=self.matmuls)
+        for src, copy in self._copies:
+            copy.copy_(src)
 
     def _struct(self) -> tuple[_Model, list]:
         """The ``Model`` struct the C side reads, and every object whose address it holds."""
@@ -308,10 +349,7 @@ class NativeDecoder:
         m.head_dim, m.inter, m.vocab = r.head_dim, layers[0]["down_w"].shape[1], r.vocab_size
         m.block_size, m.num_blocks, m.eps = r.cache.block_size, r.cache.num_blocks, r.eps
         tables = {
-            "in_norm": [L["in_norm"] for L in layers],
-            "post_norm": [L["post_norm"] for L in layers],
-            "q_norm": [L.get("q_norm") for L in layers],
-            "k_norm": [L.get("k_norm") for L in layers],
+            **self.norms,
             **{f"{name}_w": self.packed[name] for name in MATMULS},
             **{f"{name}_b": self.biases[name] for name in MATMULS},
         }
@@ -323,10 +361,10 @@ class NativeDecoder:
             ("k_cache", r.cache.k_all),
             ("v_cache", r.cache.v_all),
             ("embed", r.embed),
-            ("final_norm", r.final_norm),
+            ("final_norm", self.final_norm),
             ("lm_head", self.lm_head),
-            ("cos", r.cos),
-            ("sin_signed", r.sin_signed),
+            ("cos", r.rope_fp32[0]),
+            ("sin_signed", r.rope_fp32[1]),
         ):
             if not t.is_contiguous():
                 raise NativeUnavailable(f"{name} is not contiguous")
@@ -347,8 +385,8 @@ class NativeDecoder:
     def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
         """Prefill: per-head norms (Qwen3) and RoPE on the q and k heads of ``qkv`` [N, (H + 2K) d] in place, and
         each token's k and v written into the pool at its KV slot ``kv_slots[i]`` (block x block_size + offset;
-        int64 [N], as ``positions``)."""
-        assert qkv.is_contiguous() and positions.dtype == kv_slots.dtype == torch.int64
+        int64 [N], as ``positions``). fp32 only (``elementwise``)."""
+        assert self.elementwise and qkv.is_contiguous() and positions.dtype == kv_slots.dtype == torch.int64
         positions, kv_slots = positions.contiguous(), kv_slots.contiguous()
         self.lib.rope_store(
             ctypes.byref(self.model), layer, qkv.data_ptr(), qkv.shape[0], positions.data_ptr(), kv_slots.data_ptr()

@@ -1,4 +1,4 @@
-/* One decode step of the lean forward (Llama / Qwen2 / Qwen3) on CPU in fp32, in a single call.
+/* One decode step of the lean forward (Llama / Qwen2 / Qwen3) on CPU in fp32 or bf16, in a single call.
 
    Compiled on first use by native.py (gcc -O3 -march=native -fopenmp) and called through ctypes;
    native.py states the contract and holds the weights. Everything here is plain C on GCC vector
@@ -27,6 +27,17 @@
    queries over a prefix go across the lanes instead (attend_keys_wide); a head_dim that is not a
    multiple of 16 takes the scalar loops (attend_keys_scalar).
 
+   bf16 (built with -DNATIVE_BF16, a library of its own): the matmul weights, the embedding and the K/V pool are
+   bf16 (half the bytes to stream); everything else is fp32: the residual stream, every accumulation, the norms
+   (their weights given as fp32 copies), RoPE, softmax, SiLU and the logits. The matmul weights are widened to
+   fp32 as they are streamed (a 16-bit shift) and multiply fp32 activations: the kernel for every CPU. With
+   -DNATIVE_BF16_AMX (native.py's default) on a CPU with AMX (__AMX_BF16__) the matmuls run on AMX tiles instead
+   (blocks of 32 rows x 32 columns, 32 k per tdpbf16ps); with -DNATIVE_BF16_DOT on a CPU with AVX-512 BF16 on
+   vdpbf16ps (two products per lane per instruction). Both take the activations rounded to bf16 and the weights
+   packed in pairs along K. Measured on a Sapphire Rapids VM (engine README, "The native step in bf16"): AMX
+   3-10x the widening kernel at 32-64 rows, vdpbf16ps half of it, so vdpbf16ps is never the default. K and V
+   are widened as they are read, and rounded to bf16 (to nearest even) as they are written.
+
    Also here: the plain-row sampler (sample_plain) and the prefill's elementwise passes (rope_store,
    rmsnorm_rows, silu_mul); the prefill's matmuls and attention stay torch's. */
 
@@ -37,6 +48,59 @@
 #include <omp.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
+
+/* wt: a matmul weight (and embedding) element; kv_t: a K/V pool element. */
+#ifdef NATIVE_BF16
+typedef uint16_t wt;
+typedef uint16_t kv_t;
+#if defined(NATIVE_BF16_AMX) && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define BF16_AMX 1 /* the matmuls on AMX tiles where Linux grants them, else on vdpbf16ps */
+#define BF16_DOT 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(NATIVE_BF16_DOT) && defined(__AVX512BF16__)
+#define BF16_DOT 1 /* the matmuls on vdpbf16ps */
+#endif
+#ifdef BF16_DOT
+#include <immintrin.h>
+#endif
+#else
+typedef float wt;
+typedef float kv_t;
+#endif
+
+/* bf16 <-> fp32: a bf16 is the top half of an fp32; rounding to nearest even, NaN kept NaN. */
+static inline float bf16_widen(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* 16 K/V values from p as fp32; one value; n values rounded into the pool (fp32: a plain load / copy). */
+#ifdef NATIVE_BF16
+static inline v16 kv_load16(const kv_t *p) { return (v16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16); }
+static inline float kv_get(const kv_t *p, int j) { return bf16_widen(p[j]); }
+static inline void kv_store(kv_t *dst, const float *src, int n) {
+#pragma omp simd
+    for (int j = 0; j < n; j++) dst[j] = bf16_round(src[j]);
+}
+static inline void widen_row(float *dst, const wt *src, int n) {
+#pragma omp simd
+    for (int j = 0; j < n; j++) dst[j] = bf16_widen(src[j]);
+}
+#else
+static inline v16 kv_load16(const kv_t *p) { return *(const v16 *)p; }
+static inline float kv_get(const kv_t *p, int j) { return p[j]; }
+static inline void kv_store(kv_t *dst, const float *src, int n) { memcpy(dst, src, sizeof(float) * n); }
+static inline void widen_row(float *dst, const wt *src, int n) { memcpy(dst, src, sizeof(float) * n); }
+#endif
 
 /* Built with -DNATIVE_PROFILE (native.py's profile build, benchmarks/profile_decode.py --kernel native):
    decode_step adds the wall time of each phase to native_phase_seconds (native.PHASES names them). */
@@ -61,14 +125,14 @@ double native_phase_seconds[6];
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, num_blocks;
     float eps;
-    const float *const *in_norm, *const *post_norm;                              /* [layers] -> [hidden] */
-    const float *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w;  /* packed (pack_weight) */
+    const float *const *in_norm, *const *post_norm;                      /* [layers] -> [hidden] */
+    const wt *const *qkv_w, *const *o_w, *const *gate_up_w, *const *down_w;  /* packed (pack_weight) */
     const float *const *qkv_b, *const *o_b, *const *gate_up_b, *const *down_b;  /* padded to panels, or NULL */
-    const float *const *q_norm, *const *k_norm;                                  /* [head_dim] (Qwen3), or NULL */
-    float *k_cache, *v_cache;       /* the block pool: [layers][num_blocks + 1][kv_heads][block_size][head_dim] */
-    const float *embed;             /* [vocab][hidden], plain */
+    const float *const *q_norm, *const *k_norm;                          /* [head_dim] (Qwen3), or NULL */
+    kv_t *k_cache, *v_cache;        /* the block pool: [layers][num_blocks + 1][kv_heads][block_size][head_dim] */
+    const wt *embed;                /* [vocab][hidden], plain */
     const float *final_norm;        /* [hidden] */
-    const float *lm_head;           /* packed */
+    const wt *lm_head;              /* packed */
     const float *cos, *sin_signed;  /* [max_model_len][head_dim]: x*cos + roll(x, d/2)*sin_signed is RoPE */
 } Model;
 
@@ -166,6 +230,13 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+static inline float dot_kv(const float *a, const kv_t *b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < n; j++) s += a[j] * kv_get(b, j);
+    return s;
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of n */
 static void rmsnorm(float *out, const float *x, const float *w, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++) {
@@ -179,109 +250,315 @@ static void rmsnorm(float *out, const float *x, const float *w, int rows, int n,
 
 /* ------------------------------------------------------------------ matmul */
 
-/* Rows [0, MR) of a, one panel: c[r][0:nvalid] = a[r] . panel (+ bias) (+ res[r]) */
-#define PANEL_KERNEL(MR)                                                                          \
-    {                                                                                             \
-        v16 acc0[MR], acc1[MR];                                                                   \
-        for (int r = 0; r < MR; r++) {                                                            \
-            acc0[r] = (v16){0};                                                                   \
-            acc1[r] = (v16){0};                                                                   \
+/* Pieces of a panel kernel: rows [0, MR) of a against one panel, c[r][0:nvalid] = a[r] . panel (+ bias)
+   (+ res[r]); 2 MR accumulators of 16 columns stay in registers. While it streams the panel the kernel
+   prefetches pf_lines cache lines from pf, spread evenly over its STEPS steps along K. */
+#define PANEL_INIT(MR)                                                                            \
+    v16 acc0[MR], acc1[MR];                                                                       \
+    for (int r = 0; r < MR; r++) {                                                                \
+        acc0[r] = (v16){0};                                                                       \
+        acc1[r] = (v16){0};                                                                       \
+    }                                                                                             \
+    int due = 0;
+
+#define PANEL_PREFETCH(STEPS) \
+    for (due += pf_lines; due >= (STEPS); due -= (STEPS), pf += 64) __builtin_prefetch(pf, 0, 2);
+
+#define PANEL_FMA(MR)                                                                             \
+    for (int r = 0; r < MR; r++) {                                                                \
+        float av = a[(size_t)r * lda + k];                                                        \
+        acc0[r] += av * w0;                                                                       \
+        acc1[r] += av * w1;                                                                       \
+    }
+
+#define PANEL_STORE(MR)                                                                           \
+    for (int r = 0; r < MR; r++) {                                                                \
+        v16 o0 = acc0[r], o1 = acc1[r];                                                           \
+        if (bias) {                                                                               \
+            o0 += *(const v16 *)bias;                                                             \
+            o1 += *(const v16 *)(bias + 16);                                                      \
         }                                                                                         \
-        int due = 0;                                                                              \
-        for (int k = 0; k < K; k++) {                                                             \
-            for (due += pf_lines; due >= K; due -= K, pf += 16) __builtin_prefetch(pf, 0, 2);     \
-            v16 w0 = *(const v16 *)(w + (size_t)k * NB);                                          \
-            v16 w1 = *(const v16 *)(w + (size_t)k * NB + 16);                                     \
-            for (int r = 0; r < MR; r++) {                                                        \
-                float av = a[(size_t)r * lda + k];                                                \
-                acc0[r] += av * w0;                                                               \
-                acc1[r] += av * w1;                                                               \
+        float *cr = c + (size_t)r * ldc;                                                          \
+        const float *rr = res ? res + (size_t)r * ldc : NULL;                                     \
+        if (nvalid == NB) {                                                                       \
+            if (rr) {                                                                             \
+                o0 += *(const v16 *)rr;                                                           \
+                o1 += *(const v16 *)(rr + 16);                                                    \
             }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < MR; r++) {                                                            \
-            v16 o0 = acc0[r], o1 = acc1[r];                                                       \
-            if (bias) {                                                                           \
-                o0 += *(const v16 *)bias;                                                         \
-                o1 += *(const v16 *)(bias + 16);                                                  \
-            }                                                                                     \
-            float *cr = c + (size_t)r * ldc;                                                      \
-            const float *rr = res ? res + (size_t)r * ldc : NULL;                                 \
-            if (nvalid == NB) {                                                                   \
-                if (rr) {                                                                         \
-                    o0 += *(const v16 *)rr;                                                       \
-                    o1 += *(const v16 *)(rr + 16);                                                \
-                }                                                                                 \
-                *(v16 *)cr = o0;                                                                  \
-                *(v16 *)(cr + 16) = o1;                                                           \
-            } else {                                                                              \
-                float tmp[NB];                                                                    \
-                *(v16 *)tmp = o0;                                                                 \
-                *(v16 *)(tmp + 16) = o1;                                                          \
-                for (int j = 0; j < nvalid; j++) cr[j] = tmp[j] + (rr ? rr[j] : 0.0f);            \
-            }                                                                                     \
+            *(v16 *)cr = o0;                                                                      \
+            *(v16 *)(cr + 16) = o1;                                                               \
+        } else {                                                                                  \
+            float tmp[NB];                                                                        \
+            *(v16 *)tmp = o0;                                                                     \
+            *(v16 *)(tmp + 16) = o1;                                                              \
+            for (int j = 0; j < nvalid; j++) cr[j] = tmp[j] + (rr ? rr[j] : 0.0f);                \
         }                                                                                         \
     }
 
-static void panel_rows(int mr, int K, const float *a, int lda, const float *w, const float *pf, int pf_lines,
-                       float *c, int ldc, const float *bias, const float *res, int nvalid) {
-    switch (mr) {
-        case 1: PANEL_KERNEL(1) break;
-        case 2: PANEL_KERNEL(2) break;
-        case 3: PANEL_KERNEL(3) break;
-        case 4: PANEL_KERNEL(4) break;
-        case 5: PANEL_KERNEL(5) break;
-        case 6: PANEL_KERNEL(6) break;
-        case 7: PANEL_KERNEL(7) break;
-        case 8: PANEL_KERNEL(8) break;
-        case 9: PANEL_KERNEL(9) break;
-        case 10: PANEL_KERNEL(10) break;
-        case 11: PANEL_KERNEL(11) break;
-        case 12: PANEL_KERNEL(12) break;
+#define MR_SWITCH(KERNEL)                   \
+    switch (mr) {                           \
+        case 1: KERNEL(1) break;            \
+        case 2: KERNEL(2) break;            \
+        case 3: KERNEL(3) break;            \
+        case 4: KERNEL(4) break;            \
+        case 5: KERNEL(5) break;            \
+        case 6: KERNEL(6) break;            \
+        case 7: KERNEL(7) break;            \
+        case 8: KERNEL(8) break;            \
+        case 9: KERNEL(9) break;            \
+        case 10: KERNEL(10) break;          \
+        case 11: KERNEL(11) break;          \
+        case 12: KERNEL(12) break;          \
     }
+
+/* fp32 panel [K][NB]: two vectors of 16 columns per k. */
+#define PANEL_KERNEL_F32(MR)                                                                      \
+    {                                                                                             \
+        PANEL_INIT(MR)                                                                            \
+        for (int k = 0; k < K; k++) {                                                             \
+            PANEL_PREFETCH(K)                                                                     \
+            v16 w0 = *(const v16 *)(w + (size_t)k * NB);                                          \
+            v16 w1 = *(const v16 *)(w + (size_t)k * NB + 16);                                     \
+            PANEL_FMA(MR)                                                                         \
+        }                                                                                         \
+        PANEL_STORE(MR)                                                                           \
+    }
+
+static void panel_rows(int mr, int K, const float *a, int lda, const float *w, const char *pf, int pf_lines,
+                       float *c, int ldc, const float *bias, const float *res, int nvalid) {
+    MR_SWITCH(PANEL_KERNEL_F32)
 }
+
+#ifdef NATIVE_BF16
+#ifdef BF16_DOT
+typedef uint16_t act_t; /* matmul activations: rounded to bf16 for vdpbf16ps */
+#ifdef BF16_AMX
+#define K_STORED(K) (((K) + 31) & ~31) /* weights and activations padded to whole tiles (16 pairs) along K */
+#define M_STORED(M) (((M) + 15) & ~15) /* activation rows padded to whole tiles (16 rows, zeros) */
+#else
+#define K_STORED(K) (((K) + 1) & ~1) /* weights and activations padded to pairs along K */
+#define M_STORED(M) (M)
+#endif
+
+/* bf16 panel [K/2][NB][2] (pairs along K), activations bf16 [MR][lda]: per pair of k, one vdpbf16ps per
+   16 columns and row (two products per lane). */
+#define PANEL_KERNEL_W(MR)                                                                        \
+    {                                                                                             \
+        PANEL_INIT(MR)                                                                            \
+        const int steps = K_STORED(K) / 2;                                                        \
+        for (int k = 0; k < steps; k++) {                                                         \
+            PANEL_PREFETCH(steps)                                                                 \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (size_t)k * 2 * NB);                   \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (size_t)k * 2 * NB + NB);              \
+            for (int r = 0; r < MR; r++) {                                                        \
+                int32_t pair;                                                                     \
+                memcpy(&pair, a + (size_t)r * lda + 2 * k, sizeof(pair));                         \
+                __m512bh av = (__m512bh)_mm512_set1_epi32(pair);                                  \
+                acc0[r] = (v16)_mm512_dpbf16_ps((__m512)acc0[r], av, w0);                         \
+                acc1[r] = (v16)_mm512_dpbf16_ps((__m512)acc1[r], av, w1);                         \
+            }                                                                                     \
+        }                                                                                         \
+        PANEL_STORE(MR)                                                                           \
+    }
+#else
+typedef float act_t;
+#define K_STORED(K) (K)
+#define M_STORED(M) (M)
+
+/* bf16 panel [K][NB], the 32 columns of a k interleaved (lane j of a 32-bit word: column j in its low half,
+   column 16 + j in its high half), so one load and a shift / a mask widen them to two fp32 vectors. */
+#define PANEL_KERNEL_W(MR)                                                                        \
+    {                                                                                             \
+        PANEL_INIT(MR)                                                                            \
+        for (int k = 0; k < K; k++) {                                                             \
+            PANEL_PREFETCH(K)                                                                     \
+            vu16 raw = *(const vu16 *)(w + (size_t)k * NB);                                       \
+            v16 w0 = (v16)(raw << 16), w1 = (v16)(raw & 0xffff0000u);                             \
+            PANEL_FMA(MR)                                                                         \
+        }                                                                                         \
+        PANEL_STORE(MR)                                                                           \
+    }
+#endif
+
+static void panel_rows_w(int mr, int K, const act_t *a, int lda, const wt *w, const char *pf, int pf_lines,
+                         float *c, int ldc, const float *bias, const float *res, int nvalid) {
+    MR_SWITCH(PANEL_KERNEL_W)
+}
+
+#ifdef BF16_AMX
+#define AMX_ROWS 32 /* rows of a matmul block on tiles: C tiles 0-3 = rows 0-15 / 16-31 x columns 0-15 / 16-31 */
+
+/* Linux hands out AMX tile state only on request (once per process); 1 if granted. */
+static int amx_granted(void) {
+    static int state = 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [0, mr) (mr <= 32; a holds whole tiles of 16 rows) against one panel [K/2][NB][2] on AMX: per 32 k, A tiles
+   4, 5 (16 rows x 32 k each), B tiles 6, 7 (16 pairs x 16 columns), four tdpbf16ps; then PANEL_STORE. */
+static void panel_rows_amx(int mr, int K, const act_t *a, int lda, const wt *w, const char *pf, int pf_lines,
+                           float *c, int ldc, const float *bias, const float *res, int nvalid) {
+    const int steps = K_STORED(K) / 32, two = mr > 16;
+    int due = 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < steps; k++) {
+        PANEL_PREFETCH(steps)
+        _tile_loadd(6, w + (size_t)k * 32 * NB, 2 * NB * sizeof(wt));
+        _tile_loadd(7, w + (size_t)k * 32 * NB + NB, 2 * NB * sizeof(wt));
+        _tile_loadd(4, a + (size_t)k * 32, lda * sizeof(act_t));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + (size_t)16 * lda + (size_t)k * 32, lda * sizeof(act_t));
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float tmp[AMX_ROWS * NB] __attribute__((aligned(64)));
+    _tile_stored(0, tmp, NB * sizeof(float));
+    _tile_stored(1, tmp + 16, NB * sizeof(float));
+    _tile_stored(2, tmp + 16 * NB, NB * sizeof(float));
+    _tile_stored(3, tmp + 16 * NB + 16, NB * sizeof(float));
+    v16 acc0[AMX_ROWS], acc1[AMX_ROWS];
+    for (int r = 0; r < mr; r++) {
+        acc0[r] = *(const v16 *)(tmp + r * NB);
+        acc1[r] = *(const v16 *)(tmp + r * NB + 16);
+    }
+    PANEL_STORE(mr)
+}
+#endif
+#else
+typedef float act_t;
+#define K_STORED(K) (K)
+#define M_STORED(M) (M)
+#define panel_rows_w panel_rows
+#endif
+
+size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K_STORED(K) * NB; }
 
 /* c[M][N] = a[M][K] w^T (+ bias) (+ res), w packed; res may be c itself (in-place residual add).
    While a thread works on panel p it prefetches panel p + PREFETCH_AHEAD into L2, spread evenly over
-   the row blocks of panel p (a burst in the first block alone left memory idle in the others). */
+   the row blocks of panel p (a burst in the first block alone left memory idle in the others).
+   With vdpbf16ps, a16 [threads][M][K_STORED(K)] is scratch for a rounded to bf16: each thread rounds all of a
+   into its own copy (a few microseconds) rather than wait at a barrier for a shared one. */
 #define PREFETCH_AHEAD 1
 #define ROW_CHUNK (8 * MR_MAX)
-void matmul(int M, int N, int K, const float *a, const float *w, const float *bias, const float *res, float *c) {
-    const int panels = panels_of(N);
-    const size_t panel = (size_t)K * NB;
-    const int lines = (int)(panel / 16);
+static void matmul_into(int M, int N, int K, const float *a, const wt *w, const float *bias, const float *res,
+                        float *c, act_t *a16) {
+    const int panels = panels_of(N), lda = K_STORED(K);
+    const size_t panel = (size_t)lda * NB;
+    const int lines = (int)(panel * sizeof(wt) / 64);
+#ifdef BF16_AMX
+    const int amx = amx_granted(), rows = amx ? AMX_ROWS : MR_MAX;
+#else
+    const int rows = MR_MAX;
+#endif
 #pragma omp parallel
-    for (int m_lo = 0; m_lo < M; m_lo += ROW_CHUNK) { /* rows of a in chunks that stay in L2 */
-        const int m_hi = M - m_lo < ROW_CHUNK ? M : m_lo + ROW_CHUNK;
-        const int blocks = (m_hi - m_lo + MR_MAX - 1) / MR_MAX, per_block = lines / blocks;
+    {
+#ifdef BF16_DOT
+        act_t *mine = a16 + (size_t)omp_get_thread_num() * M_STORED(M) * lda;
+        for (int r = 0; r < M_STORED(M); r++) {
+            const float *ar = a + (size_t)r * K;
+            act_t *o = mine + (size_t)r * lda;
+            if (r >= M) {
+                memset(o, 0, sizeof(act_t) * lda);
+                continue;
+            }
+#pragma omp simd
+            for (int k = 0; k < K; k++) o[k] = bf16_round(ar[k]);
+            for (int k = K; k < lda; k++) o[k] = 0;
+        }
+        const act_t *ap = mine;
+#else
+        (void)a16;
+        const act_t *ap = a;
+#endif
+#ifdef BF16_AMX
+        if (amx) amx_configure();
+#endif
+        for (int m_lo = 0; m_lo < M; m_lo += ROW_CHUNK) { /* rows of a in chunks that stay in L2 */
+            const int m_hi = M - m_lo < ROW_CHUNK ? M : m_lo + ROW_CHUNK;
+            const int blocks = (m_hi - m_lo + rows - 1) / rows, per_block = lines / blocks;
 #pragma omp for schedule(static) nowait
-        for (int p = 0; p < panels; p++) {
-            const float *wp = w + (size_t)p * panel;
-            const int ahead = p + PREFETCH_AHEAD < panels;
-            const int nvalid = N - p * NB < NB ? N - p * NB : NB;
-            for (int bi = 0; bi < blocks; bi++) {
-                int m0 = m_lo + bi * MR_MAX, mr = m_hi - m0 < MR_MAX ? m_hi - m0 : MR_MAX;
-                const float *pf = wp + PREFETCH_AHEAD * panel + (size_t)bi * per_block * 16;
-                int pf_lines = !ahead ? 0 : (bi == blocks - 1 ? lines - bi * per_block : per_block);
-                panel_rows(mr, K, a + (size_t)m0 * K, K, wp, pf, pf_lines, c + (size_t)m0 * N + p * NB, N,
-                           bias ? bias + p * NB : NULL, res ? res + (size_t)m0 * N + p * NB : NULL, nvalid);
+            for (int p = 0; p < panels; p++) {
+                const wt *wp = w + (size_t)p * panel;
+                const int ahead = p + PREFETCH_AHEAD < panels;
+                const int nvalid = N - p * NB < NB ? N - p * NB : NB;
+                for (int bi = 0; bi < blocks; bi++) {
+                    int m0 = m_lo + bi * rows, mr = m_hi - m0 < rows ? m_hi - m0 : rows;
+                    const char *pf = (const char *)(wp + PREFETCH_AHEAD * panel) + (size_t)bi * per_block * 64;
+                    int pf_lines = !ahead ? 0 : (bi == blocks - 1 ? lines - bi * per_block : per_block);
+#ifdef BF16_AMX
+                    if (amx) {
+                        panel_rows_amx(mr, K, ap + (size_t)m0 * lda, lda, wp, pf, pf_lines,
+                                       c + (size_t)m0 * N + p * NB, N, bias ? bias + p * NB : NULL,
+                                       res ? res + (size_t)m0 * N + p * NB : NULL, nvalid);
+                        continue;
+                    }
+#endif
+                    panel_rows_w(mr, K, ap + (size_t)m0 * lda, lda, wp, pf, pf_lines, c + (size_t)m0 * N + p * NB,
+                                 N, bias ? bias + p * NB : NULL, res ? res + (size_t)m0 * N + p * NB : NULL, nvalid);
+                }
             }
         }
+#ifdef BF16_AMX
+        if (amx) _tile_release();
+#endif
     }
 }
 
-/* w [N][K] row-major into panels [ceil(N/NB)][K][NB] (columns past N are 0). */
-void pack_weight(int N, int K, const float *w, float *packed) {
+/* matmul_into with its own scratch; c is NaN if that cannot be allocated. */
+void matmul(int M, int N, int K, const float *a, const wt *w, const float *bias, const float *res, float *c) {
+    act_t *a16 = NULL;
+#ifdef BF16_DOT
+    a16 = malloc(sizeof(act_t) * (size_t)omp_get_max_threads() * M_STORED(M) * K_STORED(K));
+    if (!a16) {
+        for (size_t i = 0; i < (size_t)M * N; i++) c[i] = NAN;
+        return;
+    }
+#endif
+    matmul_into(M, N, K, a, w, bias, res, c, a16);
+    free(a16);
+}
+
+/* w [N][K] row-major into panels of NB columns (columns past N are 0): fp32 [N/NB][K][NB]; bf16 the same
+   with each k's columns interleaved (j, 16 + j), or with vdpbf16ps [N/NB][K/2][NB][2] (k past K is 0). */
+void pack_weight(int N, int K, const wt *w, wt *packed) {
     int panels = panels_of(N);
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++)
-        for (int k = 0; k < K; k++)
+        for (int k = 0; k < K_STORED(K); k++)
             for (int j = 0; j < NB; j++) {
                 int n = p * NB + j;
-                packed[((size_t)p * K + k) * NB + j] = n < N ? w[(size_t)n * K + k] : 0.0f;
+                wt v = n < N && k < K ? w[(size_t)n * K + k] : 0;
+#if defined(BF16_DOT)
+                packed[(((size_t)p * K_STORED(K) + (k & ~1)) * NB) + 2 * j + (k & 1)] = v;
+#elif defined(NATIVE_BF16)
+                packed[((size_t)p * K + k) * NB + (j < 16 ? 2 * j : 2 * (j - 16) + 1)] = v;
+#else
+                packed[((size_t)p * K + k) * NB + j] = v;
+#endif
             }
 }
-
-size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K * NB; }
 
 /* ------------------------------------------------------------------ attention */
 
@@ -290,8 +567,8 @@ size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K * NB; }
 /* The keys and values of one kv head of one layer for one row: positions [bs i, bs (i + 1)) are in block
    table[i] of the pool, where the head's block_size keys (and values) are one contiguous run of rows of d. */
 typedef struct {
-    const float *k, *v;  /* the layer's pool, offset to the kv head */
-    size_t block_stride; /* floats from one block to the next */
+    const kv_t *k, *v;   /* the layer's pool, offset to the kv head */
+    size_t block_stride; /* values from one block to the next */
     const int32_t *table;
     int block_size, d;
 } KVRow;
@@ -338,12 +615,12 @@ static inline KVCursor kv_next(const KVRow *r, KVCursor c, int n) {
 #define KV_PREFETCH_AHEAD 2 /* chunks of keys (and values) prefetched ahead of the one attended */
 
 /* Scores of one query (head_dim 16 * DV) against a block of 16 keys kb [16][d]: one vector, lane t = key t. */
-static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const float *kb) {
+static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const kv_t *kb) {
     v16 qv[8], part[16];
     for (int c = 0; c < DV; c++) qv[c] = *(const v16 *)(qi + 16 * c);
     for (int t = 0; t < 16; t++) {
-        v16 sum = qv[0] * *(const v16 *)(kb + (size_t)t * 16 * DV);
-        for (int c = 1; c < DV; c++) sum += qv[c] * *(const v16 *)(kb + (size_t)t * 16 * DV + 16 * c);
+        v16 sum = qv[0] * kv_load16(kb + (size_t)t * 16 * DV);
+        for (int c = 1; c < DV; c++) sum += qv[c] * kv_load16(kb + (size_t)t * 16 * DV + 16 * c);
         part[t] = sum;
     }
     return v16_sum16(part);
@@ -352,8 +629,8 @@ static inline __attribute__((always_inline)) v16 block_scores(const int DV, cons
 /* acc[i] += sum over t < nt of p[i * qs + t * ks] * v[t] for NC queries, the accumulators in registers;
    on the way the key and value rows of the pf_n keys at pf_k / pf_v (the next keys to attend) are prefetched. */
 static inline __attribute__((always_inline)) void pv_chunk(const int DV, const int NC, const float *p, const int qs,
-                                                           const int ks, const float *vb, int nt, float *acc,
-                                                           const float *pf_k, const float *pf_v, int pf_n) {
+                                                           const int ks, const kv_t *vb, int nt, float *acc,
+                                                           const kv_t *pf_k, const kv_t *pf_v, int pf_n) {
     v16 o[QUERY_CHUNK][8];
     for (int i = 0; i < NC; i++)
         for (int c = 0; c < DV; c++) o[i][c] = *(const v16 *)(acc + (size_t)i * 16 * DV + 16 * c);
@@ -364,7 +641,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const int DV, const i
                 __builtin_prefetch(pf_v + (size_t)t * 16 * DV + 16 * c, 0, 3);
             }
         v16 vt[8];
-        for (int c = 0; c < DV; c++) vt[c] = *(const v16 *)(vb + (size_t)t * 16 * DV + 16 * c);
+        for (int c = 0; c < DV; c++) vt[c] = kv_load16(vb + (size_t)t * 16 * DV + 16 * c);
         for (int i = 0; i < NC; i++) {
             const float pt = p[i * qs + t * ks];
             for (int c = 0; c < DV; c++) o[i][c] += pt * vt[c];
@@ -376,8 +653,8 @@ static inline __attribute__((always_inline)) void pv_chunk(const int DV, const i
 
 /* pv_chunk over all nq queries, QUERY_CHUNK at a time (the first chunk prefetches the next keys). */
 static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, const float *p, const int qs,
-                                                         const int ks, const float *vb, int nt, float *acc,
-                                                         const float *pf_k, const float *pf_v, int pf_n) {
+                                                         const int ks, const kv_t *vb, int nt, float *acc,
+                                                         const kv_t *pf_k, const kv_t *pf_v, int pf_n) {
     int i0 = 0;
     for (; i0 + QUERY_CHUNK <= nq; i0 += QUERY_CHUNK, pf_n = 0)
         pv_chunk(DV, QUERY_CHUNK, p + i0 * qs, qs, ks, vb, nt, acc + (size_t)i0 * 16 * DV, pf_k, pf_v, pf_n);
@@ -397,7 +674,7 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
                                                                 const KVRow *row, int t0, int t1, float *m,
                                                                 float *l, float *acc, float *scores) {
     const int d = 16 * DV;
-    float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
+    kv_t pad_k[16 * 16 * 8] __attribute__((aligned(64)));
     KVCursor cur = kv_cursor(row, t0), pf = cur;
     for (int i = 1; i < KV_PREFETCH_AHEAD; i++) { /* the chunks before the loop's first prefetch: asked for now */
         pf = kv_next(row, pf, kv_chunk(row, pf, t1));
@@ -411,13 +688,13 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
     }
     for (int nb; (nb = kv_chunk(row, cur, t1)) > 0; cur = kv_next(row, cur, nb)) {
         const size_t at = kv_at(row, cur);
-        const float *kb = row->k + at, *vb = row->v + at;
+        const kv_t *kb = row->k + at, *vb = row->v + at;
         pf = kv_next(row, pf, kv_chunk(row, pf, t1)); /* KV_PREFETCH_AHEAD chunks ahead: prefetched during p.V */
         const int pf_n = kv_chunk(row, pf, t1);
         const size_t pf_at = pf_n ? kv_at(row, pf) : 0;
         if (nb < 16) {
-            memcpy(pad_k, kb, sizeof(float) * nb * d);
-            memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
+            memcpy(pad_k, kb, sizeof(kv_t) * nb * d);
+            memset(pad_k + nb * d, 0, sizeof(kv_t) * (16 - nb) * d);
             kb = pad_k;
         }
         const vi16 valid = (vi16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < nb;
@@ -444,8 +721,8 @@ static void attend_keys_scalar(const float *q, int nq, int d, const KVRow *row, 
     for (int b0 = t0; b0 < t1; b0 += KEY_BLOCK) {
         int nb = t1 - b0 < KEY_BLOCK ? t1 - b0 : KEY_BLOCK;
         for (int t = 0; t < nb; t++) {
-            const float *kt = row->k + kv_offset(row, b0 + t);
-            for (int i = 0; i < nq; i++) scores[i * KEY_BLOCK + t] = dot(q + (size_t)i * d, kt, d);
+            const kv_t *kt = row->k + kv_offset(row, b0 + t);
+            for (int i = 0; i < nq; i++) scores[i * KEY_BLOCK + t] = dot_kv(q + (size_t)i * d, kt, d);
         }
         for (int i = 0; i < nq; i++) {
             float *s = scores + i * KEY_BLOCK;
@@ -467,14 +744,30 @@ static void attend_keys_scalar(const float *q, int nq, int d, const KVRow *row, 
             }
             l[i] += sum;
             for (int t = 0; t < nb; t++) {
-                const float *vt = row->v + kv_offset(row, b0 + t);
+                const kv_t *vt = row->v + kv_offset(row, b0 + t);
                 float pt = s[t];
 #pragma omp simd
-                for (int j = 0; j < d; j++) o[j] += pt * vt[j];
+                for (int j = 0; j < d; j++) o[j] += pt * kv_get(vt, j);
             }
         }
     }
 }
+
+/* n K values as fp32: the pool itself in fp32, else widened into buf. */
+#ifdef NATIVE_BF16
+#define NATIVE_BF16_KF (MR_MAX * 128)
+static inline const float *kv_rows_f32(const kv_t *k, int n, float *buf) {
+    widen_row(buf, k, n);
+    return buf;
+}
+#else
+#define NATIVE_BF16_KF 1
+static inline const float *kv_rows_f32(const kv_t *k, int n, float *buf) {
+    (void)n;
+    (void)buf;
+    return k;
+}
+#endif
 
 #define WIDE_MIN 8    /* queries from which a shared prefix is attended with the queries across the lanes */
 #define WIDE_KEYS 48  /* keys per online-softmax step of the wide path */
@@ -489,6 +782,7 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
                                                                    float *acc) {
     const int d = 16 * DV;
     float qp[16 * 8 * 32] __attribute__((aligned(64))), sc[WIDE_KEYS * 32] __attribute__((aligned(64)));
+    float kf[NATIVE_BF16_KF] __attribute__((aligned(64))); /* a run of bf16 keys widened (fp32: unused) */
     for (int j = 0; j < d; j++)
         for (int i = 0; i < 32; i++) qp[32 * j + i] = i < nq ? q[(size_t)i * d + j] : 0.0f;
     v16 mv[2], lv[2];
@@ -502,7 +796,8 @@ static inline __attribute__((always_inline)) void attend_keys_wide(const int DV,
         const int nt = t1 - b0 < WIDE_KEYS ? t1 - b0 : WIDE_KEYS;
         for (int r0 = 0, run; r0 < nt; r0 += run) {
             run = kv_run(row, b0 + r0, b0 + nt, MR_MAX);
-            panel_rows(run, d, row->k + kv_offset(row, b0 + r0), d, qp, NULL, 0, sc + 32 * r0, 32, NULL, NULL, 32);
+            panel_rows(run, d, kv_rows_f32(row->k + kv_offset(row, b0 + r0), run * d, kf), d, qp, NULL, 0, sc + 32 * r0,
+                       32, NULL, NULL, 32);
         }
         v16 corr[2];
         for (int h = 0; h < 2; h++) {
@@ -583,7 +878,7 @@ static int attention(const Model *m, int layer, const float *qkv, const int64_t 
     const int d = m->head_dim, H = m->num_heads, KH = m->num_kv_heads, G = H / KH;
     const int qkv_n = (H + 2 * KH) * d;
     const size_t head_stride = (size_t)m->block_size * d, layer_off = (size_t)layer * layer_stride(m);
-    const float *kc = m->k_cache + layer_off, *vc = m->v_cache + layer_off;
+    const kv_t *kc = m->k_cache + layer_off, *vc = m->v_cache + layer_off;
     int max_rows = 1;
     for (int s = 0; s < num_segments; s++)
         if (seg_start[s + 1] - seg_start[s] > max_rows) max_rows = seg_start[s + 1] - seg_start[s];
@@ -666,8 +961,8 @@ static void qk_rope_store(const Model *m, int layer, float *qkv, int B, const in
                     for (int j = 0; j < d; j++) x[j] *= scale;
             } else {
                 size_t at = slot_at + (size_t)(h - H) * head_stride;
-                memcpy(m->k_cache + at, x, sizeof(float) * d);
-                memcpy(m->v_cache + at, row + (size_t)(H + KH + h - H) * d, sizeof(float) * d);
+                kv_store(m->k_cache + at, x, d);
+                kv_store(m->v_cache + at, row + (size_t)(H + KH + h - H) * d, d);
             }
         }
     }
@@ -710,9 +1005,17 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
     size_t per_row = (size_t)2 * hid + qkv_n + H * d + 2 * I + I;
     float *work = malloc(sizeof(float) * per_row * B);
     int64_t *kv_slots = malloc(sizeof(int64_t) * B);
-    if (!work || !kv_slots) {
+    act_t *a16 = NULL; /* the matmuls' activations in bf16 (vdpbf16ps only), [threads][B][the widest K] */
+    int a16_ok = 1;
+#ifdef BF16_DOT
+    const int widest = hid > H * d ? (hid > I ? hid : I) : (H * d > I ? H * d : I);
+    a16 = malloc(sizeof(act_t) * (size_t)omp_get_max_threads() * M_STORED(B) * K_STORED(widest));
+    a16_ok = a16 != NULL;
+#endif
+    if (!work || !kv_slots || !a16_ok) {
         free(work);
         free(kv_slots);
+        free(a16);
         return -1;
     }
     float *x = work, *h = x + (size_t)B * hid, *qkv = h + (size_t)B * hid, *attn = qkv + (size_t)B * qkv_n;
@@ -720,36 +1023,37 @@ int decode_step(const Model *m, int B, const int64_t *tokens, const int64_t *pos
     for (int b = 0; b < B; b++)
         kv_slots[b] = (int64_t)tables[(size_t)b * width + positions[b] / bs] * bs + positions[b] % bs;
     PHASE_START
-    for (int b = 0; b < B; b++) memcpy(x + (size_t)b * hid, m->embed + (size_t)tokens[b] * hid, sizeof(float) * hid);
+    for (int b = 0; b < B; b++) widen_row(x + (size_t)b * hid, m->embed + (size_t)tokens[b] * hid, hid);
     int rc = 0;
     for (int layer = 0; layer < m->num_layers && rc == 0; layer++) {
         rmsnorm(h, x, m->in_norm[layer], B, hid, m->eps);
         PHASE(0)
-        matmul(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv);
+        matmul_into(B, qkv_n, hid, h, m->qkv_w[layer], m->qkv_b ? m->qkv_b[layer] : NULL, NULL, qkv, a16);
         PHASE(1)
         qk_rope_store(m, layer, qkv, B, positions, kv_slots, 1);
         PHASE(2)
         rc = attention(m, layer, qkv, positions, tables, width, num_segments, seg_start, seg_rows, seg_prefix, attn);
         PHASE(3)
-        matmul(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x);
+        matmul_into(B, hid, H * d, attn, m->o_w[layer], m->o_b ? m->o_b[layer] : NULL, x, x, a16);
         PHASE(1)
         rmsnorm(h, x, m->post_norm[layer], B, hid, m->eps);
         PHASE(0)
-        matmul(B, 2 * I, hid, h, m->gate_up_w[layer], m->gate_up_b ? m->gate_up_b[layer] : NULL, NULL, gu);
+        matmul_into(B, 2 * I, hid, h, m->gate_up_w[layer], m->gate_up_b ? m->gate_up_b[layer] : NULL, NULL, gu, a16);
         PHASE(1)
         silu_mul(act, gu, B, I);
         PHASE(4)
-        matmul(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x);
+        matmul_into(B, hid, I, act, m->down_w[layer], m->down_b ? m->down_b[layer] : NULL, x, x, a16);
         PHASE(1)
     }
     if (rc == 0) {
         rmsnorm(h, x, m->final_norm, B, hid, m->eps);
         PHASE(0)
-        matmul(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits);
+        matmul_into(B, m->vocab, hid, h, m->lm_head, NULL, NULL, logits, a16);
         PHASE(5)
     }
     free(work);
     free(kv_slots);
+    free(a16);
     return rc;
 }
 

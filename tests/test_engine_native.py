@@ -345,13 +345,13 @@ def test_native_runner_holds_the_matmul_weights_once_and_updates_them_exactly(mo
     prompts = {row: [rng.randrange(3, 400) for _ in range(rng.randint(5, 40))] for row in range(3)}
     before = _step_logits(runner, prompts)
 
-    runner.begin_weight_write(whole=False)  # a streamed update that fails before its first tensor
+    runner.begin_weight_write()  # a streamed update that fails before its first tensor
     runner.weights_changed()
     assert torch.equal(_step_logits(runner, prompts), before)
     assert all(w.untyped_storage().nbytes() == 0 for w in weights)
 
     scaled = {name: t * 1.5 if t.ndim == 2 else t for name, t in load_safetensors(path).items()}
-    runner.begin_weight_write(whole=False)  # a streamed update: every tensor written one by one
+    runner.begin_weight_write()  # a streamed update: every tensor written one by one
     for name, target in runner.targets.items():
         target.copy_(scaled[name])
     runner.weights_changed()
@@ -359,5 +359,6 @@ def test_native_runner_holds_the_matmul_weights_once_and_updates_them_exactly(mo
     assert not torch.allclose(streamed, before, atol=1e-3)
     runner.load_weights(load_safetensors(path))  # a full update back to the checkpoint
     assert torch.equal(_step_logits(runner, prompts), before)
-    runner.load_weights(scaled)
+    runner.load_weights(scaled)  # one layer at a time: the checkpoint-layout weights are given back again
     assert torch.equal(_step_logits(runner, prompts), streamed)
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)

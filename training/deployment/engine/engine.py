@@ -309,7 +309,7 @@ class LLMEngine:
             self.pending_updates.pop(0)
             try:
                 if upd.load is not None:
-                    self.runner.begin_weight_write(whole=False)
+                    self.runner.begin_weight_write()
                     try:
                         upd.load()
                     finally:  # streamed pieces went into runner.targets directly

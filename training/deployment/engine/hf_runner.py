@@ -118,7 +118,7 @@ class HFModelRunner:
         for name, target in self._targets.items():
             target.copy_(tensors[name])
 
-    def begin_weight_write(self, whole: bool) -> None:
+    def begin_weight_write(self) -> None:
         """Nothing to allocate before a write here (the lean runner may have given its matmul weights back)."""
 
     def weights_changed(self) -> None:

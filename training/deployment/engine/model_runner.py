@@ -241,15 +241,13 @@ class LeanModelRunner:
         return [L[name + "_w"] for L in self.layers for name in MATMULS]
 
     @torch.inference_mode()
-    def begin_weight_write(self, whole: bool) -> None:
-        """Call before writing ``targets``: the checkpoint-layout matmul weights get their memory back, filled from
-        the packed panels unless ``whole`` (a full set overwrites every tensor), so a streamed update that stops
-        early leaves the served weights as they were. A no-op unless ``native_linears``."""
+    def begin_weight_write(self) -> None:
+        """Call before writing ``targets`` piece by piece (a streamed update): the checkpoint-layout matmul weights
+        get their memory back, filled from the packed panels, so an update that stops early leaves the served
+        weights as they were. A no-op unless ``native_linears`` (``load_weights`` needs no call)."""
         if not self._unheld.tensors:
             return
         self._unheld.restore()
-        if whole:
-            return
         for name in MATMULS:
             for L, packed in zip(self.layers, self.native.packed[name]):
                 w = L[name + "_w"]
@@ -258,13 +256,35 @@ class LeanModelRunner:
 
     @torch.inference_mode()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy a validated full set into the fused tensors in place (CUDA graphs stay valid)."""
-        self.begin_weight_write(whole=True)
-        try:
-            for name, target in self.targets.items():
+        """Copy a validated full set into the fused tensors in place (CUDA graphs stay valid).
+
+        With the checkpoint-layout matmul weights unheld (``native_linears``), one layer's get memory at a time:
+        written, packed into its panels, given back; a push then holds one layer more than the served weights
+        (besides the update itself), not a model more."""
+        if not self._unheld.tensors:
+            try:
+                for name, target in self.targets.items():
+                    target.copy_(tensors[name])
+            finally:
+                self.weights_changed()
+            return
+        for name, target in self.targets.items():
+            if not name.startswith("model.layers."):
                 target.copy_(tensors[name])
-        finally:
-            self.weights_changed()
+        for i, L in enumerate(self.layers):
+            prefix, raw = f"model.layers.{i}.", [L[name + "_w"] for name in MATMULS]
+            for w in raw:
+                w.untyped_storage().resize_(w.nbytes)
+            try:
+                for name, target in self.targets.items():
+                    if name.startswith(prefix):
+                        target.copy_(tensors[name])
+                self.native.pack_layer(i)
+            finally:
+                for w in raw:
+                    w.untyped_storage().resize_(0)
+        self.native.pack_head()
+        release_host_memory(self.device)
 
     def weights_changed(self) -> None:
         """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.

@@ -323,11 +323,21 @@ class NativeDecoder:
     def pack_weights(self) -> None:
         """Repack the runner's current matmul weights and biases into this decoder's buffers, in place
         (the runner's ``weights_changed`` calls it after every weight update; no second copy is made)."""
+        for i in range(len(self.runner.layers)):
+            self.pack_layer(i)
+        self.pack_head()
+
+    def pack_layer(self, i: int) -> None:
+        """Layer ``i``'s matmul weights and biases into its panels, in place."""
+        L = self.runner.layers[i]
         for name in MATMULS:
-            for L, packed, bias in zip(self.runner.layers, self.packed[name], self.biases[name]):
-                pack_weight(L[name + "_w"], out=packed, matmuls=self.matmuls)
-                if bias is not None:
-                    bias[: L[name + "_b"].numel()].copy_(L[name + "_b"])
+            pack_weight(L[name + "_w"], out=self.packed[name][i], matmuls=self.matmuls)
+            bias = self.biases[name][i]
+            if bias is not None:
+                bias[: L[name + "_b"].numel()].copy_(L[name + "_b"])
+
+    def pack_head(self) -> None:
+        """The LM head into its panels, and the copies kept of other weights (bf16: the norms in fp32) refreshed."""
         pack_weight(self.runner.lm_head, out=self.lm_head, matmuls=self.matmuls)
         for src, copy in self._copies:
             copy.copy_(src)

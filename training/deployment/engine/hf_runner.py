@@ -54,6 +54,8 @@ def _block_cache_class():
             return self.kv.gather(layer_idx, self.tables)
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
+            if self.tables is None:  # probing (transformers 5.0 asks before every forward)
+                return 0
             return self.tables.shape[1] * self.kv.block_size
 
     return BlockCache

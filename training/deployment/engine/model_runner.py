@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from training.deployment.engine.attention import SharedPrefix, SharedPrefixAttention, decode_attention
 from training.deployment.engine.kv_cache import KVBudget, KVCache, padded_tables
-from training.deployment.engine.native import MATMULS, PANEL_COLUMNS, NativeDecoder, silu_mul
+from training.deployment.engine.native import MATMULS, NativeDecoder, silu_mul, unpack_weight
 from training.deployment.engine.native import linear as native_linear
 from training.deployment.engine.native import rms_norm as native_rms_norm
 from training.deployment.engine.sleep import FreedStorages, release_host_memory
@@ -251,8 +251,7 @@ class LeanModelRunner:
         for name in MATMULS:
             for L, packed in zip(self.layers, self.native.packed[name]):
                 w = L[name + "_w"]
-                n, k = w.shape
-                w.copy_(packed.view(-1, k, PANEL_COLUMNS).transpose(1, 2).reshape(-1, k)[:n])
+                w.copy_(unpack_weight(packed, *w.shape))
 
     @torch.inference_mode()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -284,7 +283,6 @@ class LeanModelRunner:
                 for w in raw:
                     w.untyped_storage().resize_(0)
         self.native.pack_head()
-        release_host_memory(self.device)
 
     def weights_changed(self) -> None:
         """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.
@@ -302,7 +300,7 @@ class LeanModelRunner:
             return
         with torch.inference_mode():
             for L in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
+                for name in MATMULS:
                     L[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(L[name + "_w"], PACK_BATCH)
             self.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, PACK_BATCH)
 

@@ -216,6 +216,11 @@ def pack_weight(w: torch.Tensor, out: torch.Tensor | None = None, matmuls: str =
     return out
 
 
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [n, k] weight laid out again from its fp32 panels (``pack_weight``'s inverse), as a new tensor."""
+    return packed.view(-1, k, PANEL_COLUMNS).transpose(1, 2).reshape(-1, k)[:n]
+
+
 def linear(
     a: torch.Tensor,
     packed: torch.Tensor,

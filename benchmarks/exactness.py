@@ -15,17 +15,19 @@ is each setting's figure / the fp32 one.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
+import urllib.request
 
 from benchmarks.common import base_parser, emit, median, model_path, row
 
 WORKLOAD = {"tiny": (16, 64), "smollm2": (8, 48), "quick": (8, 32)}
 
 
-def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int) -> list[list]:
-    """``batches`` lists of (full token ids, prompt length, sampler logprobs)."""
+def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int) -> tuple[list[list], str]:
+    """``batches`` lists of (full token ids, prompt length, sampler logprobs); the server's execution path."""
     from training.deployment.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
@@ -34,6 +36,8 @@ def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int)
     with EmbeddedDeployment(
         path, DeployConfig(engine_config=EngineConfig(max_batch_size=n, max_model_len=256, dtype=dtype))
     ) as dep:
+        with urllib.request.urlopen(f"{dep.base_url}/stats", timeout=30) as r:
+            execution_path = json.load(r)["execution_path"]
 
         async def run() -> list[list]:
             sampler = DeploymentSampler(dep.base_url, timeout_s=1200)
@@ -54,7 +58,7 @@ def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int)
                 await sampler.close()
             return out
 
-        return asyncio.run(run())
+        return asyncio.run(run()), execution_path
 
 
 def compare(trainer, batch: list) -> dict[str, float]:
@@ -81,12 +85,15 @@ def bench_model(name: str, repeats: int, n: int, tokens: int) -> list[dict]:
     vocab = AutoConfig.from_pretrained(path).vocab_size
     fp32_trainer = PolicyTrainer(path, TrainerConfig(device="cpu", dtype="float32", compute_dtype="float32"))
     bf16_trainer = PolicyTrainer(path, TrainerConfig(device="cpu", dtype="bfloat16", compute_dtype="bfloat16"))
-    samples = {dt: sample(path, dt, repeats, n, tokens, vocab) for dt in ("float32", "bfloat16")}
+    samples, paths = {}, {}
+    for dt in ("float32", "bfloat16"):
+        samples[dt], paths[dt] = sample(path, dt, repeats, n, tokens, vocab)
     settings = {
         "engine fp32, trainer fp32": [compare(fp32_trainer, b) for b in samples["float32"]],
         "engine bf16, trainer fp32": [compare(fp32_trainer, b) for b in samples["bfloat16"]],
         "engine bf16, trainer bf16": [compare(bf16_trainer, b) for b in samples["bfloat16"]],
     }
+    engine_path = {s: paths["float32" if s.startswith("engine fp32") else "bfloat16"] for s in settings}
     base = {k: median([m[k] for m in settings["engine fp32, trainer fp32"]]) for k in ("mean_abs", "max_abs", "k3")}
     total = sum(m["tokens"] for m in settings["engine fp32, trainer fp32"])
     rows = []
@@ -103,6 +110,7 @@ def bench_model(name: str, repeats: int, n: int, tokens: int) -> list[dict]:
                     unit,
                     "engine fp32, trainer fp32",
                     base[key],
+                    engine_execution_path=engine_path[setting],
                 )
             )
     return rows

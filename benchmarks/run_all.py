@@ -41,7 +41,13 @@ SCRIPTS = [
 ]
 OPT_IN = ["end_to_end", "distillation"]
 """Scripts too long for the default run: they run only when ``--only`` names them."""
-TIMEOUT_S = {"end_to_end": 6 * 3600.0, "distillation": 3 * 3600.0, "engine_throughput": 3600.0}
+TIMEOUT_S = {
+    "end_to_end": 6 * 3600.0,
+    "distillation": 3 * 3600.0,
+    "engine_throughput": 3600.0,
+    "engine_rl_shapes": 3600.0,
+    "async_agentic": 3600.0,
+}
 """Per-script timeouts that replace ``--timeout``."""
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"

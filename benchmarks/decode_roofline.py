@@ -60,18 +60,30 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def step_cost(hf_config, rows: int, keys: int, dtype: torch.dtype) -> tuple[float, float]:
-    """(FLOPs, bytes) of one decode step of ``rows`` rows that each attend over ``keys`` keys."""
+def phase_cost(hf_config, rows: int, keys: int, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes read) of each part of one decode step of ``rows`` rows that each attend over ``keys``
+    keys, keyed by the C step's phase names: the layers' matmuls and the LM head (2 FLOPs per weight per
+    row; the weights read once), attention (4 FLOPs per query head per key per row; the K/V read)."""
     h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", heads) or heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     inter, vocab = hf_config.intermediate_size, hf_config.vocab_size
-    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter
-    weights = layers * per_layer + vocab * h
-    flops = 2 * weights * rows + 4 * layers * heads * head_dim * keys * rows
-    kv_bytes = 2 * layers * kv_heads * head_dim * keys * rows * dtype.itemsize
-    return float(flops), float(weights * dtype.itemsize + kv_bytes)
+    layer_weights = layers * (h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter)
+    return {
+        "layer matmuls": (2.0 * layer_weights * rows, float(layer_weights * dtype.itemsize)),
+        "attention": (
+            4.0 * layers * heads * head_dim * keys * rows,
+            float(2 * layers * kv_heads * head_dim * keys * rows * dtype.itemsize),
+        ),
+        "LM head": (2.0 * vocab * h * rows, float(vocab * h * dtype.itemsize)),
+    }
+
+
+def step_cost(hf_config, rows: int, keys: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOPs, bytes) of one decode step of ``rows`` rows that each attend over ``keys`` keys."""
+    parts = phase_cost(hf_config, rows, keys, dtype).values()
+    return sum(f for f, _ in parts), sum(b for _, b in parts)
 
 
 def decode_step_seconds(path: str, dtype: str, batch: int, context: int, steps: int) -> tuple[float, str]:

@@ -120,11 +120,10 @@ def bench_generate(path: str, reqs: list[tuple[list[int], int]], batch: int, mod
 
 
 def vllm_available() -> bool:
-    from pathlib import Path
+    """Whether vLLM's CPU build is installed (``.venv-vllm``, ``scripts/setup_vllm.sh``)."""
+    from training.deployment.vllm import VLLM_VENV_PYTHON
 
-    from training.deployment.vllm import default_vllm_python
-
-    return Path(default_vllm_python()).exists()
+    return VLLM_VENV_PYTHON.exists()
 
 
 def bench_model(

@@ -10,7 +10,8 @@ prompts, prefilled; each row's blocks scattered over the pool as a busy engine h
 last one, as a GRPO group's members do),
 then times ``--steps`` decode steps plus their sampling. ``--kernel native`` (the default on CPU in
 fp32) runs the C step of native.py built with its phase timers and prints the milliseconds per
-step of each phase; ``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
+step of each phase, the matmul phases' GFLOP/s as a share of this machine's attainable GEMM rate and
+attention's K/V read rate as a share of its memory bandwidth (both measured as ``decode_roofline`` does); ``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
 
 ``--compare`` times the decode kernels against each other instead, in one process, interleaved round by round
 (median of ``--rounds``): the fp32 C and torch steps, the bf16 C step (its default build: AMX tiles where the
@@ -34,6 +35,7 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import model_path
+from benchmarks.decode_roofline import bandwidth_gbs, gemm_gflops, phase_cost
 from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.requests import SamplingParams
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
@@ -116,15 +118,36 @@ def main() -> None:
     )
     if native:
         phases = {**runner.native.phase_seconds(), "sampling (C)": sampling[0]}
-        print("| phase | ms / step | share |\n| --- | --- | --- |")
-        for name, seconds in phases.items():
-            print(f"| {name} | {seconds / a.steps * 1e3:.1f} | {seconds / a.steps / per_step:.0%} |")
+        print_phases(phases, a.steps, per_step, config, a.batch, a.context + a.steps // 2, dtype)
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(a.steps):
             step(i)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=a.rows))
+
+
+def print_phases(phases: dict, steps: int, per_step: float, config, rows: int, keys: int, dtype: torch.dtype) -> None:
+    """The phase table, with the matmul phases' GFLOP/s against this machine's attainable GEMM rate and
+    attention's K/V bytes per second against its copy bandwidth (both as ``decode_roofline`` measures them)."""
+    cost = phase_cost(config, rows, keys, dtype)
+    shapes = [(2048, 2048, 2048), (512, config.hidden_size, 2 * config.intermediate_size)]
+    gemm = max(gemm_gflops(dtype, shapes, 3).values())
+    bandwidth = bandwidth_gbs(3)
+    print(f"roofs: {dtype} GEMM {gemm:.0f} GFLOP/s (best torch.mm of {shapes}), memory {bandwidth:.1f} GB/s (copy)")
+    print("| phase | ms / step | share | achieved | of the roof |\n| --- | --- | --- | --- | --- |")
+    for name, seconds in phases.items():
+        s = seconds / steps
+        line = f"| {name} | {s * 1e3:.1f} | {s / per_step:.0%} |"
+        if name in cost and s > 0:
+            flops, nbytes = cost[name]
+            if name == "attention":  # bound by reading the K/V
+                line += f" {nbytes / s / 1e9:.1f} GB/s | {nbytes / s / 1e9 / bandwidth:.0%} of bandwidth |"
+            else:
+                line += f" {flops / s / 1e9:.0f} GFLOP/s | {flops / s / 1e9 / gemm:.0%} of GEMM |"
+        else:
+            line += " | |"
+        print(line)
 
 
 def _filled_runner(path: str, config, dtype: torch.dtype, native: bool, rows: int, context: int, max_len: int, bs: int):

@@ -54,10 +54,7 @@ ProxyServer = Any
 
 async def serve(proxy: ProxyServer, request: web.Request) -> web.StreamResponse:
     """Answer one ``/v1/responses`` call of a session (module docstring)."""
-    body, err = await proxy._read_body(request)
-    if err is not None:
-        return err
-    session, err = proxy._session_of(request, body)
+    body, session, err = await proxy._body_and_session(request)
     if err is not None:
         return err
     try:

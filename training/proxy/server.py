@@ -235,10 +235,7 @@ class ProxyServer:
 
     async def _reward_route(self, request: web.Request) -> web.Response:
         """``{"reward": x, "call": k}``: the agent credits call k (default: its latest) with x."""
-        body, err = await self._read_body(request)
-        if err is not None:
-            return err
-        session, err = self._session_of(request, body)
+        body, session, err = await self._body_and_session(request)
         if err is not None:
             return err
         try:  # the rollout contract's check: a finite number within MAX_ABS_REWARD (a huge one overflows advantages)
@@ -299,6 +296,16 @@ class ProxyServer:
         except SessionTableFull as e:
             return None, error_response(503, str(e), "overloaded_error")
 
+    async def _body_and_session(
+        self, request: web.Request
+    ) -> tuple[Optional[dict], Optional[SessionRecord], Optional[web.Response]]:
+        """The request's JSON object and the session it names (admitted), or the error response to send."""
+        body, err = await self._read_body(request)
+        if err is not None:
+            return None, None, err
+        session, err = self._session_of(request, body)
+        return body, session, err
+
     async def _read_body(self, request: web.Request) -> tuple[Optional[dict], Optional[web.Response]]:
         try:
             body = await read_json_request(request)
@@ -309,10 +316,7 @@ class ProxyServer:
         return body, None
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        body, err = await self._read_body(request)
-        if err is not None:
-            return err
-        session, err = self._session_of(request, body)
+        body, session, err = await self._body_and_session(request)
         if err is not None:
             return err
         refused = sampling_policy.refusal(body)
@@ -334,10 +338,7 @@ class ProxyServer:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic Messages API: translated to a chat call, recorded as one (see ``anthropic.py``)."""
-        body, err = await self._read_body(request)
-        if err is not None:
-            return err
-        session, err = self._session_of(request, body)
+        body, session, err = await self._body_and_session(request)
         if err is not None:
             return err
         try:

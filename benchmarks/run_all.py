@@ -12,7 +12,7 @@ running anything. With ``--only`` the other figures of the saved file are kept (
 re-measured without regenerating the rest). ``end_to_end`` (against TRL, about 15 minutes per seed) and
 ``distillation`` (distillation vs RL, about 40 minutes, after the arithmetic example exported the teacher) run only
 when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
-``--steps``) into the saved results the same way. A kept figure is shown with its own date.
+``--steps``) into the saved results the same way. A kept figure is shown with its own date; the whole default run keeps the saved opt-in figures.
 Benchmarks are not tests: CI never runs them.
 """
 
@@ -120,8 +120,12 @@ def main() -> None:
             "total_s": round(time.perf_counter() - t0),
             "results": results,
         }
-        if a.only != p.get_default("only") and RESULTS.exists():
-            saved = merge_results(json.loads(RESULTS.read_text()), saved)
+        if RESULTS.exists():
+            old = json.loads(RESULTS.read_text())
+            if a.only != p.get_default("only"):
+                saved = merge_results(old, saved)
+            else:  # the whole default run: the opt-in figures it did not run are kept, with their dates
+                saved["results"] += [r for r in old["results"] if r["figure"] in OPT_IN]
         RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)

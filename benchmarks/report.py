@@ -166,60 +166,63 @@ METHOD_SOAK = (
 )
 
 WHY = {
-    "async_overlap": "On this machine the server (child process) and the trainer share the same 2 cores, so "
-    "training during generation slows generation about as much as it hides: overlap cannot beat "
-    "the sum of the CPU work, and the tiny model trains in a few ms, leaving almost nothing to "
-    "hide. What async buys here is not waiting for the long tail, which only matters when "
-    "training is a large share of the step. Expect a speed-up only when the trainer runs on other "
-    "hardware than the server (a GPU, or another host).",
-    "async_agentic": "Measured on an idle machine (nothing else running). Tiny model: the step is bound by "
-    "the simulated environment (the synchronous trainer sits idle 98 % of the step), so async "
-    "hides it: O=1 `wait` runs at 0.52× the synchronous step with no group dropped and trained "
-    "lengths and env calls identical to synchronous (target ≤ 0.55×: met); O=2 adds little "
-    "(0.50×), because the gate still makes each step wait for the slowest episode of the oldest "
-    "window. `drop` goes faster (0.38–0.57×) by dropping 3.5–5 groups per run, which shifts "
-    "trained lengths by up to 2 % and p90 by 3 %. In-flight weight updates (the server swaps "
-    "weights mid-sequence, tokens labelled with their version) change the tiny rows within "
-    "noise. SmolLM2: compute-bound on 2 shared cores (the synchronous trainer is idle only 40 % "
-    "of its 15 s step, and the async trainer never): generation and training compete for the "
-    "same cores, so async cannot win and the extra in-flight batches (O=2) cost 10–20 %. That "
-    "is a property of one shared CPU; with the trainer on its own device we expect the tiny "
-    "model's shape (not measured: no GPU here). One SmolLM2 round only (every run takes minutes), so its ratios "
-    "carry about ±0.1 of noise (sync step spread 1.6× its median).",
-    "engine_throughput": "Nothing else ran on the machine during this run (a 2-core Intel Xeon VM with AVX-512; "
-    "earlier runs were on an AMD EPYC, so compare ratios). SmolLM2 fp32 (the default, whose logprobs match an "
-    "fp32 trainer), with the native decode step: 2.60× vLLM's CPU build at 8 clients, 2.77× at 32, 3.00× at 64 "
-    "(1.49× / 1.90× / 2.06× in the previous run, with the torch step), and 3.8–5.2× `generate`. bf16 (every side "
-    "in bf16; in this run the native step was fp32 only, so this is the torch step on oneDNN's bf16 linears): 1.40–1.49× "
-    "vLLM, now slower than our fp32. Tiny model: the native step cut per-token compute, so these rows went up "
-    "(32 clients 8,060 → 16,030 tok/s, 1.4–1.7× `generate`); what is left is per-request overhead (an HTTP hop, "
-    "JSON, a Python scheduler step per decode step) that one in-process `generate` call does not pay.",
-    "engine_rl_shapes": "Measured on an idle machine (a 2-core Intel Xeon VM with AVX-512) over 5 repeats "
-    "(`--repeats 5`), each side starting once the CPUs were quiet. The issue's targets are met: (a) 1.79× vLLM's "
-    "CPU build at 32 clients (per repeat 1.77–1.88×) and 1.88× at 64 (1.84–1.94×), and 3.7× / 4.4× `generate` (targets 1.5× and "
-    "3×); (b) 1.76× vLLM (per repeat 1.48–1.86×: the prompts (b) sends differ per repeat, 13k–22k tokens, and so "
-    "do both sides' times; every repeat's value is under `per_repeat` in the JSON line), computing exactly 1/8 of "
-    "the prompt tokens sent (vLLM's automatic prefix caching computed 0.20), 4.3× faster than the same server "
-    "without prefix caching. What moved it: the decode step in C on CPU in fp32 (engine README, 'The native "
-    "decode step'): panel-packed matmuls that prefetch the next weight panel (a step reads its 540 MB of weights "
-    "from memory), attention that reads a GRPO group's prompt once for all its members with the queries across "
-    "the vector lanes, no per-op dispatch, and a two-pass sampler; a batch-32 step went ~85 → ~50 ms and (a) in "
-    "process 20.6 → 12.4 s. Before it, on this machine: (a) 1.07× / 1.15× vLLM, (b) 1.10× (one repeat). What is "
-    "left is mostly memory: up to 8 rows a step is the weights read at ~27 GB/s, at 32 rows the matmuls run "
-    "within 1.4× of their speed with the weights in cache, and (b)'s prefill (half of its time) keeps oneDNN's "
-    "matmuls at ~330 GFLOPS.",
-    "trainer_throughput": "Packed vs padded: where padded wins, the batch is short enough that padding costs little and the packed "
-    "path's per-sequence attention loop and chunked, checkpointed logprobs (recomputed in "
-    "backward) cost more than the padding they save; the packed path also bounds memory "
-    "instead (no full-vocabulary logits for the whole batch). Shared-prompt packing (issue #20 "
-    "target ≥ 1.5×): 1.61× / 2.68× on the tiny model and 2.00× / 3.12× on SmolLM2 against "
-    "ordinary packing, with prompts as long as / 4× longer than the completions. LoRA r=16 on "
-    "SmolLM2: 0.73× the full fine-tuning step time and 0.61× its peak extra memory (3.6 % of "
-    "the parameters trainable); its held-out accuracy on the arithmetic task is in `end_to_end`.",
+    "async_overlap": "The server (child process) and the trainer share the 2 cores, with the recipe's CPU "
+    "split (while a batch samples, the server and the trainer run one OpenMP thread each; "
+    "training/recipes/README.md, 'CPU threads'). In the 2026-11-28 run async beats synchronous at every "
+    "offset: 0.58× the synchronous step at O=0, 0.49× at O=1, 0.42× at O=2, no group dropped. In the "
+    "previous run (2026-11-23, an AMD EPYC, before the split) O=0 and O=1 were 1.17× and 1.14× slower: "
+    "each process spun two threads on the same two cores, so training during generation slowed generation "
+    "about as much as it hid. The tiny model trains in milliseconds, so what async hides here is mostly "
+    "the long tail of generation and the server's idle gaps between batches.",
+    "async_agentic": "Measured on an idle machine (nothing else running; 2026-11-28, the run_all of that day). "
+    "Tiny model: the step is bound by the simulated environment (the synchronous trainer sits idle 98 % of the "
+    "step), so async hides it: O=1 `wait` runs at 0.44× the synchronous step with no group dropped and trained "
+    "lengths and env calls identical to synchronous (target ≤ 0.55×: met); O=2 `wait` adds nothing (0.50×), "
+    "because the gate still makes each step wait for the slowest episode of the oldest window. `drop` goes "
+    "0.40–0.47× by dropping 4–5 groups per run, which shifts trained lengths by up to 2.3 % and p90 by 3 %. "
+    "In-flight weight updates (the server swaps weights mid-sequence, tokens labelled with their version) "
+    "change the rows within noise. SmolLM2 is opt-in (`--models tiny,smollm2`, minutes per run) and not in "
+    "this run; its last run (2026-11-24, one round) was compute-bound on the 2 shared cores: generation and "
+    "training compete for them, so async was within noise of synchronous at O=1 (0.96–1.13×) and 10–20 % "
+    "slower at O=2; with the trainer on its own device we expect the tiny model's shape (not measured: no "
+    "GPU here).",
+    "engine_throughput": "Nothing else ran on the machine during this run (2026-11-28: a 2-core Intel Xeon VM with "
+    "AVX-512, AVX-512 BF16 and AMX; earlier runs were on an AMD EPYC, so compare ratios). SmolLM2 fp32 (the "
+    "default, whose logprobs match an fp32 trainer), with the native decode step: 2.80× vLLM's CPU build at 8 "
+    "clients, 2.33× at 32, 3.53× at 64, and 4.6–5.3× `generate`. bf16 (every side in bf16) now runs the native "
+    "bf16 C step (AMX matmuls, bf16 weights and K/V, fp32 sums): 298 / 634 / 869 tok/s, 1.5–1.6× our own fp32, "
+    "and 2.56× / 2.25× / 2.07× vLLM's CPU build in bf16 (issue #34's target ≥ 2×: met at every concurrency; "
+    "the run before, on the torch bf16 step, was 1.40–1.49×). Tiny model: what is left is per-request "
+    "overhead (an HTTP hop, JSON, a Python scheduler step per decode step) that one in-process `generate` "
+    "call does not pay: 1.2–2.3× `generate`.",
+    "engine_rl_shapes": "Measured on an idle machine (2026-11-28: a 2-core Intel Xeon VM with AVX-512), 3 repeats. "
+    "(a) decode-heavy: 1.95× vLLM's CPU build at 32 clients and 1.81× at 64 (spreads 285–306 vs 151–154 and "
+    "381–449 vs 204–237 tok/s), 4.0× / 5.3× `generate`. Issue #34's target (≥ 2.0× at 32 and 64) is not met: "
+    "the 11-26 run on the same kind of machine gave 1.79× / 1.88×, so the step's work since (the KV block pool, "
+    "prefetching through block tables) moved the ratio within the noise. Where the step goes at 64 rows: "
+    "`decode_roofline` and the engine README's roofline (the layers' matmuls at ~60 % of the machine's "
+    "GEMM rate, attention bound by reading fp32 K/V). (b) GRPO-shaped: 1.65× vLLM (automatic prefix caching "
+    "on), computing exactly 1/8 of the prompt tokens sent (vLLM computed 0.20), 4.8× the same server without "
+    "prefix caching.",
+    "trainer_throughput": "Packed vs padded: the packed path wins on both models here (2.42× tiny, 1.55× SmolLM2) "
+    "and bounds memory (no full-vocabulary logits for the whole batch: 0.43× / 0.62× the padded path's "
+    "peak extra memory); where padded wins (short batches), the packed path's per-sequence attention loop "
+    "and chunked logprobs cost more than the padding they save. Shared-prompt packing (issue #20 target "
+    "≥ 1.5×): 1.69× / 2.57× on the tiny model and 1.93× / 3.04× on SmolLM2 against ordinary packing, with "
+    "prompts as long as / 4× longer than the completions. LoRA r=16 on SmolLM2: 0.80× the full fine-tuning "
+    "step time and 0.65× its peak extra memory (3.6 % of the parameters trainable); its held-out accuracy "
+    "on the arithmetic task is in `end_to_end`. bf16 autocast (fp32 master weights, fused AdamW): 0.78× "
+    "the fp32 step, at a mean |Δ logprob| of 0.024 against the fp32 trainer (max 0.17): the trainer "
+    "computes in bf16, so its ratio ℓ_new − ℓ_old carries that noise; the held-out accuracy it reaches is "
+    "in `end_to_end`.",
     "weight_sync": "",
     "exactness": "fp32 (the engine's native decode step on CPU against the trainer's MKL matmuls): max |Δ logprob| "
-    "4.5e-5 on SmolLM2, inside the 1e-4 bound; the two sum in different orders, nothing more. bf16 is worse than "
-    "fp32 by construction (8-bit mantissa): that is the figure, not a defect.",
+    "4.2e-5 on SmolLM2, inside the 1e-4 bound; the two sum in different orders, nothing more. bf16 is worse than "
+    "fp32 by construction (8-bit mantissa): that is the figure, not a defect. The bf16 rows are the native bf16 "
+    "C step (AMX matmuls, bf16 weights and K/V, fp32 sums): against an fp32 trainer a mean |Δ logprob| of "
+    "0.019 and a max of 0.16 on SmolLM2 (the torch bf16 step before it: 0.038 / 0.20), a mismatch KL of 4e-4; "
+    "a bf16 trainer adds its own rounding (0.042 / 0.25). Training on bf16 samples with an fp32 trainer is what "
+    "the train/inference importance weight is for (`LossConfig.tis_cap`; `mismatch_kl` is logged every step).",
     "end_to_end": "Issue #20's target is ≥ 2× faster per step than TRL at equal or better held-out accuracy: "
     "the defaults meet it, at 0.44× TRL's step time (2.29× faster) and 2.29× its trained tokens/s at equal "
     "accuracy (0.695 vs 0.675; 100 problems, about ±0.05 each, two seeds). What closed the gap from the "
@@ -256,7 +259,16 @@ WHY = {
     "(engine README, 'The native decode step').",
 }
 
-ALWAYS_EXPLAINED = ("async_agentic", "decode_roofline", "trainer_throughput", "end_to_end", "distillation")
+ALWAYS_EXPLAINED = (
+    "async_overlap",
+    "engine_throughput",
+    "engine_rl_shapes",
+    "async_agentic",
+    "decode_roofline",
+    "trainer_throughput",
+    "end_to_end",
+    "distillation",
+)
 """Figures whose explanation is printed under the table even when no row is worse than its baseline."""
 
 LOWER_IS_BETTER = ("lower is better", "Δlogprob", "KL", "RSS", "× weight")

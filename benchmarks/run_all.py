@@ -64,6 +64,15 @@ def merge_results(old: dict, new: dict) -> dict:
     return {**old, "results": results, "updated": new["date"]}
 
 
+def with_saved(old: dict, new: dict, whole_run: bool) -> dict:
+    """What to save after a run: a partial run (``--only``) merged into ``old``; the whole default run as it is
+    plus ``old``'s opt-in figures (it does not run them), each with its own date."""
+    if not whole_run:
+        return merge_results(old, new)
+    kept = [{"date": old["date"], **r} for r in old["results"] if r["figure"] in OPT_IN]
+    return {**new, "results": new["results"] + kept}
+
+
 def run_script(name: str, quick: bool, timeout_s: float) -> dict:
     """Run one script; its JSON line, or ``{"figure", "error"}`` when it failed."""
     cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else [])
@@ -121,11 +130,7 @@ def main() -> None:
             "results": results,
         }
         if RESULTS.exists():
-            old = json.loads(RESULTS.read_text())
-            if a.only != p.get_default("only"):
-                saved = merge_results(old, saved)
-            else:  # the whole default run: the opt-in figures it did not run are kept, with their dates
-                saved["results"] += [r for r in old["results"] if r["figure"] in OPT_IN]
+            saved = with_saved(json.loads(RESULTS.read_text()), saved, whole_run=a.only == p.get_default("only"))
         RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
     Path(a.out).write_text(render(saved))
     print(f"wrote {a.out}", file=sys.stderr)

@@ -96,6 +96,34 @@ def test_rerunning_one_figure_keeps_the_others():
     assert merged["date"] == "d0" and merged["results"][1]["date"] == "d1"
 
 
+def test_the_whole_run_keeps_the_saved_opt_in_figures_it_does_not_run():
+    from benchmarks.run_all import with_saved
+
+    old = {
+        "date": "d0",
+        "results": [
+            {"figure": "exactness", "rows": [1]},
+            {"figure": "end_to_end", "rows": [2], "date": "d-1"},
+            {"figure": "distillation", "rows": [3]},
+        ],
+    }
+    new = {"date": "d1", "results": [{"figure": "exactness", "rows": [4], "date": "d1"}]}
+    saved = with_saved(old, new, whole_run=True)
+    assert [(r["figure"], r["rows"], r["date"]) for r in saved["results"]] == [
+        ("exactness", [4], "d1"),
+        ("end_to_end", [2], "d-1"),
+        ("distillation", [3], "d0"),
+    ]
+    assert saved["date"] == "d1"
+
+
+def test_vllm_available_answers_whether_the_cpu_venv_exists():
+    from benchmarks.engine_throughput import vllm_available
+    from training.deployment.vllm import VLLM_VENV_PYTHON
+
+    assert vllm_available() is VLLM_VENV_PYTHON.exists()
+
+
 # ---------------------------------------------------------------- end_to_end (ours vs TRL)
 HARNESS_FIELDS = {
     "base_model",

@@ -614,13 +614,13 @@ static inline KVCursor kv_next(const KVRow *r, KVCursor c, int n) {
 
 #define KV_PREFETCH_AHEAD 2 /* chunks of keys (and values) prefetched ahead of the one attended */
 
-/* Scores of one query (head_dim 16 * DV) against a block of 16 keys kb [16][d]: one vector, lane t = key t. */
-static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const kv_t *kb) {
+/* Scores of one query (head_dim 16 * DV) against a block of 16 fp32 keys kb [16][d]: one vector, lane t = key t. */
+static inline __attribute__((always_inline)) v16 block_scores(const int DV, const float *qi, const float *kb) {
     v16 qv[8], part[16];
     for (int c = 0; c < DV; c++) qv[c] = *(const v16 *)(qi + 16 * c);
     for (int t = 0; t < 16; t++) {
-        v16 sum = qv[0] * kv_load16(kb + (size_t)t * 16 * DV);
-        for (int c = 1; c < DV; c++) sum += qv[c] * kv_load16(kb + (size_t)t * 16 * DV + 16 * c);
+        v16 sum = qv[0] * *(const v16 *)(kb + (size_t)t * 16 * DV);
+        for (int c = 1; c < DV; c++) sum += qv[c] * *(const v16 *)(kb + (size_t)t * 16 * DV + 16 * c);
         part[t] = sum;
     }
     return v16_sum16(part);
@@ -669,12 +669,13 @@ static inline __attribute__((always_inline)) void pv_all(const int DV, int nq, c
    query one vector of 16 scores (v16_sum16 of its partial products), the softmax runs on that vector, and
    p.V accumulates with up to QUERY_CHUNK queries' outputs in registers; the next chunk's keys and values
    are prefetched meanwhile. A chunk of fewer than 16 keys is copied into a zero-padded buffer first (no read
-   past the block, no garbage in the scores). */
+   past the block, no garbage in the scores). bf16 keys are widened into that buffer once per chunk, not once
+   per query (the same fp32 values, so the same scores). */
 static inline __attribute__((always_inline)) void attend_keys_v(const int DV, const float *q, int nq,
                                                                 const KVRow *row, int t0, int t1, float *m,
                                                                 float *l, float *acc, float *scores) {
     const int d = 16 * DV;
-    kv_t pad_k[16 * 16 * 8] __attribute__((aligned(64)));
+    float pad_k[16 * 16 * 8] __attribute__((aligned(64)));
     KVCursor cur = kv_cursor(row, t0), pf = cur;
     for (int i = 1; i < KV_PREFETCH_AHEAD; i++) { /* the chunks before the loop's first prefetch: asked for now */
         pf = kv_next(row, pf, kv_chunk(row, pf, t1));
@@ -688,15 +689,21 @@ static inline __attribute__((always_inline)) void attend_keys_v(const int DV, co
     }
     for (int nb; (nb = kv_chunk(row, cur, t1)) > 0; cur = kv_next(row, cur, nb)) {
         const size_t at = kv_at(row, cur);
-        const kv_t *kb = row->k + at, *vb = row->v + at;
+        const kv_t *vb = row->v + at;
         pf = kv_next(row, pf, kv_chunk(row, pf, t1)); /* KV_PREFETCH_AHEAD chunks ahead: prefetched during p.V */
         const int pf_n = kv_chunk(row, pf, t1);
         const size_t pf_at = pf_n ? kv_at(row, pf) : 0;
+#ifdef NATIVE_BF16
+        for (int x = 0; x < nb * d; x += 16) *(v16 *)(pad_k + x) = kv_load16(row->k + at + x);
+        const float *kb = pad_k;
+#else
+        const float *kb = row->k + at;
         if (nb < 16) {
-            memcpy(pad_k, kb, sizeof(kv_t) * nb * d);
-            memset(pad_k + nb * d, 0, sizeof(kv_t) * (16 - nb) * d);
+            memcpy(pad_k, kb, sizeof(float) * nb * d);
             kb = pad_k;
         }
+#endif
+        if (nb < 16) memset(pad_k + nb * d, 0, sizeof(float) * (16 - nb) * d);
         const vi16 valid = (vi16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < nb;
         for (int i = 0; i < nq; i++) {
             v16 sc = v16_select(valid, block_scores(DV, q + (size_t)i * d, kb), v16_splat(-INFINITY));

@@ -11,7 +11,8 @@ last one, as a GRPO group's members do),
 then times ``--steps`` decode steps plus their sampling. ``--kernel native`` (the default on CPU in
 fp32) runs the C step of native.py built with its phase timers and prints the milliseconds per
 step of each phase, the matmul phases' GFLOP/s as a share of this machine's attainable GEMM rate and
-attention's K/V read rate as a share of its memory bandwidth (both measured as ``decode_roofline`` does); ``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
+attention's K/V read rate as a share of its memory bandwidth (both measured as ``decode_roofline`` does);
+``--kernel torch`` prints the ``torch.profiler`` op table of the torch step.
 
 ``--compare`` times the decode kernels against each other instead, in one process, interleaved round by round
 (median of ``--rounds``): the fp32 C and torch steps, the bf16 C step (its default build: AMX tiles where the

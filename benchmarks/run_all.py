@@ -9,10 +9,12 @@ Each script runs in its own process (``python -m benchmarks.<name>``), one after
 never share the cores; its last stdout line is its JSON figure. The raw lines are saved to
 ``benchmarks/results.json``; ``--from-json`` rebuilds BENCHMARKS.md from such a file without
 running anything. With ``--only`` the other figures of the saved file are kept (one figure can be
-re-measured without regenerating the rest). ``end_to_end`` (against TRL, about 15 minutes per seed) and
+re-measured without regenerating the rest). ``end_to_end`` (against TRL and TRL + vLLM, about 15 minutes per
+seed on an idle machine, 2 more per ``--variant``) and
 ``distillation`` (distillation vs RL, about 40 minutes, after the arithmetic example exported the teacher) run only
 when named in ``--only``; ``--add`` puts a JSON line printed by a script run by hand (e.g. with other
-``--steps``) into the saved results the same way. A kept figure is shown with its own date; the whole default run keeps the saved opt-in figures.
+``--steps``) into the saved results the same way. A kept figure is shown with its own date; the whole
+default run keeps the saved opt-in figures.
 Benchmarks are not tests: CI never runs them.
 """
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from training.utils.rl.request_seeds import completion_seed_key, derive_seed, next_request_seed, seed_scope
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" / "single_turn_token_in"
-STEPS = 3
+STEPS = 4
 STEP_ARGS = [
     "learning_rate=2e-4",  # the redone step 1 still has reward spread (at the example's 5e-3 every reward is 0 by then)
     "trainer.lr_schedule=cosine",  # a schedule that moves: its position must be restored too
@@ -104,12 +104,13 @@ def test_resume_after_trainer_and_server_kill_equals_an_uninterrupted_run_bit_fo
     latest = resumed / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.01)
     assert latest.exists(), "no checkpoint was written"
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its server child: the rerun starts a fresh server
     proc.wait()
     state = json.loads((resumed / "checkpoints" / latest.read_text().strip() / "recipe_state.json").read_text())
-    assert state["step"] == 1
+    # the kill lands after the first checkpoint; on a fast machine a later step may have saved one first
+    assert 1 <= state["step"] < STEPS, f"killed at step {state['step']}: no step left to redo"
 
     done = subprocess.run(_args(resumed), cwd=EXAMPLE, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -43,6 +43,20 @@ def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
         assert abs(row["ratio"] - row["value"] / row["baseline_value"]) <= 0.01 * row["ratio"]
 
 
+@pytest.mark.vllm
+def test_engine_throughput_measures_its_vllm_baseline():
+    """The vLLM side of the engine benchmarks (``--quick`` skips it): one SmolLM2 row against vLLM's CPU build."""
+    stdout = run_benchmark(
+        "engine_throughput",
+        *("--models", "smollm2", "--concurrency", "2", "--dtypes", "float32"),
+        *("--sequential-requests", "1", "--repeats", "1", "--vllm", "yes"),
+        timeout=900,
+    )
+    result = json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
+    vllm_rows = [r for r in result["rows"] if r["baseline"] == "vLLM CPU build, same requests"]
+    assert len(vllm_rows) == 1 and vllm_rows[0]["baseline_value"] > 0
+
+
 def test_report_flags_a_figure_worse_than_its_baseline():
     from benchmarks.report import render
 

@@ -45,6 +45,13 @@ def gemm_gflops(dtype: torch.dtype, shapes: list[tuple[int, int, int]], repeats:
     return out
 
 
+def gemm_shapes(hf_config, quick: bool = False) -> list[tuple[int, int, int]]:
+    """The (m, k, n) shapes whose best ``torch.mm`` rate is the attainable GEMM rate: large squares and the
+    decode step's largest weight (MLP gate_up) at 512 rows."""
+    big = [(512, 512, 512)] if quick else [(2048, 2048, 2048), (3072, 3072, 3072)]
+    return big + [(512, hf_config.hidden_size, 2 * hf_config.intermediate_size)]
+
+
 def bandwidth_gbs(repeats: int) -> float:
     """Best read + write bytes per second of one large copy, in GB/s."""
     n = BANDWIDTH_MIB * 2**20 // 4
@@ -125,13 +132,11 @@ def main() -> None:
     started = time.perf_counter()
     path = model_path(a.model)
     cfg = AutoConfig.from_pretrained(path)
-    big = [(512, 512, 512)] if a.quick else [(2048, 2048, 2048), (3072, 3072, 3072)]
-    own = (512, cfg.hidden_size, 2 * cfg.intermediate_size)
     bw = bandwidth_gbs(a.repeats)
     rows, roofs = [], {}
     for dtype_name in a.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        rates = gemm_gflops(dtype, big + [own], a.repeats)
+        rates = gemm_gflops(dtype, gemm_shapes(cfg, a.quick), a.repeats)
         roofs[dtype_name] = {k: sig(v) for k, v in rates.items()}
         peak = max(rates.values())
         for batch in (int(b) for b in a.batches.split(",")):

@@ -36,7 +36,7 @@ import torch
 from transformers import AutoConfig
 
 from benchmarks.common import model_path
-from benchmarks.decode_roofline import bandwidth_gbs, gemm_gflops, phase_cost
+from benchmarks.decode_roofline import bandwidth_gbs, gemm_gflops, gemm_shapes, phase_cost
 from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.requests import SamplingParams
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
@@ -132,7 +132,7 @@ def print_phases(phases: dict, steps: int, per_step: float, config, rows: int, k
     """The phase table, with the matmul phases' GFLOP/s against this machine's attainable GEMM rate and
     attention's K/V bytes per second against its copy bandwidth (both as ``decode_roofline`` measures them)."""
     cost = phase_cost(config, rows, keys, dtype)
-    shapes = [(2048, 2048, 2048), (512, config.hidden_size, 2 * config.intermediate_size)]
+    shapes = gemm_shapes(config)
     gemm = max(gemm_gflops(dtype, shapes, 3).values())
     bandwidth = bandwidth_gbs(3)
     print(f"roofs: {dtype} GEMM {gemm:.0f} GFLOP/s (best torch.mm of {shapes}), memory {bandwidth:.1f} GB/s (copy)")

@@ -346,7 +346,7 @@ def test_bad_weight_update_refused_whole_and_old_weights_stay(tiny_model_path, b
 
 
 def test_tied_head_in_update_accepted_when_equal(tiny_model_path):
-    tensors = load_safetensors(tiny_model_path)
+    tensors = dict(load_safetensors(tiny_model_path))
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
 
     async def body(eng):

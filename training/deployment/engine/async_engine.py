@@ -33,11 +33,18 @@ from training.deployment.engine.requests import (
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
 from training.deployment.engine.scoring import PromptLogprobs, score_prompts
 from training.deployment.engine.sequence import Sequence
-from training.deployment.engine.sleep import SLEEP_LEVELS, RunnerSleep, release_host_memory
+from training.deployment.engine.sleep import SLEEP_LEVELS, RunnerSleep, trim_heap
+from training.deployment.process_stats import rss_bytes
 from training.deployment.engine.weights import load_safetensors, validate_update
 from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
 
 log = logging.getLogger(__name__)
+
+IDLE_TRIM_BYTES = 64 * 2**20
+"""On CPU, when the engine runs out of work with its resident memory grown by more than this since it last
+trimmed, the engine thread hands glibc's free heap pages back to the system (``malloc_trim``) before it sleeps:
+a burst's activations (an eval's prefill of every prompt) would otherwise stay resident until the next burst,
+and add to the next weight push's peak."""
 
 
 class _ScoreJob:
@@ -177,7 +184,14 @@ class AsyncEngine:
         torch.set_num_threads(self._num_threads)
         if self.engine.device.type == "cuda":  # graphs capture on the thread's current device: make it ours
             torch.cuda.set_device(self.engine.device)
+        on_cpu = self.engine.device.type == "cpu"
+        trimmed_rss = rss_bytes() or 0
         while True:
+            with self._cond:
+                idle = not self._stopping and not self._ready()
+            if idle and on_cpu and (rss_bytes() or 0) > trimmed_rss + IDLE_TRIM_BYTES:
+                trim_heap()
+                trimmed_rss = rss_bytes() or 0
             with self._cond:
                 while not self._stopping and not self._ready():
                     self._cond.wait()
@@ -483,21 +497,13 @@ class AsyncEngine:
         return lambda exc: deliver(exc if exc is not None else None)
 
     async def update_weights_from_disk(self, path: str, weight_version: int, **kw) -> None:
-        """Load a safetensors folder (or file) with safetensors, then :meth:`update_weights`.
-
-        The loaded copy is dropped after the swap and glibc's freed heap pages go back to the system
-        (``release_host_memory``): on CPU a push would otherwise leave a model's worth of freed pages
-        resident in the server after every step."""
+        """Map a safetensors folder (or file) (``load_safetensors``: views on the files, nothing copied), then
+        :meth:`update_weights`."""
         try:
             tensors = await asyncio.to_thread(releasing_openmp_threads(load_safetensors), path)
         except FileNotFoundError as exc:
             raise WeightUpdateError(f"path: {exc}") from exc
-        try:
-            await self.update_weights(tensors, weight_version, **kw)
-        finally:
-            del tensors
-            if self.engine.runner.device.type == "cpu":
-                await asyncio.to_thread(release_host_memory, self.engine.runner.device)
+        await self.update_weights(tensors, weight_version, **kw)
 
     # ----------------------------------------------------------------- pause
     async def pause(self) -> None:

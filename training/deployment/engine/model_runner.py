@@ -259,7 +259,8 @@ class LeanModelRunner:
 
         With the checkpoint-layout matmul weights unheld (``native_linears``), one layer's get memory at a time:
         written, packed into its panels, given back; a push then holds one layer more than the served weights
-        (besides the update itself), not a model more."""
+        (besides the update itself, which ``load_safetensors`` maps rather than copies), not a model more, and
+        the freed heap pages go back to the system at the end (``release_host_memory``)."""
         if not self._unheld.tensors:
             try:
                 for name, target in self.targets.items():
@@ -283,6 +284,7 @@ class LeanModelRunner:
                 for w in raw:
                     w.untyped_storage().resize_(0)
         self.native.pack_head()
+        release_host_memory(self.device)
 
     def weights_changed(self) -> None:
         """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.

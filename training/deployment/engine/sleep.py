@@ -49,6 +49,11 @@ def release_host_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: the free pages its heap keeps go back to the system (a no-op on another libc)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None

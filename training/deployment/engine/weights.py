@@ -7,12 +7,15 @@ update may still carry it (a trainer's ``state_dict()`` does) if it equals the e
 
 from __future__ import annotations
 
+import json
+import mmap
+import struct
+import warnings
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from training.deployment.engine.requests import WeightUpdateError
 
@@ -41,42 +44,122 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors folder (or file) on CPU."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(path):
-        tensors.update(load_file(str(f), device="cpu"))
-    return tensors
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""The safetensors dtype names ``MappedWeights`` reads."""
+
+
+class MappedWeights(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files as read-only CPU views on the files' pages (``mmap``): nothing is copied.
+
+    Reading a tensor first hands the pages read so far back to the kernel (``madvise(MADV_DONTNEED)`` over
+    every file: a view read again faults its pages back in from the file, with the same values), so a
+    consumer that reads the tensors one after another holds about one tensor of the files in its
+    resident memory, not the whole files: a server taking a weight push reads a model's worth of file
+    pages and keeps ~one tensor of it (safetensors' ``load_file`` keeps every page it touched mapped
+    until the last tensor is dropped). The views must not be written to (the mapping is read-only).
+    """
+
+    def __init__(self, files: list[Path]):
+        self._maps: list[mmap.mmap] = []
+        self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...], int, int]] = {}
+        """name → (file index, dtype, shape, start, end): the byte range in that file."""
+        for f in files:
+            with open(f, "rb") as fh:
+                size = fh.seek(0, 2)
+                fh.seek(0)
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8:
+                    raise ValueError(f"{f}: not a safetensors file (header of {n} bytes in a {size}-byte file)")
+                header = json.loads(fh.read(n))
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in SAFETENSORS_DTYPES:
+                    raise ValueError(
+                        f"{f}: tensor {name!r} has dtype {info['dtype']}, not one of {list(SAFETENSORS_DTYPES)}"
+                    )
+                start, end = (8 + n + o for o in info["data_offsets"])
+                if end > size:
+                    raise ValueError(f"{f}: tensor {name!r} ends at byte {end}, past the end of the file ({size})")
+                self._where[name] = (
+                    len(self._maps),
+                    SAFETENSORS_DTYPES[info["dtype"]],
+                    tuple(info["shape"]),
+                    start,
+                    end,
+                )
+            self._maps.append(mapped)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        i, dtype, shape, start, end = self._where[name]
+        self.release_pages()
+        count = (end - start) // dtype.itemsize
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # read-only by contract: torch warns that it cannot enforce that
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._maps[i], dtype=dtype, count=count, offset=start)
+        return flat.view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def release_pages(self) -> None:
+        """Give the pages of the files read so far back to the kernel (the views stay valid)."""
+        for m in self._maps:
+            if hasattr(m, "madvise"):  # Python builds without it (not Linux) keep the pages until the views go
+                m.madvise(mmap.MADV_DONTNEED)
+
+
+def load_safetensors(path: str | Path) -> MappedWeights:
+    """All tensors of a safetensors folder (or file), as read-only CPU views on the files (``MappedWeights``)."""
+    return MappedWeights(safetensors_files(path))
 
 
 def validate_update(
     tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], tied: bool
-) -> dict[str, torch.Tensor]:
-    """Check that ``tensors`` is a full, shape-matching set; return it without a redundant tied head.
+) -> Mapping[str, torch.Tensor]:
+    """Check that ``tensors`` is a full, shape-matching set; return it as it is (nothing copied: the runners
+    read it by their own names, so a redundant tied head in it is never read).
 
     Raises :class:`WeightUpdateError` naming the first missing, extra or mismatched tensor.
     """
-    out = dict(tensors)
-    if tied and TIED_HEAD in out and TIED_HEAD not in expected:
-        head = out.pop(TIED_HEAD)
-        emb = out.get(EMBED)
+    names = set(tensors)
+    if tied and TIED_HEAD in names and TIED_HEAD not in expected:
+        names.discard(TIED_HEAD)
+        head, emb = tensors[TIED_HEAD], tensors.get(EMBED)
         if emb is None or head.shape != emb.shape or not torch.equal(head.cpu(), emb.cpu()):
             raise WeightUpdateError(
                 f"{TIED_HEAD}: the model ties it to {EMBED}, but the update gives a different tensor"
             )
-    missing = sorted(set(expected) - set(out))
+    missing = sorted(set(expected) - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightUpdateError(f"{missing[0]}: missing from the update{more}; a full set is required")
-    extra = sorted(set(out) - set(expected))
+    extra = sorted(names - set(expected))
     if extra:
         raise WeightUpdateError(f"{extra[0]}: not a weight of this model")
     for name, shape in expected.items():
-        t = out[name]
+        t = tensors[name]
         if not isinstance(t, torch.Tensor):
             raise WeightUpdateError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != tuple(shape):
             raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(shape)}")
         if not (t.is_floating_point()):
             raise WeightUpdateError(f"{name}: dtype {t.dtype} is not a floating-point type")
-    return out
+    return tensors

@@ -8,8 +8,8 @@ update may still carry it (a trainer's ``state_dict()`` does) if it equals the e
 from __future__ import annotations
 
 import json
+import math
 import mmap
-import struct
 import warnings
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -78,7 +78,7 @@ class MappedWeights(Mapping[str, torch.Tensor]):
             with open(f, "rb") as fh:
                 size = fh.seek(0, 2)
                 fh.seek(0)
-                (n,) = struct.unpack("<Q", fh.read(8))
+                n = int.from_bytes(fh.read(8), "little")
                 if n > size - 8:
                     raise ValueError(f"{f}: not a safetensors file (header of {n} bytes in a {size}-byte file)")
                 header = json.loads(fh.read(n))
@@ -90,16 +90,13 @@ class MappedWeights(Mapping[str, torch.Tensor]):
                     raise ValueError(
                         f"{f}: tensor {name!r} has dtype {info['dtype']}, not one of {list(SAFETENSORS_DTYPES)}"
                     )
+                dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
                 start, end = (8 + n + o for o in info["data_offsets"])
                 if end > size:
                     raise ValueError(f"{f}: tensor {name!r} ends at byte {end}, past the end of the file ({size})")
-                self._where[name] = (
-                    len(self._maps),
-                    SAFETENSORS_DTYPES[info["dtype"]],
-                    tuple(info["shape"]),
-                    start,
-                    end,
-                )
+                if end - start != math.prod(shape) * dtype.itemsize:
+                    raise ValueError(f"{f}: tensor {name!r} holds {end - start} bytes, not a {info['dtype']} {shape}")
+                self._where[name] = (len(self._maps), dtype, shape, start, end)
             self._maps.append(mapped)
 
     def __getitem__(self, name: str) -> torch.Tensor:

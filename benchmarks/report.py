@@ -215,7 +215,13 @@ WHY = {
     "the fp32 step, at a mean |Δ logprob| of 0.024 against the fp32 trainer (max 0.17): the trainer "
     "computes in bf16, so its ratio ℓ_new − ℓ_old carries that noise; the held-out accuracy it reaches is "
     "in `end_to_end`.",
-    "weight_sync": "",
+    "weight_sync": "Re-measured 2026-11-29 (the restart baseline took 3.6 s / 6.6 s that day against 3.5 s / 5.1 s on "
+    "11-28: a slower day, so compare the ratios). A SmolLM2 push raises the server's peak RSS by 0.56× the weights "
+    "(shm) and 0.58× (disk), down from 1.0×: the server maps the file and gives back the pages of the tensors it "
+    "has checked and loaded as it goes (`MappedWeights`), where safetensors' `load_file` kept every page of the "
+    "file mapped until the swap ended. It costs a second read of each page from the page cache (the NaN check, "
+    "then the load): ~60 ms of a SmolLM2 push in one process, 0.15× / 0.14× the restart here against 0.14× / "
+    "0.12× the day before. Tiny model: the push is ~20 ms; its memory rows are noise at 0.4 MB.",
     "exactness": "fp32 (the engine's native decode step on CPU against the trainer's MKL matmuls): max |Δ logprob| "
     "4.2e-5 on SmolLM2, inside the 1e-4 bound; the two sum in different orders, nothing more. bf16 is worse than "
     "fp32 by construction (8-bit mantissa): that is the figure, not a defect. The bf16 rows are the native bf16 "

@@ -12,7 +12,7 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from aiohttp import web
 
@@ -82,7 +82,7 @@ def _is_file(path: Path, *, folder_ok: bool) -> bool:
 
 
 @releasing_openmp_threads
-def _finite_tensors(tensors: dict) -> dict:
+def _finite_tensors(tensors: Mapping) -> Mapping:
     """Refuse NaN or inf weights (400 naming the first such tensor); they would poison every answer."""
     import torch
 
@@ -94,7 +94,8 @@ def _finite_tensors(tensors: dict) -> dict:
 
 @releasing_openmp_threads
 def _read_weights(path: Path) -> dict:
-    """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle)."""
+    """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle), as views on
+    the files (``MappedWeights``: checking and loading them keeps ~one tensor of the files resident)."""
     from training.deployment.engine.weights import load_safetensors
 
     return load_safetensors(str(path))

@@ -49,7 +49,7 @@ from training.deployment.engine.kv_cache import KVBudget, KVCache, padded_tables
 from training.deployment.engine.native import MATMULS, NativeDecoder, silu_mul, unpack_weight
 from training.deployment.engine.native import linear as native_linear
 from training.deployment.engine.native import rms_norm as native_rms_norm
-from training.deployment.engine.sleep import FreedStorages, release_host_memory
+from training.deployment.engine.sleep import FreedStorages, release_host_memory, trim_heap
 from training.deployment.engine.weights import checkpoint_shapes, load_safetensors
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class LeanModelRunner:
         With the checkpoint-layout matmul weights unheld (``native_linears``), one layer's get memory at a time:
         written, packed into its panels, given back; a push then holds one layer more than the served weights
         (besides the update itself, which ``load_safetensors`` maps rather than copies), not a model more, and
-        the freed heap pages go back to the system at the end (``release_host_memory``)."""
+        the freed heap pages go back to the system at the end (``trim_heap``)."""
         if not self._unheld.tensors:
             try:
                 for name, target in self.targets.items():
@@ -285,7 +285,7 @@ class LeanModelRunner:
                 for w in raw:
                     w.untyped_storage().resize_(0)
         self.native.pack_head()
-        release_host_memory(self.device)
+        trim_heap()  # not release_host_memory: its gc.collect() took 120-150 ms of every push
 
     def weights_changed(self) -> None:
         """Refresh what is derived from ``targets`` (the oneDNN and native copies); whoever writes ``targets`` calls it.

@@ -62,16 +62,22 @@ SAFETENSORS_DTYPES = {
 class MappedWeights(Mapping[str, torch.Tensor]):
     """The tensors of safetensors files as read-only CPU views on the files' pages (``mmap``): nothing is copied.
 
-    Reading a tensor first hands the pages read so far back to the kernel (``madvise(MADV_DONTNEED)`` over
-    every file: a view read again faults its pages back in from the file, with the same values), so a
-    consumer that reads the tensors one after another holds about one tensor of the files in its
-    resident memory, not the whole files: a server taking a weight push reads a model's worth of file
-    pages and keeps ~one tensor of it (safetensors' ``load_file`` keeps every page it touched mapped
-    until the last tensor is dropped). The views must not be written to (the mapping is read-only).
+    Reading a tensor first hands the pages read so far back to the kernel once the tensors handed out since
+    the last time reach ``RELEASE_BYTES`` (``madvise(MADV_DONTNEED)`` over every file: a view read again
+    faults its pages back in from the file, with the same values), so a consumer that reads the tensors one
+    after another holds about one tensor of the files in its resident memory, not the whole files: a server
+    taking a weight push reads a model's worth of file pages and keeps ~one tensor of it (safetensors'
+    ``load_file`` keeps every page it touched mapped until the last tensor is dropped). The views must not be
+    written to (the mapping is read-only).
     """
+
+    RELEASE_BYTES = 32 * 2**20
+    """Bytes handed out between two releases (one ``madvise`` per tensor cost ~50 ms of a SmolLM2 push)."""
 
     def __init__(self, files: list[Path]):
         self._maps: list[mmap.mmap] = []
+        self._unreleased = 0
+        """Bytes of the tensors handed out since the last ``release_pages``."""
         self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...], int, int]] = {}
         """name → (file index, dtype, shape, start, end): the byte range in that file."""
         for f in files:
@@ -101,7 +107,9 @@ class MappedWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         i, dtype, shape, start, end = self._where[name]
-        self.release_pages()
+        if self._unreleased >= self.RELEASE_BYTES:
+            self.release_pages()
+        self._unreleased += end - start
         count = (end - start) // dtype.itemsize
         if count == 0:
             return torch.empty(shape, dtype=dtype)
@@ -118,6 +126,7 @@ class MappedWeights(Mapping[str, torch.Tensor]):
 
     def release_pages(self) -> None:
         """Give the pages of the files read so far back to the kernel (the views stay valid)."""
+        self._unreleased = 0
         for m in self._maps:
             if hasattr(m, "madvise"):  # Python builds without it (not Linux) keep the pages until the views go
                 m.madvise(mmap.MADV_DONTNEED)

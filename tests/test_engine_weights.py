@@ -61,3 +61,6 @@ def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
     (tmp_path / "text.safetensors").write_bytes(b"not a safetensors file at all")
     with pytest.raises(ValueError, match="text.safetensors: not a safetensors file"):
         load_safetensors(tmp_path / "text.safetensors")
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.safetensors: not a safetensors file"):
+        load_safetensors(tmp_path / "empty.safetensors")

@@ -65,14 +65,16 @@ class MappedWeights(Mapping[str, torch.Tensor]):
     Reading a tensor first hands the pages read so far back to the kernel once the tensors handed out since
     the last time reach ``RELEASE_BYTES`` (``madvise(MADV_DONTNEED)`` over every file: a view read again
     faults its pages back in from the file, with the same values), so a consumer that reads the tensors one
-    after another holds about one tensor of the files in its resident memory, not the whole files: a server
-    taking a weight push reads a model's worth of file pages and keeps ~one tensor of it (safetensors'
-    ``load_file`` keeps every page it touched mapped until the last tensor is dropped). The views must not be
-    written to (the mapping is read-only).
+    after another holds at most ``RELEASE_BYTES`` and one tensor of the files in its resident memory, not
+    the whole files: a server taking a weight push reads a model's worth of file pages and keeps a few
+    tensors of it (safetensors' ``load_file`` keeps every page it touched mapped until the last tensor is
+    dropped). A consumer that reads each tensor twice (the server's NaN check, then the load) reads its
+    pages from the page cache twice: ~60 ms of a SmolLM2 push. The views must not be written to (the
+    mapping is read-only).
     """
 
     RELEASE_BYTES = 32 * 2**20
-    """Bytes handed out between two releases (one ``madvise`` per tensor cost ~50 ms of a SmolLM2 push)."""
+    """Bytes handed out between two releases."""
 
     def __init__(self, files: list[Path]):
         self._maps: list[mmap.mmap] = []
@@ -85,7 +87,7 @@ class MappedWeights(Mapping[str, torch.Tensor]):
                 size = fh.seek(0, 2)
                 fh.seek(0)
                 n = int.from_bytes(fh.read(8), "little")
-                if n > size - 8:
+                if size < 8 or n > size - 8:
                     raise ValueError(f"{f}: not a safetensors file (header of {n} bytes in a {size}-byte file)")
                 header = json.loads(fh.read(n))
                 mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)

@@ -391,6 +391,32 @@ def test_pause_holds_requests_and_resume_releases_them(tiny_model_path):
     assert len(res.output_token_ids) == 5
 
 
+def test_an_engine_out_of_work_gives_freed_heap_pages_back(tiny_model_path):
+    """On CPU the engine thread trims glibc's heap when it goes idle with its RSS grown by over IDLE_TRIM_BYTES:
+    100 MiB freed in the middle of the heap (what a burst's activations leave) stops being resident."""
+    from training.deployment.engine.async_engine import IDLE_TRIM_BYTES
+    from training.deployment.process_stats import heap_bytes, rss_bytes
+
+    if rss_bytes() is None or heap_bytes()[0] is None:
+        pytest.skip("needs /proc and glibc")
+
+    async def body(eng):
+        await eng.generate(PROMPTS[0], greedy(2))  # the engine thread has trimmed once and sleeps
+        chunks = [bytearray(100 * 1024) for _ in range(1024)]  # 100 MiB of heap chunks (below the mmap threshold)
+        keep = chunks[-1]  # the top of the heap stays held, so free() cannot shrink the heap from its end
+        del chunks
+        grown = rss_bytes()
+        await eng.generate(PROMPTS[1], greedy(2))  # work, then idle again: the thread trims before it sleeps
+        for _ in range(200):
+            if rss_bytes() < grown - IDLE_TRIM_BYTES:
+                break
+            await asyncio.sleep(0.01)
+        return grown, rss_bytes(), len(keep)
+
+    grown, after, _ = run_engine(tiny_model_path, body)
+    assert after < grown - IDLE_TRIM_BYTES, f"RSS {grown >> 20} -> {after >> 20} MiB"
+
+
 def test_shutdown_aborts_pending_and_cancel_frees_blocks(tiny_model_path):
     async def body():
         eng = make_engine(tiny_model_path, max_batch_size=2, max_model_len=4096)

@@ -93,9 +93,9 @@ def _finite_tensors(tensors: Mapping) -> Mapping:
 
 
 @releasing_openmp_threads
-def _read_weights(path: Path) -> dict:
+def _read_weights(path: Path) -> Mapping:
     """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle), as views on
-    the files (``MappedWeights``: checking and loading them keeps ~one tensor of the files resident)."""
+    the files (``MappedWeights``: checking and loading them keeps a few tensors of the files resident)."""
     from training.deployment.engine.weights import load_safetensors
 
     return load_safetensors(str(path))

@@ -282,6 +282,7 @@ ALWAYS_EXPLAINED = (
     "trainer_throughput",
     "end_to_end",
     "distillation",
+    "weight_sync",
 )
 """Figures whose explanation is printed under the table even when no row is worse than its baseline."""
 

@@ -189,6 +189,32 @@ def test_engine_on_the_native_step_samples_what_the_torch_step_samples(tiny_mode
         assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
 
 
+def test_native_step_never_reads_what_a_reused_block_held_before(tiny_model_path):
+    """Its runner hands reused blocks out unzeroed (``zero_handed_out``): with every block of the pool NaN
+    between two identical rounds of requests, the second round samples exactly what the first did."""
+    from tests.test_engine_prefix_cache import sampled
+
+    rng = random.Random(7)
+    requests = [
+        ([rng.randrange(3, 400) for _ in range(rng.randint(5, 40))], sampled(seed=i, max_tokens=20)) for i in range(8)
+    ]
+
+    async def body(eng):
+        first = await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests])
+        cache = eng.engine.runner.cache
+        assert not cache.zero_handed_out and eng.engine.scheduler.blocks.used == 0  # idle: nothing held
+        cache.k_all[:, : cache.num_blocks].fill_(float("nan"))
+        cache.v_all[:, : cache.num_blocks].fill_(float("nan"))
+        second = await asyncio.gather(*[eng.generate(p, sp) for p, sp in requests])
+        return first, second
+
+    first, second = run_engine(
+        tiny_model_path, body, max_batch_size=4, decode_kernel="native", enable_prefix_caching=False
+    )
+    for x, y in zip(first, second):
+        assert x.output_token_ids == y.output_token_ids and x.output_logprobs == y.output_logprobs
+
+
 def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, monkeypatch):
     import training.deployment.engine.native as native
 

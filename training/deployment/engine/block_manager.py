@@ -64,15 +64,15 @@ class BlockManager:
     """Reference counts, the free list, the LRU of cached blocks, the prefix tree and the parked sessions.
 
     Verbs (nano-vllm's, at block level; the scheduler applies them to sequences): ``capacity`` (blocks a
-    running sequence could still get), ``allocate`` (a zeroed block of one's own, evicting if needed),
+    running sequence could still get), ``allocate`` (a block of one's own, evicting if needed),
     ``hold`` / ``release`` (share / let go of a block), ``match`` / ``tail_candidates`` (prefix lookup),
     ``register`` (make a block's content reusable), ``park`` / ``unpark`` (a session's turn).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, zero_block: Callable[[int], None]):
+    def __init__(self, num_blocks: int, block_size: int, hand_out: Callable[[int], None]):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.zero_block = zero_block
-        """Called on every block handed out by ``allocate`` (``KVCache.zero_block``)."""
+        self.hand_out = hand_out
+        """Called on every block handed out by ``allocate`` (``KVCache.hand_out``: zeroes it where attention needs that)."""
         self.ref = [0] * num_blocks
         self.pins = [0] * num_blocks
         self.node: list[Optional[PrefixNode]] = [None] * num_blocks
@@ -111,7 +111,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ holding
     def allocate(self) -> int:
-        """A zeroed block held once (``ref = 1``): a free one, else the LRU cached one (its subtree evicted with it),
+        """A block held once (``ref = 1``), handed out (``hand_out``): a free one, else the LRU cached one (its subtree evicted with it),
         else one a parked session gives up. The caller checks ``capacity() > 0`` first."""
         while not self._free:
             if self._lru:
@@ -124,7 +124,7 @@ class BlockManager:
         b = self._free.pop()
         self.ref[b] = 1
         self.used += 1
-        self.zero_block(b)
+        self.hand_out(b)
         return b
 
     def hold(self, b: int) -> None:

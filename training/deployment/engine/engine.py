@@ -101,7 +101,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
         cache = self.runner.cache
         self.scheduler = Scheduler(
-            BlockManager(cache.num_blocks, cache.block_size, cache.zero_block),
+            BlockManager(cache.num_blocks, cache.block_size, cache.hand_out),
             config.max_batch_size,
             config.max_prefill_tokens,
             self.runner.copy_block,

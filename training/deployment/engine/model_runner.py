@@ -167,6 +167,7 @@ class LeanModelRunner:
         self.graphs = None  # CudaGraphDecoder, set by the engine on CUDA
         self.native: Optional[NativeDecoder] = NativeDecoder(self) if native else None
         """The decode step in C (native.py), or None: torch ops (``decode_forward``)."""
+        self.cache.zero_handed_out = self.native is None  # the C step reads only the positions a row wrote
         if self.native_linears:
             for i, L in enumerate(self.layers):
                 for name in MATMULS:

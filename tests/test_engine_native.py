@@ -215,6 +215,52 @@ def test_native_step_never_reads_what_a_reused_block_held_before(tiny_model_path
         assert x.output_token_ids == y.output_token_ids and x.output_logprobs == y.output_logprobs
 
 
+def test_native_step_never_reads_a_handed_out_position_before_writing_it(tiny_model_path):
+    """Every block NaN-filled as it is handed out, prefix caching on: groups of identical prompts (followers, shared
+    full blocks, partial blocks copied from a running or a cached sequence), a group member arriving late, a second
+    round hitting the cache. Any read of a position before its K/V is written would turn a row's logits NaN; every
+    request samples what an engine that zeroes its blocks samples."""
+    from tests.test_engine_prefix_cache import sampled
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (21, 37, 50)]  # none a whole number of blocks
+
+    async def traffic(eng):
+        def group(round_: int):
+            return [
+                eng.generate(p, sampled(seed=100 * round_ + 10 * g + i, max_tokens=18))
+                for g, p in enumerate(prompts)
+                for i in range(4)
+            ]
+
+        first = asyncio.gather(*group(0))
+        await asyncio.sleep(0.05)  # a late member: reuses the running group's blocks
+        late = await eng.generate(prompts[0], sampled(seed=999, max_tokens=18))
+        return [*(await first), late, *(await asyncio.gather(*group(1)))]
+
+    async def poisoned(eng):
+        cache = eng.engine.runner.cache
+        assert not cache.zero_handed_out
+
+        def hand_out(block: int) -> None:
+            cache.k_all[:, block].fill_(float("nan"))
+            cache.v_all[:, block].fill_(float("nan"))
+            cache.touched = max(cache.touched, block + 1)
+
+        eng.engine.scheduler.blocks.hand_out = hand_out
+        return await traffic(eng)
+
+    async def zeroed(eng):
+        eng.engine.runner.cache.zero_handed_out = True
+        return await traffic(eng)
+
+    got = run_engine(tiny_model_path, poisoned, max_batch_size=8, decode_kernel="native")
+    want = run_engine(tiny_model_path, zeroed, max_batch_size=8, decode_kernel="native")
+    for x, y in zip(got, want):
+        assert x.output_token_ids == y.output_token_ids
+        assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+
+
 def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, monkeypatch):
     import training.deployment.engine.native as native
 

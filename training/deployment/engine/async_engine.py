@@ -188,12 +188,10 @@ class AsyncEngine:
         trimmed_rss = rss_bytes() or 0
         while True:
             with self._cond:
-                idle = not self._stopping and not self._ready()
-            if idle and on_cpu and (rss_bytes() or 0) > trimmed_rss + IDLE_TRIM_BYTES:
-                trim_heap()
-                trimmed_rss = rss_bytes() or 0
-            with self._cond:
                 while not self._stopping and not self._ready():
+                    if on_cpu and (rss_bytes() or 0) > trimmed_rss + IDLE_TRIM_BYTES:  # idle: a few ms, once a burst
+                        trim_heap()
+                        trimmed_rss = rss_bytes() or 0
                     self._cond.wait()
                 if self._stopping:
                     return

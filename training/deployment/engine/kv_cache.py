@@ -164,14 +164,17 @@ class KVCache:
         """Zero every layer's K and V of ``block``."""
         self.k_all[:, block].zero_()
         self.v_all[:, block].zero_()
-        if block < self.num_blocks:
-            self.touched = max(self.touched, block + 1)
+        self._count_touched(block)
 
     def hand_out(self, block: int) -> None:
         """``block`` is about to be written by a sequence: zero it (if ``zero_handed_out``) and count it touched."""
         if self.zero_handed_out:
             self.zero_block(block)
-        elif block < self.num_blocks:
+        else:
+            self._count_touched(block)
+
+    def _count_touched(self, block: int) -> None:
+        if block < self.num_blocks:  # the null block (last) is not one of the budget's blocks
             self.touched = max(self.touched, block + 1)
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
+from training.deployment.engine.native import GEMM_MIN_ROWS
 from tests.test_engine import greedy, require_native, row_tables, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -151,12 +152,38 @@ def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result
     assert torch.allclose(grouped, plain, atol=1e-5) and torch.allclose(grouped, want, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 97, 200])
-def test_native_matmul_matches_torch_with_bias_and_in_place_residual(m):
-    from training.deployment.engine.native import linear, pack_weight
+@pytest.mark.parametrize("model", ["tiny_model_path", "odd_llama_path"])
+def test_a_prefill_of_many_rows_on_torchs_gemm_gives_the_torch_runners_logits_and_kv(model, request, monkeypatch):
+    """Five prompts prefilled in one call (over ``GEMM_MIN_ROWS`` rows, lowered to 256 here: the native runner's
+    matmuls run torch's GEMM on its panels): the torch runner's last-position logits and K/V; and those of the same
+    prompts prefilled one at a time (under ``GEMM_MIN_ROWS`` rows each: the panel kernel)."""
+    from training.deployment.engine import native
 
+    monkeypatch.setattr(native, "GEMM_MIN_ROWS", 256)
+    a, b = runners(request.getfixturevalue(model))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(60, MAX_LEN))] for _ in range(5)]
+    assert sum(map(len, prompts)) >= native.GEMM_MIN_ROWS > max(map(len, prompts))
+    tables = row_tables(a, list(range(5)), MAX_LEN)
+    items = [PrefillItem(t, ids, 0) for t, ids in zip(tables, prompts)]
+    want, got = a.prefill(items).clone(), b.prefill(items).clone()
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+    for t, ids in zip(tables, prompts):
+        for cache in ("k_all", "v_all"):
+            assert torch.allclose(kv_at(b, cache, t, len(ids) - 1), kv_at(a, cache, t, len(ids) - 1), atol=1e-5)
+    one_at_a_time = torch.cat([b.prefill([it]) for it in items])
+    assert torch.allclose(one_at_a_time, got, atol=1e-5), (one_at_a_time - got).abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 97, 200, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 45])
+def test_native_matmul_matches_torch_with_bias_and_in_place_residual(m):
+    """Below ``GEMM_MIN_ROWS`` rows the panel kernel; from it torch's GEMM on the panels laid out a slice at a time
+    (1100 columns: two whole slices of 512 and a partial one, its last panel partial)."""
+    from training.deployment.engine.native import GEMM_SLICE_COLUMNS, linear, pack_weight
+
+    assert 1100 > 2 * GEMM_SLICE_COLUMNS
     g = torch.Generator().manual_seed(m)
-    for n, k in [(1, 7), (31, 64), (32, 5), (33, 64), (100, 130)]:
+    for n, k in [(1, 7), (31, 64), (32, 5), (33, 64), (100, 130), (1100, 40)]:
         a, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         packed = pack_weight(w)
         assert torch.allclose(linear(a, packed, n), a @ w.T, atol=1e-4)

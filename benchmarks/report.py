@@ -192,7 +192,7 @@ WHY = {
     "overhead (an HTTP hop, JSON, a Python scheduler step per decode step) that one in-process `generate` "
     "call does not pay: 1.2–2.3× `generate`.",
     "engine_rl_shapes": "Measured 2026-11-29 05:30 UTC on the 2-core Intel Xeon VM with AVX-512, nothing else running "
-    "(the host was noisy: the same in-process run of (a) at 64 clients took 25.3 s at 05:00 and 29.5 s at 06:00), "
+    "(the host was noisy: the same in-process run of (a) at 64 clients took 25.3 s and, an hour later, 29.5 s), "
     "3 repeats. (a) decode-heavy: 2.03× vLLM's CPU build at 32 clients and 1.80× at 64 (ours 267–322 and 328–344 "
     "tok/s, vLLM 136–159 and 171–199), 3.9× / 4.2× `generate`; the run 3.5 hours earlier the same day gave 1.99× / "
     "1.91×, 11-28 1.95× / 1.81×. Issue #34's target (≥ 2.0× at 32 and 64) is met at 32 and not at 64. Over HTTP "

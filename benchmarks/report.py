@@ -250,7 +250,9 @@ WHY = {
     "step). By phase (`python -m benchmarks.profile_decode --batch 64`, the same day, engine README 'Against "
     "the machine's roofs'): the layers' matmuls run at 70 % of the GEMM rate and the LM head at 77 %, but "
     "attention is a quarter of the step, reading 472 MB of fp32 K/V at 84 % of the copy bandwidth: the step "
-    "cannot reach 0.70 without reading less K/V. bf16 at 64 rows: 0.15 of the AMX GEMM rate, 3.0× its "
+    "cannot reach 0.70 without reading less K/V. At 250 keys (the middle of a 64-client run of `engine_rl_shapes` (a); "
+    "2026-11-29): matmuls 80 %, LM head 86 %, attention 40 % of the step (736 MB of K/V at 16.5 GB/s; 12–15 ms of "
+    "its 33–46 ms when the same K/V sits in L2). bf16 at 64 rows: 0.15 of the AMX GEMM rate, 3.0× its "
     "roofline; there attention is half the step at 49 % of the bandwidth (widening bf16 K/V as it reads "
     "them), the next thing to speed up.",
     "distillation": "How to read it: a distillation step costs more than an RL step of the same number of "

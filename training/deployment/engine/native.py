@@ -240,7 +240,8 @@ def linear(
     ``a``, ``bias``, ``residual`` and the result fp32 on CPU, ``packed`` fp32 or bf16.
 
     ``bias`` is padded to whole panels here; ``residual`` [M, n] is added in the same pass and may be
-    the output buffer itself (it is then updated in place and returned).
+    the output buffer itself (it is then updated in place and returned). From ``GEMM_MIN_ROWS`` rows an fp32
+    ``packed`` goes to torch's GEMM instead (``_gemm_on_panels``; the same sums in another order).
     """
     a = a.contiguous()
     m, k = a.shape

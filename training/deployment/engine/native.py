@@ -259,8 +259,7 @@ def _gemm_on_panels(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, ac
     """``out (+)= a @ w.T`` for fp32 panels of ``w``: each slice of ``GEMM_SLICE_COLUMNS`` columns copied back to
     [K, columns] in a scratch, then one ``addmm_`` into ``out``'s columns (``accumulate``: added to what ``out`` holds,
     else written over it)."""
-    m, k = a.shape
-    n = out.shape[1]
+    k, n = a.shape[1], out.shape[1]
     panels = packed.view(-1, k, PANEL_COLUMNS)
     per_slice = GEMM_SLICE_COLUMNS // PANEL_COLUMNS
     scratch = torch.empty(k * GEMM_SLICE_COLUMNS, dtype=torch.float32)

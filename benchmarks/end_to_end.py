@@ -238,7 +238,7 @@ def tiny_h128() -> str:
     """The tiny Qwen3 with head_dim 32 (``--quick`` with the trl-vllm side: vLLM's CPU attention has no
     kernel for the default tiny model's head_dim 16), built into the cache folder on first use."""
     from training.models.build_tiny import build_tiny
-    from training.utils.cache_folder import cache_dir
+    from training.utils.cache import cache_dir
 
     path = cache_dir() / "tiny-qwen3-h128"
     if not (path / "config.json").exists():

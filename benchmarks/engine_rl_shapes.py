@@ -124,7 +124,7 @@ def main() -> None:
     if a.quick:
         a.model, a.clients, a.completions, a.groups, a.group_prompts, a.vllm = "tiny", "4", "4,8", 1, "32,64", "no"
     from benchmarks.engine_throughput import vllm_available
-    from training.deployment.factory import make_deployment
+    from training.deployment.backends.registry import make_deployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 

@@ -65,7 +65,7 @@ def bench_server(
     path: str, reqs_by_c: dict[int, list], repeats: int, sequential: list, engine: str = "embedded", dtype="float32"
 ) -> tuple[dict, list]:
     """Tokens/s per concurrency (one per repeat) and one-at-a-time tokens/s (one per repeat, none if not asked)."""
-    from training.deployment.factory import make_deployment
+    from training.deployment.backends.registry import make_deployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 
@@ -121,7 +121,7 @@ def bench_generate(path: str, reqs: list[tuple[list[int], int]], batch: int, mod
 
 def vllm_available() -> bool:
     """Whether vLLM's CPU build is installed (``.venv-vllm``, ``scripts/setup_vllm.sh``)."""
-    from training.deployment.vllm import VLLM_VENV_PYTHON
+    from training.deployment.backends.vllm import VLLM_VENV_PYTHON
 
     return VLLM_VENV_PYTHON.exists()
 

@@ -30,7 +30,7 @@ def smol_shaped_model() -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from training.models.build_tiny import ensure_tiny_model
-    from training.utils.cache_folder import cache_dir
+    from training.utils.cache import cache_dir
 
     path = cache_dir() / "smol-shaped-llama"
     if not (path / "config.json").exists():

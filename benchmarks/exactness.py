@@ -28,7 +28,7 @@ WORKLOAD = {"tiny": (16, 64), "smollm2": (8, 48), "quick": (8, 32)}
 
 def sample(path: str, dtype: str, batches: int, n: int, tokens: int, vocab: int) -> tuple[list[list], str]:
     """``batches`` lists of (full token ids, prompt length, sampler logprobs); the server's execution path."""
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 

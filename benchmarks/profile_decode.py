@@ -39,7 +39,7 @@ from benchmarks.common import model_path
 from benchmarks.decode_roofline import bandwidth_gbs, gemm_gflops, gemm_shapes, phase_cost
 from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.requests import SamplingParams
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
+from training.deployment.engine.runners.lean import LeanModelRunner, PrefillItem, SharedPrefix
 from training.utils.config import EngineConfig
 from training.deployment.engine.token_sampler import sample
 from training.deployment.engine.sequence import Sequence
@@ -71,7 +71,7 @@ def main() -> None:
     budget = KVBudget(block_size=bs, num_blocks=a.batch * per_row)
     runner = LeanModelRunner(path, config, budget, max_len, dtype, torch.device("cpu"), native=False)
     if native:
-        from training.deployment.engine.native import NativeDecoder
+        from training.deployment.engine.runners.native import NativeDecoder
 
         runner.native = NativeDecoder(runner, profile=True)
     rng = random.Random(0)
@@ -169,7 +169,7 @@ def _filled_runner(path: str, config, dtype: torch.dtype, native: bool, rows: in
 
 def compare(a) -> None:
     """``--compare``: fp32 C and torch, bf16 C (both builds) and torch; ms per step and |Δ logprob| vs fp32 C."""
-    from training.deployment.engine.native import NativeDecoder
+    from training.deployment.engine.runners.native import NativeDecoder
 
     path = model_path(a.model)
     config = AutoConfig.from_pretrained(path)

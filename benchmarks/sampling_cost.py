@@ -42,7 +42,7 @@ NATIVE = {"temperature=1, C sampler (the native step's)"}
 def main() -> None:
     args = base_parser(__doc__).parse_args()
     from training.deployment.engine.requests import SamplingParams
-    from training.deployment.engine.native import native_available
+    from training.deployment.engine.runners.native import native_available
     from training.deployment.engine.token_sampler import sample
     from training.deployment.engine.sequence import Sequence
 

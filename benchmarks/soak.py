@@ -141,7 +141,7 @@ async def soak(url: str, minutes: float, clients: int, sample_s: float) -> SoakR
 
 def run_soak(model_path: str, minutes: float, clients: int, sample_s: float, log_dir: Path) -> SoakResult:
     """Start the embedded server on ``model_path`` and soak it (see ``soak``)."""
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils.config import DeployConfig, EngineConfig
 
     cfg = DeployConfig(

@@ -20,7 +20,7 @@ There is no setting around it: no GRPOConfig field, environment variable or vLLM
 The replacement below uses vLLM's own in-place reload instead (``model_runner.reload_weights(
 weights_iterator=..., is_checkpoint_format=True)``), which puts each layer's checkpoint-shaped parameters
 back, loads the new tensors into them and re-runs ``process_weights_after_loading`` (re-packs). Then, as
-``training/deployment/vllm_worker.py`` explains, the vocabulary-embedding layers' GEMM dispatch is rebuilt:
+``training/deployment/backends/vllm_worker.py`` explains, the vocabulary-embedding layers' GEMM dispatch is rebuilt:
 a tied ``lm_head`` receives no tensor of its own, so its prepacked copy would keep the old weights. Then
 the prefix cache is reset, as TRL does. Server mode is left as TRL ships it (its weight sync needs CUDA:
 see ``benchmarks/trl_grpo.py``).

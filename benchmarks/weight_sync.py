@@ -61,7 +61,7 @@ def perturb(trainer) -> None:
 
 
 def bench_model(name: str, repeats: int) -> list[dict]:
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.trainer import PolicyTrainer
     from training.utils import DeployConfig, EngineConfig, TrainerConfig
 

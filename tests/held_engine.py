@@ -8,7 +8,7 @@ import threading
 from aiohttp import web
 
 from training.deployment.engine import AsyncEngine, EngineConfig
-from training.deployment.server import create_app
+from training.deployment.server.app import create_app
 
 
 class HeldEngine:

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from training.agents import ToolAgent, ToolEnvironment, ToolManager, TrajectoryEngine, make_agent_rollout_fn
 from training.agents.tools import FunctionTool
 from training.deployment.client import DeploymentSampler
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutSetup, flatten_result

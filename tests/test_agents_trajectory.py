@@ -23,7 +23,7 @@ from training.agents import (
     make_agent_rollout_fn,
 )
 from training.agents.tools import FunctionTool
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.client import DeploymentSampler
 from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutSetup, flatten_result, validate_sample

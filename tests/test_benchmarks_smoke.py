@@ -133,7 +133,7 @@ def test_the_whole_run_keeps_the_saved_opt_in_figures_it_does_not_run():
 
 def test_vllm_available_answers_whether_the_cpu_venv_exists():
     from benchmarks.engine_throughput import vllm_available
-    from training.deployment.vllm import VLLM_VENV_PYTHON
+    from training.deployment.backends.vllm import VLLM_VENV_PYTHON
 
     assert vllm_available() is VLLM_VENV_PYTHON.exists()
 
@@ -195,7 +195,7 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
 
     from benchmarks import trl_grpo
     from benchmarks.end_to_end import chat_prompts, example_config
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
     from training.utils.rl.rollout import RolloutSetup

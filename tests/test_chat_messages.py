@@ -1,4 +1,4 @@
-"""OpenAI-SDK histories reach the chat template in the form it renders (``training/utils/chat_messages.py``).
+"""OpenAI-SDK histories reach the chat template in the form it renders (``training/openai_api/chat_messages.py``).
 
 Unit tests of the normaliser, then the real server (tiny model; SmolLM2 slow-marked) taking
 histories made by the unmodified ``openai`` SDK with ``model_dump(exclude_none=True)``.
@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from training.utils.chat_messages import (
+from training.openai_api.chat_messages import (
     ChatMessageError,
     assistant_text,
     normalise_messages,
     prepare_for_template,
     template_renders_tool_calls,
 )
-from training.utils.tool_parsers import render_prompt_ids, tool_rendering
+from training.openai_api.tool_parsers import render_prompt_ids, tool_rendering
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
 CONTENT_ONLY_TEMPLATE = (
@@ -169,7 +169,7 @@ def _chat_round_trip(base_url: str, model: str, tokenizer) -> None:
 def test_server_takes_sdk_history_on_tiny_model(tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig, EngineConfig
 
     cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
@@ -182,7 +182,7 @@ def test_server_takes_sdk_history_on_smollm2(tmp_path):
     """SmolLM2's template reads only ``content``: the call is written into it, nothing fails."""
     from transformers import AutoTokenizer
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.models import resolve_model
     from training.utils import DeployConfig, EngineConfig
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer
 from training.utils import DeployConfig, EngineConfig

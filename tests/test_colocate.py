@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.models import smollm2
 from training.models.smollm2 import is_converted
 from training.recipes import async_rl_loop
@@ -150,7 +150,7 @@ def test_sleep_endpoints_need_the_api_key_and_a_valid_level(tiny_server):
 def test_weight_push_to_a_level_2_sleeper_lands_and_is_served_after_wake(tiny_server, tiny_model_path):
     """The push refills the freed weights (the engine sleeps on at level 1); the wake serves them, no reload."""
     from training.deployment.engine.weights import load_safetensors
-    from training.deployment.weight_sync import WeightFolder
+    from training.deployment.weights.files import WeightFolder
 
     before = greedy(tiny_server)
     counts = call(tiny_server, "GET", "/is_sleeping")[1]
@@ -258,7 +258,7 @@ def test_engine_sleep_level_2_and_wake_on_either_runner_gives_identical_greedy_o
 def test_colocated_vllm_is_launched_with_sleep_mode(tmp_path):
     """vLLM's /sleep, /wake_up, /is_sleeping need --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (the command
     only: driving a real vLLM needs its GPU build, which this suite does not have)."""
-    from training.deployment.vllm import VLLMDeployment
+    from training.deployment.backends.vllm import VLLMDeployment
 
     def launched(colocate):
         dep = VLLMDeployment(

@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.utils.config import DeployConfig, EngineConfig
 
@@ -167,7 +167,7 @@ def test_constrained_logprobs_are_the_masked_distribution_recomputed(server, tin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.deployment.engine.constraints import Constraint, GrammarMasks
-    from training.deployment.structured import TOOL_CALL_PREFIX, TOOL_CALL_SUFFIX, tool_choice
+    from training.deployment.server.structured import TOOL_CALL_PREFIX, TOOL_CALL_SUFFIX, tool_choice
 
     _, constraint = tool_choice({"tool_choice": "required"}, TOOLS)
     assert constraint.prefix == TOOL_CALL_PREFIX and constraint.suffix == TOOL_CALL_SUFFIX

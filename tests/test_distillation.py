@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from training.deployment.client import DeploymentSampler
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils import DeployConfig, EngineConfig, LossConfig
 from training.utils.config import ConfigError
 from training.utils.rl.distillation import DistillationConfig, DistillationStats, distillation_advantages

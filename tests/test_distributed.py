@@ -236,7 +236,7 @@ def test_two_ranks_on_nccl_broadcast_exactly_and_checkpoint_for_one(tiny_model_p
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig, EngineConfig
 
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -311,7 +311,7 @@ def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_pa
 
     from transformers import AutoModelForCausalLM
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig, EngineConfig
 
     script = tmp_path / "train.py"

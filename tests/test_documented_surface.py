@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.client import DeploymentSampler
 from training.proxy import ProxyServer
 from training.recipes import async_rl_loop, rl_loop

@@ -27,7 +27,7 @@ def make_engine(path: str, **kw) -> AsyncEngine:
 
 def require_native() -> None:
     """Skip unless the native decode step builds here (it needs a C compiler; CI machines have gcc)."""
-    from training.deployment.engine.native import native_available
+    from training.deployment.engine.runners.native import native_available
 
     reason = native_available(torch.device("cpu"), torch.float32)
     if reason is not None:
@@ -395,7 +395,7 @@ def test_an_engine_out_of_work_gives_freed_heap_pages_back(tiny_model_path):
     """On CPU the engine thread trims glibc's heap when it goes idle with its RSS grown by over IDLE_TRIM_BYTES:
     100 MiB freed in the middle of the heap (what a burst's activations leave) stops being resident."""
     from training.deployment.engine.async_engine import IDLE_TRIM_BYTES
-    from training.deployment.process_stats import heap_bytes, rss_bytes
+    from training.deployment.server.process_stats import heap_bytes, rss_bytes
 
     if rss_bytes() is None or heap_bytes()[0] is None:
         pytest.skip("needs /proc and glibc")
@@ -473,9 +473,9 @@ def test_engine_properties(tiny_model_path):
 
 def test_cuda_graph_padded_decode_math_matches_eager_decode(tiny_model_path):
     """The padded, null-block, block-bucketed step a CUDA graph captures gives the eager logits (run on CPU)."""
-    from training.deployment.engine.cuda_graphs import CudaGraphDecoder
+    from training.deployment.engine.runners.cuda_graphs import CudaGraphDecoder
     from training.deployment.engine.engine import LLMEngine
-    from training.deployment.engine.model_runner import PrefillItem
+    from training.deployment.engine.runners.lean import PrefillItem
 
     eng = LLMEngine(EngineConfig(model=tiny_model_path, max_batch_size=6, max_model_len=300, kv_block_size=16))
     runner = eng.runner
@@ -524,7 +524,7 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
     streamed update, which writes ``runner.targets`` piece by piece, refreshes the copies (otherwise the old
     weights would keep generating)."""
     from training.deployment.engine.engine import LLMEngine
-    from training.deployment.engine.model_runner import PrefillItem
+    from training.deployment.engine.runners.lean import PrefillItem
 
     def logits(runner, onednn: bool) -> torch.Tensor:
         if not onednn:  # the plain path on the same tensors
@@ -573,7 +573,7 @@ def test_decode_attention_equals_sdpa_over_rows_of_any_length():
     other dtypes go to SDPA itself."""
     import torch.nn.functional as F
 
-    from training.deployment.engine.model_runner import decode_attention
+    from training.deployment.engine.runners.lean import decode_attention
 
     torch.manual_seed(0)
     rows, kh, g, d, keys = 9, 3, 3, 64, 300

@@ -114,7 +114,7 @@ import json
 import logging
 logging.basicConfig(level=logging.INFO)
 from training.deployment.engine.engine import LLMEngine
-from training.utils.hub_cache import local_model_path
+from training.utils.cache import local_model_path
 from training.utils.config import EngineConfig
 
 engine = LLMEngine(EngineConfig(model="test-org/tiny-qwen3", max_batch_size=2, max_model_len=64))

@@ -11,7 +11,7 @@ import random
 import aiohttp
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine import SamplingParams
 from training.utils.config import DeployConfig, EngineConfig
 from tests.test_engine import greedy, kv_bytes, require_native, run_engine

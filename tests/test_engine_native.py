@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from training.deployment.engine.kv_cache import KVBudget
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from training.deployment.engine.native import GEMM_MIN_ROWS
+from training.deployment.engine.runners.lean import LeanModelRunner, PrefillItem, SharedPrefix
+from training.deployment.engine.runners.native import GEMM_MIN_ROWS
 from tests.test_engine import greedy, require_native, row_tables, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -109,7 +109,7 @@ def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result
     a group larger than a segment, in scattered rows, plus a second group and rows of their own): with the
     groups declared, the native step reads each prefix once per segment; the logits equal the same step
     without groups and the torch step's."""
-    from training.deployment.engine.native import SEGMENT_ROWS, segments
+    from training.deployment.engine.runners.native import SEGMENT_ROWS, segments
 
     a, b = runners(tiny_model_path, rows=16)
     rng = random.Random(1)
@@ -157,7 +157,7 @@ def test_a_prefill_of_many_rows_on_torchs_gemm_gives_the_torch_runners_logits_an
     """Five prompts prefilled in one call (over ``GEMM_MIN_ROWS`` rows, lowered to 256 here: the native runner's
     matmuls run torch's GEMM on its panels): the torch runner's last-position logits and K/V; and those of the same
     prompts prefilled one at a time (under ``GEMM_MIN_ROWS`` rows each: the panel kernel)."""
-    from training.deployment.engine import native
+    from training.deployment.engine.runners import native
 
     monkeypatch.setattr(native, "GEMM_MIN_ROWS", 256)
     a, b = runners(request.getfixturevalue(model))
@@ -179,7 +179,7 @@ def test_a_prefill_of_many_rows_on_torchs_gemm_gives_the_torch_runners_logits_an
 def test_native_matmul_matches_torch_with_bias_and_in_place_residual(m):
     """Below ``GEMM_MIN_ROWS`` rows the panel kernel; from it torch's GEMM on the panels laid out a slice at a time
     (1100 columns: two whole slices of 512 and a partial one, its last panel partial)."""
-    from training.deployment.engine.native import GEMM_SLICE_COLUMNS, linear, pack_weight
+    from training.deployment.engine.runners.native import GEMM_SLICE_COLUMNS, linear, pack_weight
 
     assert 1100 > 2 * GEMM_SLICE_COLUMNS
     g = torch.Generator().manual_seed(m)
@@ -289,7 +289,7 @@ def test_native_step_never_reads_a_handed_out_position_before_writing_it(tiny_mo
 
 
 def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, monkeypatch):
-    import training.deployment.engine.native as native
+    import training.deployment.engine.runners.native as native
 
     monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
     native.load_library.cache_clear()
@@ -308,10 +308,10 @@ def test_native_library_is_built_once_per_source_and_cpu_and_reused(tmp_path, mo
 def test_without_a_working_compiler_auto_falls_back_and_native_names_why(tmp_path, monkeypatch, tiny_model_path):
     """``CC=false`` (a compiler that fails, for real): ``auto`` keeps the torch step and says why (the path
     build_runner chose), ``native`` refuses with the reason."""
-    from training.deployment.engine.runners import build_runner
+    from training.deployment.engine.runners.build import build_runner
     from training.utils.config import EngineConfig
 
-    import training.deployment.engine.native as native
+    import training.deployment.engine.runners.native as native
 
     monkeypatch.setenv("TRAINING_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
@@ -341,7 +341,7 @@ def test_without_a_working_compiler_auto_falls_back_and_native_names_why(tmp_pat
 
 def test_native_step_runs_on_torchs_openmp_pool():
     """The library binds to the libgomp torch loaded (one OpenMP runtime, one pool, torch's thread count)."""
-    from training.deployment.engine.native import load_library
+    from training.deployment.engine.runners.native import load_library
 
     load_library()
     with open("/proc/self/maps") as f:
@@ -383,7 +383,7 @@ def test_native_sampler_draws_what_the_torch_sampler_draws_and_fails_only_broken
 
 def test_the_profile_build_times_every_phase_of_a_step(tiny_model_path):
     """``NativeDecoder(profile=True)`` (benchmarks/profile_decode.py): seconds per phase, reset on read."""
-    from training.deployment.engine.native import PHASES, NativeDecoder
+    from training.deployment.engine.runners.native import PHASES, NativeDecoder
 
     torch_runner, runner = runners(tiny_model_path)
     with pytest.raises(ValueError, match="holds no memory"):  # the native runner's matmul weights are its panels

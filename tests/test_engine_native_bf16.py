@@ -22,8 +22,8 @@ import torch
 from transformers import AutoConfig
 
 from training.deployment.engine.kv_cache import KVBudget
-from training.deployment.engine.model_runner import LeanModelRunner, PrefillItem, SharedPrefix
-from training.deployment.engine.native import BF16_MATMUL, BF16_MATMULS
+from training.deployment.engine.runners.lean import LeanModelRunner, PrefillItem, SharedPrefix
+from training.deployment.engine.runners.native import BF16_MATMUL, BF16_MATMULS
 from tests.test_engine import greedy, row_tables, run_engine, tiny_qwen2_path  # noqa: F401 (a fixture)
 from tests.test_engine_native import odd_llama_path  # noqa: F401 (a fixture)
 
@@ -38,7 +38,7 @@ FP32_TORCH_C = ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def native_bf16():
-    from training.deployment.engine.native import native_available
+    from training.deployment.engine.runners.native import native_available
 
     reason = native_available(torch.device("cpu"), torch.bfloat16)
     if reason is not None:
@@ -47,7 +47,7 @@ def native_bf16():
 
 def runner(path: str, dtype: torch.dtype, native: bool, matmuls: str = BF16_MATMUL, block_size: int = 16):
     """A runner with blocks for 12 rows of ``MAX_LEN``; ``native``: the C step (with the bf16 matmul kernel ``matmuls``)."""
-    from training.deployment.engine.native import NativeDecoder
+    from training.deployment.engine.runners.native import NativeDecoder
 
     cfg = AutoConfig.from_pretrained(path)
     budget = KVBudget(block_size=block_size, num_blocks=12 * -(-MAX_LEN // block_size))
@@ -111,7 +111,7 @@ def test_bf16_native_step_matches_the_bf16_torch_step_and_is_no_further_from_fp3
 def test_bf16_matmul_is_the_fp32_product_of_its_bf16_inputs(m, matmuls):
     """Odd and even K (pairs along K, padded), widths that are not whole panels, bias and in-place residual: the
     product of the bf16 weights with ``a`` (rounded to bf16 first by the ``vdpbf16ps`` and AMX kernels) in fp32 sums."""
-    from training.deployment.engine.native import linear, load_library, pack_weight
+    from training.deployment.engine.runners.native import linear, load_library, pack_weight
 
     rounds_a = matmuls != "widen" and "__AVX512BF16__" in _predefined_macros()
     g = torch.Generator().manual_seed(m)
@@ -180,7 +180,7 @@ def test_bf16_engine_on_the_native_step_decodes_the_torch_steps_greedy_tokens(ti
 def test_a_bf16_server_reports_the_native_step_over_http(tiny_model_path, tmp_path):
     """``dtype=bfloat16`` with the default ``decode_kernel="auto"``: ``GET /stats`` says the native step, bfloat16, and a
     completion decodes on it."""
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils.config import DeployConfig, EngineConfig
 
     cfg = DeployConfig(
@@ -209,7 +209,7 @@ def test_a_bf16_server_reports_the_native_step_over_http(tiny_model_path, tmp_pa
 def test_bf16_native_step_decodes_the_same_after_sleep_and_wake(tiny_model_path):
     """Sleep level 1 (packed panels freed) and level 2 (weights freed, reloaded): after wake the C step reads the new
     storage (the struct rebuilt, the panels and the fp32 norm copies refreshed) and gives the same logits, bitwise."""
-    from training.deployment.engine.sleep import RunnerSleep
+    from training.deployment.engine.runners.sleep import RunnerSleep
     from training.deployment.engine.weights import load_safetensors
 
     r = runner(tiny_model_path, torch.bfloat16, True)

@@ -183,7 +183,7 @@ def test_shared_prefix_attention_equals_attention_over_whole_rows(every_row_grou
     import torch.nn.functional as F
 
     from training.deployment.engine.kv_cache import gather_blocks
-    from training.deployment.engine.model_runner import SharedPrefix, SharedPrefixAttention
+    from training.deployment.engine.runners.lean import SharedPrefix, SharedPrefixAttention
 
     torch.manual_seed(0)
     b, kh, g, d, bs, width = 7, 2, 3, 16, 16, 6
@@ -227,8 +227,8 @@ def test_group_members_decode_over_one_copy_of_the_prompt_and_match_cold(tiny_mo
     torch: the step takes ``SharedPrefixAttention``; native: the C step gets one attention segment
     holding every member, over a shared prefix.
     """
-    import training.deployment.engine.native as native_module
-    from training.deployment.engine.model_runner import SharedPrefixAttention
+    import training.deployment.engine.runners.native as native_module
+    from training.deployment.engine.runners.lean import SharedPrefixAttention
     from training.deployment.engine.scheduler import Scheduler
 
     if decode_kernel == "native":

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training.deployment.engine.weights import MappedWeights, load_safetensors
-from training.deployment.process_stats import rss_bytes
+from training.deployment.server.process_stats import rss_bytes
 
 MB = 2**20
 

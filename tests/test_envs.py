@@ -22,7 +22,7 @@ class RecordingSampler(DeploymentSampler):
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_path, tmp_path_factory):
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig
 
     log = tmp_path_factory.mktemp("envs") / "d.log"

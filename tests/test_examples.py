@@ -145,7 +145,7 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
 
     from transformers import AutoTokenizer
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig
     from training.utils.rl.rollout import RolloutSetup, validate_sample

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.deployment.weight_sync import SHM_PREFIX, WeightFolder, shm_dir
+from training.deployment.weights.files import SHM_PREFIX, WeightFolder, shm_dir
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" / "single_turn_token_in"
 

@@ -29,11 +29,11 @@ import pytest
 
 from tests.test_recipes import ROWS
 from tests.test_recipes import config as recipes_config
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig, EngineConfig
 from training.utils.metrics import read_metrics
-from training.deployment.weight_sync import SHM_PREFIX, shm_dir
+from training.deployment.weights.files import SHM_PREFIX, shm_dir
 from training.utils.rl.rollout import RolloutSample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ from tests.test_tool_threads import hung_lookup
 from training.agents.tools import FunctionTool, ToolManager
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig
-from training.utils.tool_parsers import ToolCall
+from training.openai_api.tool_parsers import ToolCall
 
 model, url, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
 tools = ToolManager([FunctionTool(hung_lookup)], timeout_s=0.3)
@@ -246,7 +246,7 @@ from tests.test_recipes import ROWS
 from training.agents.tools import FunctionTool, ToolManager
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig
-from training.utils.tool_parsers import ToolCall
+from training.openai_api.tool_parsers import ToolCall
 
 model, url, tmp, fault = sys.argv[1:5]
 tools_module.MAX_TOOL_THREADS = 4  # so that the hung tool fills its bound within the run

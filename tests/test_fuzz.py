@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import aiohttp
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils import DeployConfig, EngineConfig
 
 API_KEY = "fuzz-key"

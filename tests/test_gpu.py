@@ -85,9 +85,9 @@ def test_cuda_graph_replay_equals_eager_decode(tiny_model_path, device):
 def test_captured_graph_logits_equal_the_eager_step(tiny_model_path, device):
     """One decode step replayed from a graph gives the eager logits (a graph captured on the wrong
     device would replay nothing and leave its output stale)."""
-    from training.deployment.engine.cuda_graphs import CudaGraphDecoder
+    from training.deployment.engine.runners.cuda_graphs import CudaGraphDecoder
     from training.deployment.engine.engine import LLMEngine
-    from training.deployment.engine.model_runner import PrefillItem
+    from training.deployment.engine.runners.lean import PrefillItem
 
     with torch.cuda.device(torch.device(device)):
         eng = LLMEngine(
@@ -162,8 +162,8 @@ def test_async_rl_loop_five_steps_on_gpu(tiny_model_path, tmp_path):
 # ----------------------------------------------------------------------- weight sync over NCCL
 @two_gpus
 def test_weight_sync_over_nccl_from_cuda0_to_a_server_on_cuda1(tiny_model_path, tmp_path):
-    from training.deployment.dist_weights import DistributedWeightSender
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.weights.distributed import DistributedWeightSender
+    from training.deployment.backends.embedded import EmbeddedDeployment
 
     cfg = DeployConfig(
         api_key="dist-key",
@@ -195,8 +195,8 @@ def test_weight_sync_over_nccl_from_cuda0_to_a_server_on_cuda1(tiny_model_path, 
 @two_gpus
 def test_bucketed_nccl_sync_casts_fp32_to_a_bf16_server(tiny_model_path, tmp_path):
     """fp32 weights on cuda:0, a bf16 server on cuda:1: bf16 bytes in several buckets, one host sync."""
-    from training.deployment.dist_weights import DistributedWeightSender
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.weights.distributed import DistributedWeightSender
+    from training.deployment.backends.embedded import EmbeddedDeployment
 
     cfg = DeployConfig(
         api_key="dist-key",
@@ -228,7 +228,7 @@ def test_bucketed_nccl_sync_casts_fp32_to_a_bf16_server(tiny_model_path, tmp_pat
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no CUDA vLLM installed beside this package")
 def test_vllm_on_cuda_samples_like_transformers_and_reloads_weights(tmp_path):
     from tests.test_vllm import PROMPT, _perturb, hf_logprobs, max_diff, saved_weights
-    from training.deployment.vllm import VLLMDeployment
+    from training.deployment.backends.vllm import VLLMDeployment
     from training.models.build_tiny import build_tiny, cache_dir
 
     path = cache_dir() / "tiny-qwen3-h128"

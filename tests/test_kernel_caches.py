@@ -14,17 +14,17 @@ import sys
 import pytest
 import torch
 
-from training.deployment.kernel_caches import CAPACITY_VARIABLES, LIBRARY_DEFAULT, bound_kernel_caches
+from training.deployment.server.kernel_caches import CAPACITY_VARIABLES, LIBRARY_DEFAULT, bound_kernel_caches
 
 SHAPES = 300
 CAPACITY = 8
 
 PROBE = f"""
 import json, sys
-from training.deployment.kernel_caches import bound_kernel_caches
+from training.deployment.server.kernel_caches import bound_kernel_caches
 bounds = bound_kernel_caches({CAPACITY})
 import torch
-from training.deployment.process_stats import heap_bytes
+from training.deployment.server.process_stats import heap_bytes
 torch.set_grad_enabled(False)
 packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(192, 64), None)
 x = torch.randn({SHAPES}, 64)
@@ -58,7 +58,7 @@ def test_a_capacity_set_by_the_user_wins(monkeypatch):
     monkeypatch.delenv(CAPACITY_VARIABLES[1], raising=False)
     assert bound_kernel_caches(64) == {CAPACITY_VARIABLES[0]: 512, CAPACITY_VARIABLES[1]: 64}
     monkeypatch.delenv(CAPACITY_VARIABLES[1])
-    from training.deployment.kernel_caches import kernel_cache_bounds
+    from training.deployment.server.kernel_caches import kernel_cache_bounds
 
     assert kernel_cache_bounds()[CAPACITY_VARIABLES[1]] == LIBRARY_DEFAULT
     with pytest.raises(ValueError, match="capacity"):

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.server_process import DeploymentStartError
+from training.deployment.backends.embedded import EmbeddedDeployment
+from training.deployment.backends.process import DeploymentStartError
 from training.deployment.client import DeploymentSampler
 from training.utils.config import DeployConfig, EngineConfig
 
@@ -134,7 +134,7 @@ def test_attached_server_is_checked_loaded_and_never_stopped(tiny_model_path, tm
 
 _CHILD_SCRIPT = """
 import sys, time
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils.config import DeployConfig, EngineConfig
 dep = EmbeddedDeployment(sys.argv[1], DeployConfig(log_file=sys.argv[3], engine_config=EngineConfig(max_model_len=64, device="cpu", dtype="float32"))).start()
 print(dep.pid, flush=True)
@@ -168,7 +168,7 @@ def test_push_to_all_replicas_returns_when_every_one_serves_the_new_version(tiny
     from concurrent.futures import ThreadPoolExecutor
 
     from training.deployment.group import push_weights
-    from training.deployment.weight_sync import WeightSyncError
+    from training.deployment.weights.files import WeightSyncError
 
     deps = [EmbeddedDeployment(tiny_model_path, _cfg(tmp_path, log_file=str(tmp_path / f"s{i}.log"))) for i in range(2)]
     try:

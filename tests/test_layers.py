@@ -1,5 +1,5 @@
 """The import graph points one way: examples, benchmarks → recipes → envs → trainer, deployment, agents, proxy →
-utils, models. Every import counts, lazy ones inside functions too (a lazy import that hides a cycle is
+utils, openai_api, models. Every import counts, lazy ones inside functions too (a lazy import that hides a cycle is
 still a cycle), so the check reads the source instead of importing it."""
 
 import ast
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     "training": 0,  # the empty top package
     "training.utils": 0,
+    "training.openai_api": 0,  # the OpenAI protocol, shared by the server and the proxy
     "training.models": 0,
     "training.trainer": 1,
     "training.deployment": 1,
@@ -79,13 +80,14 @@ def test_no_module_imports_a_higher_floor():
 
 
 ONLY_IMPORTS = {
-    "training.utils": {"training.utils"},
+    "training.openai_api": {"training.openai_api"},
+    "training.utils": {"training.utils", "training.openai_api"},
     "training.models": {"training.models", "training.utils"},
     "training.trainer": {"training.trainer", "training.utils"},
-    "training.deployment": {"training.deployment", "training.utils"},
-    "training.proxy": {"training.proxy", "training.utils"},
-    "training.agents": {"training.agents", "training.utils", "training.models"},
-    "training.envs": {"training.envs", "training.agents", "training.utils", "training.models"},
+    "training.deployment": {"training.deployment", "training.utils", "training.openai_api"},
+    "training.proxy": {"training.proxy", "training.utils", "training.openai_api"},
+    "training.agents": {"training.agents", "training.utils", "training.openai_api", "training.models"},
+    "training.envs": {"training.envs", "training.agents", "training.utils", "training.openai_api", "training.models"},
 }
 """The packages each package may import (itself included): the top README's layering sentence as data."""
 
@@ -155,7 +157,7 @@ def test_import_graph_has_no_cycle():
 def test_the_server_and_the_ground_floor_load_without_higher_floors():
     """Importing the inference server loads neither agents, proxy, trainer nor recipes (checked for real)."""
     code = (
-        "import sys, training.deployment.server, training.utils.rl.ppo, training.utils.checkpoint; "
+        "import sys, training.deployment.server.app, training.utils.rl.ppo, training.utils.checkpoint; "
         "bad = [m for m in sys.modules if m.startswith(('training.agents', 'training.proxy', "
         "'training.trainer', 'training.recipes'))]; print(bad); sys.exit(1 if bad else 0)"
     )

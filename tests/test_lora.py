@@ -177,7 +177,7 @@ def test_bad_lora_settings_name_the_field(tiny_model_path):
 
 def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support(tiny_model_path, tmp_path):
     """Pushed with the ordinary weight sync, the merged weights make the server score what the trainer scores."""
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
     from training.utils import DeployConfig, EngineConfig
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.test_exit_cleanup import _alive, _children
-from training.deployment.server_process import ServerProcess
+from training.deployment.backends.process import ServerProcess
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +87,6 @@ def test_stop_and_the_watchdog_see_through_the_guard(tmp_path):
 def test_bad_usage_is_named():
     from pathlib import Path
 
-    guard = Path(__file__).resolve().parents[1] / "training" / "deployment" / "orphan_guard.py"
+    guard = Path(__file__).resolve().parents[1] / "training" / "deployment" / "backends" / "orphan_guard.py"
     done = subprocess.run([sys.executable, str(guard), "x", "true"], capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "usage" in done.stderr

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import selects_only_gpu_tests
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import DeploymentGroup
 from training.deployment.placement import TORCHRUN_VARS, ReplicaPlacement, plan_placement, server_env
 from training.deployment.client import DeploymentSampler
-from training.deployment.sglang import SGLangDeployment
-from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
+from training.deployment.backends.sglang import SGLangDeployment
+from training.deployment.backends.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import dist as dist_utils
 from training.utils.config import DeployConfig, EngineConfig, TrainerConfig
 from training.utils.http import free_port
@@ -197,7 +197,7 @@ def test_sglang_gets_tensor_parallel_and_memory_flags_on_its_gpus():
 SGLANG_HUB_SCRIPT = """
 import sys
 from pathlib import Path
-from training.deployment.sglang import SGLangDeployment
+from training.deployment.backends.sglang import SGLangDeployment
 from training.utils.config import DeployConfig
 out = Path(sys.argv[1])
 SGLangDeployment("org/tiny", DeployConfig(engine="sglang"))._copy_config(out)
@@ -224,7 +224,7 @@ def test_sglang_weight_folder_gets_config_json_of_a_hub_id(tmp_path):
 
 
 def test_sglang_weight_folder_without_any_config_json_is_refused(tmp_path):
-    from training.deployment.weight_sync import WeightSyncError
+    from training.deployment.weights.files import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="no config.json"):
         SGLangDeployment(str(tmp_path), DeployConfig(engine="sglang"))._copy_config(tmp_path)

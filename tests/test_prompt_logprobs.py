@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from training.deployment.client import DeploymentRequestError, DeploymentSampler
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils import DeployConfig, EngineConfig
 
 SEQUENCES = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 2], [1, 2], [300], list(range(40, 110))]

@@ -56,7 +56,7 @@ def test_black_box_agent_round_trips_tools_on_smollm2(tmp_path, monkeypatch):
     """The unmodified agent on SmolLM2 (greedy): a call, its tool result and the next call all pass the proxy."""
     import asyncio
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.models import resolve_model
     from training.proxy import ProxyServer
     from training.utils import DeployConfig, EngineConfig

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer
 from training.utils import DeployConfig, EngineConfig
 from tests.test_fuzz import API_KEY, _body, _extreme_body, _fuzz, _greedy, _weird_values

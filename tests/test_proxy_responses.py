@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer
 from training.utils import DeployConfig, EngineConfig

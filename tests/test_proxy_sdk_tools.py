@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.records import CallRecord

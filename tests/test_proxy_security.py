@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, make_proxy_rollout_fn
 from training.utils import DeployConfig, EngineConfig
 from training.utils.http import auth_headers
@@ -113,7 +113,7 @@ def test_content_encoding_gzip_deflate_decoded_bad_ones_400_unknown_415(server, 
 
 
 def test_large_json_bodies_are_parsed_off_the_event_loop(server, monkeypatch):
-    import training.utils.request_body as request_body
+    import training.utils.http as request_body
 
     threads: list[tuple[int, bool]] = []
     parse = request_body.parse_json_body

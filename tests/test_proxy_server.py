@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import AGENT_HEADER, SESSION_HEADER, ProxyServer, make_proxy_rollout_fn, stitch_calls
 from training.proxy.rollout import AgentFailedError
 from training.utils import DeployConfig, EngineConfig

@@ -6,7 +6,7 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.anthropic import from_chat_response, stream_events, to_chat_request
 from training.utils import DeployConfig, EngineConfig

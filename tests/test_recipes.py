@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import torch
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes import context as recipes_context
 from training.recipes.context import RolloutFailureError

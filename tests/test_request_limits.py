@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.request_limits import DEFAULT_LIMITS
+from training.deployment.backends.embedded import EmbeddedDeployment
+from training.deployment.server.limits import DEFAULT_LIMITS
 from training.deployment.serve import READY_PREFIX, SHUTDOWN_DEADLINE_S
 from training.utils.config import DeployConfig, EngineConfig
 

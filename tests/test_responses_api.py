@@ -1,6 +1,6 @@
 """``POST /v1/responses`` on the embedded server, through the real ``openai`` SDK (tiny model).
 
-- The Responses request means a chat request (``training/utils/responses_request.py``): the same seed gives
+- The Responses request means a chat request (``training/openai_api/responses_request.py``): the same seed gives
   the same tokens as ``/v1/chat/completions`` with the translated messages, so every chat guarantee
   (tools in the prompt, constrained decoding, masked logprobs) carries over.
 - ``previous_response_id`` continues the stored conversation; an unknown or unstored id is a 404 naming it.
@@ -16,11 +16,11 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.utils import DeployConfig, EngineConfig
-from training.utils.responses_request import ResponsesRequestError, input_messages, parse_responses_request
-from training.utils.responses_store import ResponseStore
+from training.openai_api.responses_request import ResponsesRequestError, input_messages, parse_responses_request
+from training.openai_api.responses_store import ResponseStore
 
 CITY = {"type": "string", "maxLength": 6}
 TOOLS = [

@@ -8,7 +8,7 @@ import time
 import pytest
 from aiohttp import web
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils.http import free_port
 from training.deployment.client import Completion, DeploymentRequestError, DeploymentSampler
 from training.utils.config import DeployConfig, EngineConfig

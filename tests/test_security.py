@@ -48,7 +48,7 @@ def test_connections_without_a_request_in_progress_are_closed_and_busy_ones_are_
     import time
     import urllib.parse
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig, EngineConfig
 
     cfg = DeployConfig(log_file=str(tmp_path / "s.log"), engine_config=EngineConfig(max_model_len=64))

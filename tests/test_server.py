@@ -16,11 +16,11 @@ import torch
 
 from tests.held_engine import HeldEngine
 from training.deployment.engine.requests import GenerationResult
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
-from training.deployment.protocol import ParsedRequest
-from training.deployment.responses import build_chat_response, parse_tool_calls
-from training.deployment.weight_sync import WeightSyncError, shm_dir
+from training.deployment.server.protocol import ParsedRequest
+from training.deployment.server.bodies import build_chat_response, parse_tool_calls
+from training.deployment.weights.files import WeightSyncError, shm_dir
 from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "test-key"

@@ -12,8 +12,8 @@ import random
 import aiohttp
 import pytest
 
-from training.deployment.fields import HONOURED, METADATA, UNSUPPORTED
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.server.fields import HONOURED, METADATA, UNSUPPORTED
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils.config import DeployConfig, EngineConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]

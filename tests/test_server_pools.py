@@ -9,8 +9,8 @@ import os
 import aiohttp
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.kernel_caches import CAPACITY_VARIABLES, KERNEL_CACHE_CAPACITY
+from training.deployment.backends.embedded import EmbeddedDeployment
+from training.deployment.server.kernel_caches import CAPACITY_VARIABLES, KERNEL_CACHE_CAPACITY
 from training.utils.config import DeployConfig, EngineConfig
 from tests.test_engine import kv_bytes
 

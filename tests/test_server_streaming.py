@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from tests.held_engine import HeldEngine
 from training.deployment.engine.requests import GenerationDelta, GenerationResult, SamplingParams
-from training.deployment.embedded import EmbeddedDeployment
-from training.deployment.protocol import ParsedRequest
-from training.deployment.responses import build_chat_response
-from training.deployment.streaming import ChunkStream, IncrementalText
+from training.deployment.backends.embedded import EmbeddedDeployment
+from training.deployment.server.protocol import ParsedRequest
+from training.deployment.server.bodies import build_chat_response
+from training.deployment.server.streaming import ChunkStream, IncrementalText
 from training.utils.config import DeployConfig, EngineConfig
 
 openai = pytest.importorskip("openai")

@@ -15,7 +15,7 @@ import torch
 from aiohttp import web
 
 from training.deployment.client import DeploymentRequestError
-from training.deployment.sglang import (
+from training.deployment.backends.sglang import (
     SGLangDeployment,
     SGLangSampler,
     build_generate_request,
@@ -23,7 +23,7 @@ from training.deployment.sglang import (
     distributed_update_body,
     parse_generate_item,
 )
-from training.deployment.weight_sync import WeightSyncError
+from training.deployment.weights.files import WeightSyncError
 from training.utils import DeployConfig, EngineConfig
 
 
@@ -246,7 +246,7 @@ def test_real_server(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from training.models.build_tiny import build_tiny
-    from training.utils.cache_folder import cache_dir
+    from training.utils.cache import cache_dir
 
     model_path = os.environ.get("SGLANG_MODEL_PATH")
     if model_path is None:

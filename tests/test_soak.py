@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak import JUDGED, SLACK, plateau, run_soak, table, write_outputs
-from training.deployment.kernel_caches import KERNEL_CACHE_CAPACITY
+from training.deployment.server.kernel_caches import KERNEL_CACHE_CAPACITY
 
 MINUTES = float(os.environ.get("SOAK_MINUTES", "30"))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", "128"))

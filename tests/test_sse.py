@@ -1,4 +1,4 @@
-"""The shared wire pieces (``training/utils/sse.py``, ``training/utils/openai_errors.py``): what one
+"""The shared wire pieces (``training/openai_api/sse.py``, ``training/openai_api/errors.py``): what one
 side writes the other reads back unchanged."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from training.utils.openai_errors import error_body, error_response
-from training.utils.sse import DONE, iter_sse, sse_event
+from training.openai_api.errors import error_body, error_response
+from training.openai_api.sse import DONE, iter_sse, sse_event
 
 
 async def _lines(raw: bytes):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from training.utils.chat_messages import prepare_for_template
-from training.utils.tool_parsers import render_prompt_ids, template_renders_tools, tool_rendering
+from training.openai_api.chat_messages import prepare_for_template
+from training.openai_api.tool_parsers import render_prompt_ids, template_renders_tools, tool_rendering
 
 CONTENT_ONLY_TEMPLATE = (
     "{% for m in messages %}"
@@ -84,7 +84,7 @@ def _check_server(base_url: str, model: str, tokenizer, expected_rendering: str,
 def _serve_and_check(model: str, tmp_path: Path, expected_rendering: str) -> None:
     from transformers import AutoTokenizer
 
-    from training.deployment.embedded import EmbeddedDeployment
+    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.utils import DeployConfig, EngineConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -125,7 +125,7 @@ def test_fallback_extends_the_agents_own_system_message(tiny_model_path):
 def test_template_check_fails_a_template_that_drops_tools(tiny_model_path, caplog):
     from transformers import AutoTokenizer
 
-    from training.utils.template_check import TemplateCheckError, run_template_check, tools_dropped_message
+    from training.openai_api.template_check import TemplateCheckError, run_template_check, tools_dropped_message
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     assert tools_dropped_message(tok) == ""

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from training.agents.tools import FunctionTool, ToolManager
-from training.utils.tool_parsers import ToolCall
+from training.openai_api.tool_parsers import ToolCall
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def test_a_hung_tool_does_not_keep_the_process_from_exiting():
         "import asyncio\n"
         "from tests.test_tool_threads import hung_lookup\n"
         "from training.agents.tools import FunctionTool, ToolManager\n"
-        "from training.utils.tool_parsers import ToolCall\n"
+        "from training.openai_api.tool_parsers import ToolCall\n"
         "m = ToolManager([FunctionTool(hung_lookup)], timeout_s=0.2)\n"
         "print(asyncio.run(m.execute(ToolCall(id='1', name='hung_lookup', arguments={'key': 'x'}))).status)\n"
     )

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.recipes import rl_loop
 from training.utils import DeployConfig, EngineConfig, LossConfig, TensorBoardConfig, TrainerConfig, WandBConfig
 from training.utils.config import ConfigError

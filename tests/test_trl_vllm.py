@@ -27,7 +27,7 @@ pytestmark = [
 
 def tiny(arch: str, weight_seed=None) -> str:
     from training.models.build_tiny import build_tiny
-    from training.utils.cache_folder import cache_dir
+    from training.utils.cache import cache_dir
 
     path = cache_dir() / (f"tiny-{arch}-h128" + (f"-weights{weight_seed}" if weight_seed else ""))
     if not (path / "config.json").exists():

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.test_recipes import config as recipe_config
-from training.deployment.factory import make_deployment, make_sampler
-from training.deployment.server_process import DeploymentStartError
+from training.deployment.backends.registry import make_deployment, make_sampler
+from training.deployment.backends.process import DeploymentStartError
 from training.deployment.client import DeploymentSampler
-from training.deployment.vllm import VLLM_VENV_PYTHON, VLLMDeployment
+from training.deployment.backends.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import DeployConfig, EngineConfig
 
 _no_venv = pytest.mark.skipif(
@@ -71,7 +71,7 @@ def test_launch_command_and_env(tmp_path):
         ("--max-model-len", "256"),
         ("--logprobs-mode", "processed_logprobs"),
         ("--seed", "3"),
-        ("--worker-extension-cls", "training.deployment.vllm_worker.WeightReloadExtension"),
+        ("--worker-extension-cls", "training.deployment.backends.vllm_worker.WeightReloadExtension"),
     ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and "sekret" not in " ".join(cmd)  # the key goes by env
@@ -106,7 +106,7 @@ def test_sampler_labels_versionless_answers_with_the_version_noted_before_sendin
 @pytest.fixture(scope="module")
 def vllm_model_path():
     from training.models.build_tiny import build_tiny
-    from training.utils.cache_folder import cache_dir
+    from training.utils.cache import cache_dir
 
     path = cache_dir() / "tiny-qwen3-h128"
     if not (path / "config.json").exists():

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training.deployment.dist_weights import DistributedWeightSender, accept_key, go_key, unique_weights
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.weights.distributed import DistributedWeightSender, accept_key, go_key, unique_weights
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
-from training.deployment.weight_sync import WeightSyncError
+from training.deployment.weights.files import WeightSyncError
 from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "dist-key"
@@ -383,7 +383,7 @@ def test_sync_time_distributed_vs_shm(servers, sender, loop, tiny_model_path):
 
 def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(servers, sender, tiny_model_path):
     """Runs last: server 0 joins a second group, whose trainer vanishes after half the tensors."""
-    from training.deployment.dist_weights import broadcast_from_trainer
+    from training.deployment.weights.distributed import broadcast_from_trainer
 
     url = servers[0].base_url
     tensors = perturbed(tiny_model_path, seed=9)

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from training.deployment import weight_sync
-from training.deployment.dist_weights import DistributedWeightSender
-from training.deployment.embedded import EmbeddedDeployment
+from training.deployment.weights import files as weight_sync
+from training.deployment.weights.distributed import DistributedWeightSender
+from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import DeploymentGroup
-from training.deployment.weight_buckets import plan_buckets
+from training.deployment.weights.buckets import plan_buckets
 from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "dtype-key"

@@ -12,7 +12,7 @@ from training.agents.environments import (
 )
 from training.agents.orchestrator import Orchestrator, TrajectoryGroup
 from training.agents.rollout_fn import engine_for_setup, make_agent_rollout_fn
-from training.utils.tool_parsers import (
+from training.openai_api.tool_parsers import (
     HermesToolParser,
     JsonToolParser,
     ParsedCalls,

@@ -26,7 +26,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from training.utils.tool_parsers import ToolCall, ToolParser, format_parse_error, get_tool_parser
+from training.openai_api.tool_parsers import ToolCall, ToolParser, format_parse_error, get_tool_parser
 
 
 @dataclass

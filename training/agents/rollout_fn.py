@@ -16,7 +16,7 @@ episode is its own sample (exact prompt ids masked, the call's output ids traina
 reward from tool status), weight ``1 / n``; see ``trajectory.py`` and ``training/utils/rl/credit.py``.
 
 Before the first rollout the template check runs on the policy's tokenizer
-(``training/utils/template_check.py``, with ``chat_template_kwargs``): ``template_check="warn"``
+(``training/openai_api/template_check.py``, with ``chat_template_kwargs``): ``template_check="warn"``
 logs a template that drifts or cannot render a tool conversation, ``"error"`` raises, ``"off"`` skips.
 """
 
@@ -30,7 +30,7 @@ from training.agents.trajectory import MODES, TrajectoryEngine
 from training.utils.constrained_calls import checked_constrained_calls
 from training.utils.rl.credit import CreditFn
 from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
-from training.utils.template_check import CHECK_MODES, run_template_check
+from training.openai_api.template_check import CHECK_MODES, run_template_check
 
 AgentFactory = Callable[[dict], ConversationAgent]
 EnvFactory = Callable[[dict], Environment]

@@ -6,7 +6,7 @@
 folder or a hub id. Prints one line per assistant turn of the scripted conversation (tools,
 ``<think>``, two tool messages in a row, a tool-call-only turn with ``content: None``, a follow-up
 user turn), then whether the template renders ``tools``, and exits 1 when a turn drifts or the
-template drops tools. The check itself lives on the ground floor (``training/utils/template_check.py``)
+template drops tools. The check itself lives on the ground floor (``training/openai_api/template_check.py``)
 because the proxy runs it too; its names are re-exported here.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from training.utils.template_check import (
+from training.openai_api.template_check import (
     SCRIPT,
     SCRIPT_TOOLS,
     TemplateCheckError,

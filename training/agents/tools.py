@@ -33,7 +33,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from training.utils.tool_parsers import ToolCall
+from training.openai_api.tool_parsers import ToolCall
 
 OK, ERROR, TIMEOUT, UNKNOWN_TOOL, BAD_ARGUMENTS = "ok", "error", "timeout", "unknown_tool", "bad_arguments"
 STATUSES = (OK, ERROR, TIMEOUT, UNKNOWN_TOOL, BAD_ARGUMENTS)

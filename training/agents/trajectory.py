@@ -51,7 +51,7 @@ from typing import Any, Optional, Union
 from training.agents.agents import ConversationAgent
 from training.agents.environments import Environment
 from training.utils.constrained_calls import checked_constrained_calls, constraint_of, trains
-from training.utils.tool_parsers import messages_with_tools, render_prompt_ids
+from training.openai_api.tool_parsers import messages_with_tools, render_prompt_ids
 from training.utils.rl.credit import TRANSITIONS, CallTokens, CreditFn, credit_parts, transitions_of
 from training.utils.rl.rollout import STOP_REASONS, RolloutRun, RolloutSample
 

@@ -17,13 +17,13 @@ _EXPORTS = {
     "build_deployment_sampler": "training.deployment.client",
     "DeploymentGroup": "training.deployment.group",
     "push_weights": "training.deployment.group",
-    "make_deployment": "training.deployment.factory",
-    "make_sampler": "training.deployment.factory",
-    "ServerProcess": "training.deployment.server_process",
-    "DeploymentStartError": "training.deployment.server_process",
-    "EmbeddedDeployment": "training.deployment.embedded",
-    "WeightSyncError": "training.deployment.weight_sync",
-    "create_app": "training.deployment.server",
+    "make_deployment": "training.deployment.backends.registry",
+    "make_sampler": "training.deployment.backends.registry",
+    "ServerProcess": "training.deployment.backends.process",
+    "DeploymentStartError": "training.deployment.backends.process",
+    "EmbeddedDeployment": "training.deployment.backends.embedded",
+    "WeightSyncError": "training.deployment.weights.files",
+    "create_app": "training.deployment.server.app",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -47,10 +47,10 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from training.deployment.factory import make_deployment, make_sampler
+from training.deployment.backends.registry import make_deployment, make_sampler
 from training.deployment.placement import Placement, ReplicaPlacement, plan_placement
-from training.deployment.server_process import ServerProcess
-from training.deployment.weight_sync import WeightFolder, WeightSyncError, weights_nbytes
+from training.deployment.backends.process import ServerProcess
+from training.deployment.weights.files import WeightFolder, WeightSyncError, weights_nbytes
 from training.utils.config import DeployConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class DeploymentGroup:
         """The torch dtype the replicas hold their weights in (a push casts to it), or None when none says
         (vLLM, SGLang) or they disagree: the trainer's dtype is then sent. Asked at each push until
         every replica has answered, then kept."""
-        from training.deployment.dist_weights import DTYPES
+        from training.deployment.weights.distributed import DTYPES
 
         if self._wire_dtype is not None:
             return DTYPES.get(self._wire_dtype)
@@ -361,7 +361,7 @@ class DeploymentGroup:
     def _distributed_sender(self):
         """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
         if self._sender is None:
-            from training.deployment.dist_weights import DistributedWeightSender
+            from training.deployment.weights.distributed import DistributedWeightSender
 
             d = self.cfg
             self._sender = DistributedWeightSender(

@@ -29,8 +29,8 @@ from typing import Optional
 
 from aiohttp import web
 
-from training.deployment.kernel_caches import bound_kernel_caches
-from training.deployment.request_limits import RequestLimits
+from training.deployment.server.kernel_caches import bound_kernel_caches
+from training.deployment.server.limits import RequestLimits
 from training.utils.cli import OverrideError, field_docs, field_types, parse_value
 from training.utils.config import EngineConfig
 from training.utils.http import IDLE_CONNECTION_TIMEOUT_S, close_idle_connections
@@ -180,9 +180,9 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event, interval_s: float 
 
 async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -> None:
     """Start engine and HTTP server, print the ready line, run until a stop signal."""
-    from training.deployment.connection_limit import CappedTCPSite, default_max_connections
+    from training.deployment.server.connection_limit import CappedTCPSite, default_max_connections
     from training.deployment.engine import AsyncEngine
-    from training.deployment.server import create_app
+    from training.deployment.server.app import create_app
 
     engine = AsyncEngine(engine_config_from_args(args))
     await engine.start()

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from training.agents import Action, ConversationAgent, Environment, StepResult, engine_for_setup
 from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
-from training.utils.template_check import CHECK_MODES, run_template_check
+from training.openai_api.template_check import CHECK_MODES, run_template_check
 
 EMPTY_OBSERVATION = "(no observation)"
 """The user message sent for an empty observation (a chat turn cannot be empty)."""
@@ -117,7 +117,7 @@ def make_text_gym_rollout_fn(
     a ``RolloutRun`` (the transcript in ``metadata``), or None when nothing was generated.
 
     ``template_check`` (``warn`` / ``error`` / ``off``) checks once that the chat template only appends
-    when a conversation grows (``training/utils/template_check.py``)."""
+    when a conversation grows (``training/openai_api/template_check.py``)."""
     if template_check not in CHECK_MODES:
         raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
 

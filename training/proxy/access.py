@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 from aiohttp import web
 
 from training.utils.http import AFFINITY_HEADER, SESSION_HEADER
-from training.utils.openai_errors import error_response
+from training.openai_api.errors import error_response
 
 SESSION_KEY_PREFIX = "sk-session-"
 MAX_SESSION_ID_CHARS = 256

@@ -15,7 +15,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from training.utils.responses_store import ResponseStore
+from training.openai_api.responses_store import ResponseStore
 from training.utils.rl.rollout.turn_matching import APPEND, NEW, WIPE, TurnLabel
 
 __all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
@@ -23,7 +23,7 @@ __all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
 SESSION_RESPONSES = 64
 """Responses API: the responses a session keeps for ``previous_response_id`` (the most recently used)."""
 SESSION_RESPONSE_CHARS = 4 * 1024 * 1024
-"""... and the characters of their conversations' JSON, summed (``training/utils/responses_store.py``)."""
+"""... and the characters of their conversations' JSON, summed (``training/openai_api/responses_store.py``)."""
 
 
 @dataclass

@@ -2,12 +2,12 @@
 
 An agent on the Responses API (openai-agents' default ``OpenAIResponsesModel``, ``client.responses.create``,
 LangChain's Responses mode) points its ``base_url`` at the proxy as any other agent does. Its request is
-translated into the chat request it means (``training/utils/responses_request.py``), which then takes the
+translated into the chat request it means (``training/openai_api/responses_request.py``), which then takes the
 proxy's chat path unchanged: the sampling-field policy (``sampling_policy.py``; a forced ``tool_choice`` or
 a ``text.format`` other than text is a constrained call, flagged), the upstream call with token ids and
 logprobs on, the ``CallRecord`` (prompt ids, output ids, logprobs, weight versions, the messages it stands
 for) and its NEW / APPEND / WIPE label. The chat reply is translated back into a Responses object
-(``training/utils/responses_output.py``): the agent gets the RL extras only when it asks
+(``training/openai_api/responses_output.py``): the agent gets the RL extras only when it asks
 (``return_token_ids``, ``include: ["message.output_text.logprobs"]``).
 
 The upstream is asked for chat completions, never for ``/v1/responses``: any OpenAI-compatible server with
@@ -18,7 +18,7 @@ so an id continues its conversation within its own session; another session's id
 404 naming ``previous_response_id``.
 
 ``stream: true`` is served like a chat stream (``upstream_stream``): relayed (the upstream's chat chunks
-become Responses events as they arrive, ``training/utils/responses_stream.py``, and are accumulated into the
+become Responses events as they arrive, ``training/openai_api/responses_stream.py``, and are accumulated into the
 record) or synthesised from the full reply; either way the record is the upstream's tokens.
 """
 
@@ -37,16 +37,16 @@ from training.proxy.records import SessionRecord
 from training.proxy.streaming import StreamAccumulator, chat_chunks
 from training.proxy.upstream import UpstreamError
 from training.utils.http import SESSION_HEADER
-from training.utils.openai_errors import error_response
-from training.utils.responses_output import completed_response, conversation_after, new_response_id
-from training.utils.responses_request import (
+from training.openai_api.errors import error_response
+from training.openai_api.responses_output import completed_response, conversation_after, new_response_id
+from training.openai_api.responses_request import (
     CHAT_TO_RESPONSES_FIELDS,
     ResponsesRequest,
     ResponsesRequestError,
     parse_responses_request,
 )
-from training.utils.responses_stream import ResponsesEventStream
-from training.utils.sse import iter_sse, open_sse, sse_event
+from training.openai_api.responses_stream import ResponsesEventStream
+from training.openai_api.sse import iter_sse, open_sse, sse_event
 
 ProxyServer = Any
 """``training.proxy.server.ProxyServer`` (not imported: it imports this module)."""

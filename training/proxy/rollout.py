@@ -36,7 +36,7 @@ from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer
 from training.proxy.stitching import DRIFT_POLICIES, stitch_calls
 from training.proxy.transitions import CreditFn, build_transitions, credit_parts, tool_status_counts
 from training.utils.rl.rollout import RolloutRun, RolloutSetup
-from training.utils.template_check import run_template_check
+from training.openai_api.template_check import run_template_check
 
 MODES = ("stitch", "transitions")
 
@@ -323,7 +323,7 @@ def make_proxy_rollout_fn(
     (default: the recipe's deployment). ``credit_fn``: per-call credit (transitions: each call's
     reward; stitch: only its per-call rewards count, summed into the run's reward).
     ``template_check``: ``warn`` / ``error`` / ``off``, run on the policy's tokenizer when the
-    recipe builds the rollout function (``training/utils/template_check.py``), with
+    recipe builds the rollout function (``training/openai_api/template_check.py``), with
     ``chat_template_kwargs``.
     """
     if mode not in MODES:

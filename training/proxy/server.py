@@ -20,7 +20,7 @@ reward the agent posts itself to call k (default its latest call; see ``transiti
 Keys (``sessions.py``): ``api_key`` is the control key (the recipe's: every route, every session);
 ``session_key(sid)`` is an agent's, good for its own session only (403 elsewhere and on
 pause / resume). Sessions are bounded (``max_sessions``, ``session_idle_s``; ``/health`` reports
-the table). Bodies are read by ``training/utils/request_body.py`` (gzip / deflate, 415 for other
+the table). Bodies are read by ``training/utils/http.py`` (gzip / deflate, 415 for other
 encodings, large JSON parsed off the event loop), as on the deployment server.
 
 Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
@@ -59,12 +59,12 @@ from training.proxy.streaming import (
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
 from training.utils.http import SESSION_HEADER, close_idle_connections, session_headers
-from training.utils.openai_errors import error_body, error_response
+from training.openai_api.errors import error_body, error_response
 from training.utils.pause_gate import PauseGate
-from training.utils.request_body import BodyError, read_json_request
+from training.utils.http import BodyError, read_json_request
 from training.utils.rl.rollout import RolloutValidationError, as_reward
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
-from training.utils.sse import end_sse, iter_sse, open_sse, sse_event
+from training.openai_api.sse import end_sse, iter_sse, open_sse, sse_event
 
 logger = logging.getLogger(__name__)
 

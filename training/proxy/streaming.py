@@ -16,7 +16,7 @@ The proxy serves it in one of two ways (``ProxyServer(upstream_stream=...)``):
   chunk's logprobs), which is recorded exactly like one.
 
 Either way the recorded prompt ids, output ids and logprobs are the upstream's, never text. The
-events are written and read with ``training/utils/sse.py`` (the server's framing too).
+events are written and read with ``training/openai_api/sse.py`` (the server's framing too).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from training.recipes.config import Config
 from training.recipes.context import RunContext
 from training.recipes.run import RolloutFnFactory, run_recipe
 from training.recipes.step_metrics import StepTimer, batch_metrics
-from training.utils.cache_folder import cache_dir
+from training.utils.cache import cache_dir
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
 from training.utils.rl.groups import PromptGroup

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from training.deployment.group import DeploymentGroup
-from training.deployment.server_process import DeploymentStartError
+from training.deployment.backends.process import DeploymentStartError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, Config
 from training.recipes.context import RunContext

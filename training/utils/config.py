@@ -313,7 +313,7 @@ class DeployConfig:
     weight_sync: str = "auto"
     """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when
     embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to this
-    package's servers attached by ``base_url`` on other hosts; see training/deployment/dist_weights.py)."""
+    package's servers attached by ``base_url`` on other hosts; see training/deployment/weights/distributed.py)."""
     weight_sync_master_addr: Optional[str] = None
     """With ``weight_sync="distributed"``: the trainer's address as the servers reach it (it hosts the group's store)."""
     weight_sync_master_port: int = 0

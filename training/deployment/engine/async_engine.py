@@ -31,10 +31,10 @@ from training.deployment.engine.requests import (
     WeightUpdateError,
 )
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
-from training.deployment.engine.scoring import PromptLogprobs, score_prompts
+from training.deployment.engine.runners.scoring import PromptLogprobs, score_prompts
 from training.deployment.engine.sequence import Sequence
-from training.deployment.engine.sleep import SLEEP_LEVELS, RunnerSleep, trim_heap
-from training.deployment.process_stats import rss_bytes
+from training.deployment.engine.runners.sleep import SLEEP_LEVELS, RunnerSleep, trim_heap
+from training.deployment.server.process_stats import rss_bytes
 from training.deployment.engine.weights import load_safetensors, validate_update
 from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
 

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from training.utils.hub_cache import local_model_path
+from training.utils.cache import local_model_path
 from training.deployment.engine.requests import (
     EngineConfig,
     GenerationResult,
@@ -39,8 +39,8 @@ from training.deployment.engine.requests import (
 )
 from training.deployment.engine.block_manager import BlockManager
 from training.deployment.engine.constraints import GrammarMasks
-from training.deployment.engine.model_runner import PrefillItem
-from training.deployment.engine.runners import build_runner
+from training.deployment.engine.runners.lean import PrefillItem
+from training.deployment.engine.runners.build import build_runner
 from training.deployment.engine.token_sampler import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus

@@ -40,9 +40,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from training.deployment.engine.attention import SharedPrefix
+from training.deployment.engine.runners.attention import SharedPrefix
 from training.deployment.engine.block_manager import BlockManager
-from training.deployment.engine.model_runner import PrefillItem
+from training.deployment.engine.runners.lean import PrefillItem
 from training.deployment.engine.sequence import Sequence, SequenceStatus
 
 WATERMARK_FRACTION = 0.01

@@ -40,7 +40,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from training.deployment.engine.native import sample_plain
+from training.deployment.engine.runners.native import sample_plain
 from training.deployment.engine.sequence import Sequence
 
 SHIFT_BELOW_T = 1e-4

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from training.utils.chat_messages import ChatMessageError, content_text, normalise_message
+from training.openai_api.chat_messages import ChatMessageError, content_text, normalise_message
 
 NEW, APPEND, WIPE = "NEW", "APPEND", "WIPE"
 
@@ -90,7 +90,7 @@ def _content_text(content: Any) -> str:
 def canonical_message(message: dict) -> dict:
     """The parts of a chat message that reach the chat template, in one normal form.
 
-    The message goes through the server's own normaliser (``training.utils.chat_messages``),
+    The message goes through the server's own normaliser (``training.openai_api.chat_messages``),
     then keeps role, stripped content, tool calls as (name, decoded arguments) and ``name`` /
     ``reasoning_content``. Dropped: tool-call ids (the server invents them), ``None`` fields
     the SDK adds (``refusal``, ``audio``, ``annotations``, ``function_call``), empty

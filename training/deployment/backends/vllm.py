@@ -1,0 +1,232 @@
+"""vLLM as the deployment engine: launch or attach, sample token-level, reload weights from disk.
+
+``VLLMDeployment(model, cfg)`` is a ``ServerProcess`` like ``EmbeddedDeployment`` (context manager,
+``base_url``, a watchdog that restarts a dead launched server with the latest weights,
+``load_weights(folder, weight_version)``).
+It either launches ``python -m vllm.entrypoints.openai.api_server`` with ``cfg.engine_python``
+(None: ``.venv-vllm/bin/python``, vLLM's CPU build from ``scripts/setup_vllm.sh``, for a server on
+the CPU when it exists, else the current interpreter: ``default_vllm_python``) or, with
+``cfg.base_url`` set, attaches to a running server (which
+must have been started with ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+training.deployment.backends.vllm_worker.WeightReloadExtension`` for weight sync).
+
+Sampling needs nothing special: vLLM's ``/v1/completions`` takes token-id prompts and returns
+``choices[].token_ids`` (``return_token_ids``) and ``logprobs.token_logprobs``, which is what
+``DeploymentSampler`` asks for. A launched server runs with ``--logprobs-mode processed_logprobs``
+so the logprobs are ``log_softmax(logits / T)`` like the embedded server's (vLLM's default,
+``raw_logprobs``, ignores the temperature); with ``top_p < 1`` or ``top_k`` vLLM renormalises over
+the kept tokens, which the embedded server does not. On the CPU it runs ``--enforce-eager``; on a GPU
+with vLLM's CUDA graphs, tensor parallel over the replica's GPUs (``DeployConfig.replica_devices``).
+Attach to a server started the same way. Prompt logprobs (a distillation teacher) pass through unchanged:
+``DeploymentSampler.prompt_logprobs`` sends vLLM's own ``prompt_logprobs`` field with ``max_tokens=1`` (vLLM
+refuses 0) and reads its ``choices[].prompt_logprobs``. vLLM's OpenAI responses carry no weight version, so the sampler
+labels such completions with the version it last saw confirmed *before* the request was sent
+(``DeploymentSampler.note_weight_version``): never newer than the weights that produced them.
+
+Weight sync, from a folder (``DeploymentGroup.push`` or ``push_weights``):
+
+1. the group writes ``<folder>/model.safetensors`` once for every replica (``mode="disk"``: a
+   folder the servers can read; ``mode="shm"``: a private folder under /dev/shm, same host only);
+2. ``POST /pause?mode=wait`` (default, ``wait_for_inflight=True``): in-flight requests finish on
+   the old weights, new ones queue, so every completion comes from one weight version; with
+   ``wait_for_inflight=False``, ``mode=keep`` freezes in-flight requests and they continue on the
+   new weights after ``/resume`` (faster sync, completions may span two versions). ``abort`` is
+   never used: it would cut rollouts short;
+3. ``POST /collective_rpc`` ``reload_weights_and_refresh`` (the worker extension: vLLM's
+   ``reload_weights`` plus the rebuild of the tied output projection, see ``vllm_worker.py``);
+4. ``POST /reset_prefix_cache`` (cached KV of the old weights must not be reused);
+5. ``POST /update_weight_version`` (``new_version`` as a string), then ``POST /resume``
+   (always, also when a step failed, so a failed sync never leaves the server paused).
+
+Colocation (``cfg.colocate``): the server is launched with ``--enable-sleep-mode`` (and, as always,
+``VLLM_SERVER_DEV_MODE=1``), and ``sleep`` / ``wake_up`` / ``is_sleeping`` drive vLLM's own
+``/sleep?level=N``, ``/wake_up``, ``/is_sleeping``. vLLM's level 2 discards the weights, so a push to a
+level-2 sleeper first wakes the weights alone (``/wake_up?tags=weights``); the KV cache wakes with
+``wake_up``. Not exercised by the test suite (it needs vLLM's GPU build).
+
+NCCL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``) is GPU only and not
+wired here; see training/deployment/README.md for the command to try it on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Iterable, Optional
+
+from training.deployment.backends.process import REPO_ROOT, ServerProcess
+from training.deployment.weights.files import WeightSyncError
+from training.utils.config import DeployConfig
+
+log = logging.getLogger(__name__)
+
+VLLM_VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+WORKER_EXTENSION = "training.deployment.backends.vllm_worker.WeightReloadExtension"
+RELOAD_METHOD = "reload_weights_and_refresh"
+
+
+def default_vllm_python(on_gpu: bool) -> str:
+    """The interpreter that launches vLLM when ``cfg.engine_python`` is None: ``.venv-vllm/bin/python`` of
+    this repository for a server on the CPU when that venv exists (``scripts/setup_vllm.sh`` installs
+    vLLM's CPU build there), else the current interpreter (on a GPU machine: a CUDA vLLM installed
+    beside this package)."""
+    return str(VLLM_VENV_PYTHON) if not on_gpu and VLLM_VENV_PYTHON.exists() else sys.executable
+
+
+class VLLMDeployment(ServerProcess):
+    """vLLM's OpenAI-compatible server, launched from ``cfg.engine_python`` or attached by URL."""
+
+    engine = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        cfg: Optional[DeployConfig] = None,
+        *,
+        log_file: Optional[str] = None,
+        base_url: Optional[str] = None,
+        stop_grace_s: float = 15.0,
+        extra_args: Iterable[str] = (),
+        refresh_tied_output: bool = True,
+    ):
+        super().__init__(
+            model,
+            cfg,
+            log_file=log_file,
+            base_url=base_url,
+            stop_grace_s=stop_grace_s,
+            extra_args=[*(cfg or DeployConfig()).engine_args, *extra_args],
+        )
+        self.python = self.cfg.engine_python or default_vllm_python(self.on_gpu)
+        self.refresh_tied_output = refresh_tied_output
+        """Reload through the worker extension (True) or vLLM's bare ``reload_weights`` (False:
+        only to demonstrate the tied-embedding pitfall in tests)."""
+        self.sleep_level = 0
+        """The level of the last ``sleep`` this process sent (0 awake); vLLM's /is_sleeping has no level."""
+        self.last_sync: dict[str, float] = {}
+        """Timings of the last ``load_weights``: pause_s, reload_s."""
+
+    def _dtype(self) -> str:
+        if self.cfg.engine_config.dtype != "auto":
+            return self.cfg.engine_config.dtype
+        return "auto" if self.on_gpu else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
+
+    def _device_args(self) -> list[str]:
+        """CPU: ``--enforce-eager`` (no CUDA graphs there). GPU: CUDA graphs (vLLM's default), tensor
+        parallel over a replica's GPUs, and ``cfg.gpu_memory_fraction`` as ``--gpu-memory-utilization``."""
+        if not self.on_gpu:
+            return ["--enforce-eager"]
+        args = []
+        if self.placement is not None and len(self.placement.gpus) > 1:
+            args += ["--tensor-parallel-size", str(len(self.placement.gpus))]
+        if self.cfg.gpu_memory_fraction is not None:
+            args += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_fraction)]
+        return args
+
+    def _command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self._dtype(),
+            *self._device_args(),
+            "--max-model-len",
+            str(self.cfg.engine_config.max_model_len),
+            "--max-num-seqs",
+            str(self.cfg.engine_config.max_batch_size),
+            "--logprobs-mode",
+            "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            *(["--served-model-name", self.cfg.deployment_id] if self.cfg.deployment_id else []),
+            *(["--seed", str(self.cfg.engine_config.seed)] if self.cfg.engine_config.seed is not None else []),
+            *(["--enable-sleep-mode"] if self.cfg.colocate else []),  # /sleep, /wake_up (dev mode: _env)
+            *self.extra_args,
+        ]
+
+    def _env(self) -> dict[str, str]:
+        env = super()._env()
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping
+        if not self.on_gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.pop("VLLM_API_KEY", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key  # via env, not argv: keeps the key out of `ps`
+        env.update(self.cfg.engine_env)
+        return env
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's ``POST /sleep?level=N`` (needs ``--enable-sleep-mode``: launched with it when ``cfg.colocate``).
+        A weight push while asleep at level 2 first wakes the weights alone (``/wake_up?tags=weights``)."""
+        out = super().sleep(level)
+        self.sleep_level = max(self.sleep_level, int(level))
+        return out
+
+    def wake_up(self) -> dict:
+        out = super().wake_up()
+        self.sleep_level = 0
+        return out
+
+    async def server_weight_version(self) -> Optional[str]:
+        """The version string vLLM reports (``GET /weight_info``); None if it has none."""
+        status, text = await asyncio.to_thread(self._http, "GET", "/weight_info", timeout=30.0)
+        return json.loads(text).get("weight_version") if status == 200 else None
+
+    def _post(self, path: str, body: Optional[dict] = None, params: Optional[dict] = None) -> Any:
+        status, text = self._http("POST", path, body, params=params, timeout=max(self.cfg.request_timeout_s, 600.0))
+        if status != 200:
+            raise WeightSyncError(f"{self.base_url}{path}: HTTP {status or 'no answer'}: {text[:2000]}")
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return text
+
+    def load_weights(
+        self,
+        folder: str,
+        weight_version: int,
+        *,
+        mode: str = "shm",
+        wait_for_inflight: bool = True,
+        force: bool = False,
+    ) -> dict:
+        """Reload ``<folder>/model.safetensors`` in the running server (steps 2-5 of the module doc).
+
+        Returns ``{"pause_s", "reload_s", "refreshed"}``; raises ``WeightSyncError`` naming the failed
+        step. The server is resumed either way."""
+        method = RELOAD_METHOD if self.refresh_tied_output else "reload_weights"
+        t0 = time.perf_counter()
+        if self.sleep_level == 2:  # vLLM's level 2 discarded the weights: allocate them (KV cache stays asleep)
+            self._post("/wake_up", params={"tags": "weights"})
+            self.sleep_level = 1
+        self._post("/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
+        t1 = time.perf_counter()
+        try:
+            out = self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}})
+            refreshed = out.get("results") if isinstance(out, dict) else out
+            reset = self._post(
+                "/reset_prefix_cache", params={"reset_running_requests": "false" if wait_for_inflight else "true"}
+            )
+            if isinstance(reset, dict) and reset.get("success") is False:
+                log.warning("vLLM /reset_prefix_cache answered success=false after the reload")
+            self._post("/update_weight_version", {"new_version": str(int(weight_version))})
+        except WeightSyncError as e:
+            raise WeightSyncError(f"vLLM refused weights v{weight_version} from {folder}: {e}") from e
+        finally:
+            t2 = time.perf_counter()
+            self._post("/resume")
+        self.last_sync = {"pause_s": t1 - t0, "reload_s": t2 - t1}
+        return {**self.last_sync, "refreshed": refreshed}

@@ -1,0 +1,154 @@
+"""Prompt logprobs: a scoring forward over given token sequences, apart from generation.
+
+``score_prompts(runner, prompts, top_k)`` returns, for every token of every prompt, its logprob
+given the tokens before it (teacher forcing), its rank in the vocabulary and optionally the
+``top_k`` most likely tokens: what vLLM's ``prompt_logprobs`` returns, and what on-policy
+distillation asks a teacher for (the teacher's logprob of each token the student sampled).
+
+Invariants:
+- It never reads or writes the engine's KV cache: every layer attends over the prompt's own
+  keys and values, computed in this forward and dropped after it (a causal forward, like a
+  prefill from position 0 into a throw-away cache). Scheduling, blocks and cached prefixes are
+  untouched, so it can run on the engine thread between any two steps.
+- The logprob is ``log_softmax(logits)`` of the raw logits: no temperature, no penalty, no bias
+  (vLLM's prompt logprobs are raw too, whatever ``--logprobs-mode`` says). Position 0 has none.
+- The lean runner uses its own forward pieces (the same weights, fused matmuls, RoPE tables and
+  norms as its prefill), so the figures match a ``transformers`` forward as closely as its
+  prefill does (fp32: ~1e-5); the fallback runner calls the ``transformers`` model itself.
+- Logits are formed ``SCORE_CHUNK_TOKENS`` rows at a time and reduced at once, so a long prompt
+  never holds ``[T, vocab]`` fp32 logits whole (the fallback runner excepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+SCORE_CHUNK_TOKENS = 256
+"""Positions whose logits are formed and reduced together (the lean runner)."""
+
+
+@dataclass
+class PromptLogprobs:
+    """The scoring of one token sequence: one entry per token, None at position 0 (nothing precedes it)."""
+
+    token_ids: list[int]
+    logprobs: list[Optional[float]]
+    """``log p(token_ids[t] | token_ids[:t])``, raw logits (no temperature); None at t = 0."""
+    ranks: list[Optional[int]]
+    """1-based rank of ``token_ids[t]`` among all tokens at position t (1 = the likeliest); None at t = 0."""
+    top_logprobs: Optional[list[Optional[list[tuple[int, float]]]]]
+    """With ``top_k > 0``: per position the ``top_k`` likeliest (token id, logprob), best first; None at t = 0."""
+    weight_version: int = 0
+    """The weight version that scored it (set by the engine)."""
+
+
+def _reduce(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, top_k: int
+) -> tuple[list[float], list[int], Optional[list[list[tuple[int, float]]]]]:
+    """Logprob and rank of each target, and the ``top_k`` alternatives, from fp32 logits ``[M, V]``."""
+    logits_MV = logits_MV.float()
+    lse_M = torch.logsumexp(logits_MV, dim=-1)
+    target_logit_M = logits_MV.gather(1, targets_M[:, None])[:, 0]
+    logprobs = (target_logit_M - lse_M).tolist()
+    ranks = ((logits_MV > target_logit_M[:, None]).sum(dim=-1) + 1).tolist()
+    top = None
+    if top_k > 0:
+        values_MK, ids_MK = torch.topk(logits_MV, top_k, dim=-1)
+        values_MK = values_MK - lse_M[:, None]
+        top = [list(zip(i, v)) for i, v in zip(ids_MK.tolist(), values_MK.tolist())]
+    return logprobs, ranks, top
+
+
+def _lean_hidden(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """Final-layer hidden states ``[N, hidden]`` of the prompts packed in order (before the final norm).
+
+    The lean runner's prefill without its cache: matmuls over all tokens at once, attention per
+    prompt over its own K/V (causal), positions from 0."""
+    dev = runner.device
+    lens = [len(p) for p in prompts]
+    tokens_N = torch.tensor([t for p in prompts for t in p], device=dev)
+    positions_N = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    cos, sin = runner._rope_tables(positions_N)
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    h = runner.num_heads
+    x = F.embedding(tokens_N, runner.embed)
+    for L in runner.layers:
+        qkv = runner._linear(L, "qkv", runner._norm(x, L["in_norm"]))
+        qk, v = runner._qk_rope(L, qkv, cos, sin), runner._value(qkv)
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            q_i = qk[a:b, :h].transpose(0, 1).unsqueeze(0)
+            k_i = qk[a:b, h:].transpose(0, 1).unsqueeze(0)
+            v_i = v[a:b].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(b - a, -1))
+        x = runner._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
+    return x
+
+
+def _score_lean(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
+    inputs = [p[:-1] for p in prompts]  # the last token predicts nothing that is asked for
+    x = _lean_hidden(runner, inputs)
+    targets_N = torch.tensor([t for p in prompts for t in p[1:]], device=runner.device)
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    top: Optional[list] = [] if top_k > 0 else None
+    for a in range(0, x.shape[0], SCORE_CHUNK_TOKENS):
+        lp, rk, tp = _reduce(
+            runner._logits(x[a : a + SCORE_CHUNK_TOKENS]), targets_N[a : a + SCORE_CHUNK_TOKENS], top_k
+        )
+        logprobs += lp
+        ranks += rk
+        if top is not None:
+            top += tp
+    out, start = [], 0
+    for p in prompts:
+        end = start + len(p) - 1
+        out.append((logprobs[start:end], ranks[start:end], None if top is None else top[start:end]))
+        start = end
+    return out
+
+
+def _score_hf(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p[:-1]], device=runner.device)
+        logits = runner.model(input_ids=ids, use_cache=False).logits[0]
+        out.append(_reduce(logits, torch.tensor(p[1:], device=runner.device), top_k))
+    return out
+
+
+@torch.inference_mode()
+def score_prompts(runner, prompts: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+    """Teacher-forced logprobs of every token of every prompt (module docstring); nothing cached is touched.
+
+    ``runner``: the engine's ``LeanModelRunner`` or ``HFModelRunner``. Prompts must be non-empty and at
+    most the runner's ``max_len`` tokens (the engine validates them first)."""
+    from training.deployment.engine.runners.hf import HFModelRunner
+
+    scorable = [p for p in prompts if len(p) > 1]
+    if not scorable:
+        parts = []
+    elif isinstance(runner, HFModelRunner):
+        parts = _score_hf(runner, scorable, top_k)
+    else:
+        parts = _score_lean(runner, scorable, top_k)
+    parts_iter = iter(parts)
+    result = []
+    for p in prompts:
+        lp, rk, tp = next(parts_iter) if len(p) > 1 else ([], [], [])
+        result.append(
+            PromptLogprobs(
+                token_ids=list(p),
+                logprobs=[None, *lp],
+                ranks=[None, *rk],
+                top_logprobs=[None, *tp] if top_k > 0 else None,
+            )
+        )
+    return result

@@ -120,7 +120,7 @@ METHOD = {
     "handed every linear weight to a prepacked GEMM kernel and left an empty parameter without a `weight_loader`, "
     "so the first sync stops with `AttributeError: 'Parameter' object has no attribute 'weight_loader'`; "
     "`benchmarks/trl_vllm_cpu.py` replaces the sync by vLLM's in-place `reload_weights` plus a rebuild of the tied "
-    "output projection (fp32 logprobs then match `transformers` to < 1e-6: `pytest -m trl tests/test_trl_vllm.py`). "
+    "output projection (fp32 logprobs then match `transformers` to < 1e-6: `pytest -m trl tests/benchmarks/test_trl_vllm.py`). "
     "Also needed: `VLLM_CPU_KVCACHE_SPACE` (set to 1 GiB), or vLLM's CPU backend reserves 0.9 of the machine's "
     "memory (TRL's `vllm_gpu_memory_utilization`) and refuses to start on a shared machine. Server mode cannot run "
     "on CPU: `trl vllm-serve` fails at once (vLLM's CLI asks for the version of a package named `vllm`; this one "
@@ -158,7 +158,7 @@ METHOD_SOAK = (
     "prefixes are made and evicted all the time); `GET /stats` `pools` sampled every few seconds. A series levels "
     "off when the last third's maximum is at most the middle third's × 1.05 plus a small slack. Not run by "
     "`run_all` (it takes N minutes): `python -m benchmarks.soak` writes `benchmarks/soak.{md,csv,png}`; the same "
-    "check is `pytest -m soak tests/test_soak.py` (`SOAK_MINUTES`, `SOAK_CLIENTS`; default 30 minutes at 128 clients)."
+    "check is `pytest -m soak tests/deployment/test_soak.py` (`SOAK_MINUTES`, `SOAK_CLIENTS`; default 30 minutes at 128 clients)."
 )
 
 WHY = {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-clients: a separate venv with real agent frameworks from PyPI, for the tests that run
-# them on their defaults through the training proxy (pytest -m clients, tests/test_clients.py):
+# them on their defaults through the training proxy (pytest -m clients, tests/proxy/test_clients.py):
 # openai-agents, langchain-openai + langgraph, pydantic-ai (slim, with its openai extra), smolagents
 # and litellm, at the versions below (checked to install together: pip check is clean).
 #

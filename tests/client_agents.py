@@ -1,4 +1,4 @@
-"""Real agent frameworks pointed at the training proxy: run by ``tests/test_clients.py`` with ``.venv-clients``'s Python.
+"""Real agent frameworks pointed at the training proxy: run by ``tests/proxy/test_clients.py`` with ``.venv-clients``'s Python.
 
     .venv-clients/bin/python tests/client_agents.py FRAMEWORK --base-url URL --api-key KEY [--stream] [--api chat|responses]
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_engine import PROMPTS, greedy, hf_logprobs, row_tables, run_engine
-from tests.test_recipes import ROWS, Recorder
-from tests.test_recipes import config as recipe_config
-from tests.test_trainer import _mask_loss, _sequences
-from tests.test_weight_sync_distributed import greedy as server_greedy
-from tests.test_weight_sync_distributed import hf_model, max_logprob_error, perturbed
+from tests.deployment.engine.test_engine import PROMPTS, greedy, hf_logprobs, row_tables, run_engine
+from tests.recipes.test_recipes import ROWS, Recorder
+from tests.recipes.test_recipes import config as recipe_config
+from tests.trainer.test_trainer import _mask_loss, _sequences
+from tests.deployment.test_weight_sync_distributed import greedy as server_greedy
+from tests.deployment.test_weight_sync_distributed import hf_model, max_logprob_error, perturbed
 from training.deployment.client import DeploymentSampler
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig
 from training.utils.metrics import read_metrics
@@ -227,7 +227,7 @@ def test_bucketed_nccl_sync_casts_fp32_to_a_bf16_server(tiny_model_path, tmp_pat
 # ----------------------------------------------------------------------- vLLM on CUDA
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no CUDA vLLM installed beside this package")
 def test_vllm_on_cuda_samples_like_transformers_and_reloads_weights(tmp_path):
-    from tests.test_vllm import PROMPT, _perturb, hf_logprobs, max_diff, saved_weights
+    from tests.deployment.test_vllm import PROMPT, _perturb, hf_logprobs, max_diff, saved_weights
     from training.deployment.backends.vllm import VLLMDeployment
     from training.models.build_tiny import build_tiny, cache_dir
 

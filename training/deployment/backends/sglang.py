@@ -2,7 +2,7 @@
 
 Untested on these CPU-only machines (SGLang needs a GPU); the request building and response
 parsing are unit-tested against the shapes in SGLang's documentation, and
-``tests/test_sglang.py::test_real_server`` runs against a real server on a GPU machine
+``tests/deployment/test_sglang.py::test_real_server`` runs against a real server on a GPU machine
 (command in training/deployment/README.md).
 
 - ``SGLangDeployment(model, cfg)``: a ``ServerProcess`` like ``EmbeddedDeployment``. Launches

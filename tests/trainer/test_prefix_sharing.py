@@ -159,3 +159,57 @@ def test_a_model_that_ignores_the_layout_fails_instead_of_training_on_wrong_logp
     assert packed.shared is not None
     with pytest.raises(RuntimeError, match="shared_prefix_layout"):
         packed_logprobs(model, packed, chunk_tokens=16)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_packed_attention_never_needs_the_math_kernel_on_a_gqa_model(tiny_model_path, share):
+    """The tiny Qwen3 has 4 query heads over 2 KV heads. With SDPA limited to the fused kernels
+    (flash, memory-efficient) the packed and shared-prompt paths still run (no call pairs a mask
+    with ``enable_gqa``, which on CUDA only the math kernel takes) and give the default's logprobs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    trainer = _trainer(tiny_model_path, micro_batch_tokens=4096, shared_prompt_packing=share)
+    assert trainer.model.config.num_attention_heads > trainer.model.config.num_key_value_heads
+    seqs = _grpo_batch(SHAPES, seed=4)
+    expected = trainer.logprobs(seqs, 1.0)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = trainer.logprobs(seqs, 1.0)
+    assert max(abs(a - b) for g, e in zip(got, expected) for a, b in zip(g, e)) <= 1e-5
+
+
+def test_masked_attention_repeats_kv_heads_and_matches_enable_gqa():
+    """``attend`` with a mask repeats the KV heads instead of passing ``enable_gqa``; same values."""
+    from training.trainer.model import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    mask = torch.rand(9, 9, generator=g) > 0.3
+    mask[:, 0] = True  # every query sees a key
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(attend(q, k, v, mask=mask), expected, atol=1e-12)
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(attend(q, k, v), causal, atol=1e-12)
+
+
+def test_packed_attention_reads_no_sequence_boundaries_back_from_the_device(tiny_model_path, monkeypatch):
+    """The trainer passes the packed lengths as Python ints: no layer calls ``cu_seq_lens_q.tolist()``
+    (on CUDA a host sync per layer)."""
+    from training.trainer import logprobs as logprobs_module
+
+    class NoReadBack(torch.Tensor):
+        def tolist(self):
+            raise AssertionError("cu_seq_lens_q read back from the device")
+
+    arguments = logprobs_module._packing_arguments
+
+    def guarded(model, packed):
+        args = arguments(model, packed)
+        if "cu_seq_lens_q" in args:
+            args["cu_seq_lens_q"] = args["cu_seq_lens_q"].as_subclass(NoReadBack)
+        return args
+
+    monkeypatch.setattr(logprobs_module, "_packing_arguments", guarded)
+    trainer = _trainer(tiny_model_path, shared_prompt_packing=False)
+    seqs = _grpo_batch(SHAPES, seed=5)
+    got = trainer.logprobs(seqs, 1.0)
+    assert [len(x) for x in got] == [len(s) for s in seqs]

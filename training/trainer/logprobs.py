@@ -54,7 +54,9 @@ def _packing_arguments(model: torch.nn.Module, packed: PackedBatch) -> dict:
         cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         cu_seq_lens = cu_seq_lens.to(packed.input_ids_N.device)
         longest = max(packed.lengths)
+        lengths_arg = {"packed_lengths": tuple(packed.lengths)} if impl == PACKED_SDPA else {}
         return {
+            **lengths_arg,
             "attention_mask": None,
             "cu_seq_lens_q": cu_seq_lens,
             "cu_seq_lens_k": cu_seq_lens,

@@ -13,6 +13,20 @@ sequence causally on itself, a member's suffix on the prefix's keys plus its own
 the prefix, its own keys causally). That is exact only where every layer is full attention
 (``prefix_sharing_supported``); a sliding-window layer given a layout is an error, never a
 silent fallback.
+
+Kernels: every call goes through ``attend``, which never hands SDPA an explicit mask together with
+fewer KV heads than query heads (``enable_gqa``). On CUDA no fused kernel takes that pair, so SDPA
+would fall back to the math kernel, which keeps fp32 ``[heads, Lq, Lk]`` scores for backward. The
+rule, by call:
+
+| call | GQA model | kernel it can get |
+| --- | --- | --- |
+| causal, no mask (a sequence, a prefix) | ``enable_gqa`` (flash takes it) on CPU, and on CUDA in bf16 / fp16; KV heads repeated on CUDA in fp32 (memory-efficient) | flash or memory-efficient |
+| masked (a member's suffix over prefix + itself) | KV heads repeated to the query heads, no ``enable_gqa`` | memory-efficient (CUDA), flash (CPU) |
+
+The repeat costs one ``[B, H, Lk, D]`` copy of the span's keys and values, a small fraction of
+the scores the math kernel would keep. The packed path takes the sequence lengths as Python ints
+(``packed_lengths``, from the trainer) so no layer reads ``cu_seq_lens_q`` back from the device.
 """
 
 from __future__ import annotations
@@ -88,16 +102,48 @@ def _packed_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bounds = cu_seq_lens_q.tolist()
-    if bounds[0] != 0 or bounds[-1] != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q: must run from 0 to {query.shape[2]}, got {bounds[0]}..{bounds[-1]}")
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    gqa = query.shape[1] != key.shape[1]
+    sizes = kwargs.get("packed_lengths")
+    if sizes is None:  # a caller that passed only the boundaries: read them (a device sync on CUDA)
+        bounds = cu_seq_lens_q.tolist()
+        if bounds[0] != 0:
+            raise ValueError(f"cu_seq_lens_q: must start at 0, got {bounds[0]}")
+        sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if sum(sizes) != query.shape[2]:
+        raise ValueError(f"packed sequence lengths: must add up to {query.shape[2]} rows, got {sum(sizes)}")
     outputs = [
-        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+        attend(q, k, v, dropout=dropout, scale=scaling)
         for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    dropout: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``[B, H, Lq, D]`` queries over ``[B, H_kv, Lk, D]`` keys:
+    causal without ``mask``, else under the boolean ``mask``; KV heads repeated where a fused kernel
+    needs it (the table in the module docstring)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(query.device.type)
+        if mask is not None or (query.device.type == "cuda" and not half):
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+            groups = 1
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scale,
+        is_causal=mask is None,
+        enable_gqa=groups > 1,
+    )
 
 
 def _shared_prefix_attention(
@@ -109,32 +155,26 @@ def _shared_prefix_attention(
     split is one concatenation, where each slice's backward would fill a whole-row zero tensor.
     """
     layout.attention_calls += 1
-    gqa = query.shape[1] != key.shape[1]
     sizes = [span.end - span.start for span in layout.spans]
     queries, keys, values = query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)
     by_rows = {(span.start, span.end): i for i, span in enumerate(layout.spans)}
     outputs = []
     for i, (span, mask) in enumerate(zip(layout.spans, layout.span_masks)):
         if mask is None:
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    queries[i], keys[i], values[i], dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
-                )
-            )
+            outputs.append(attend(queries[i], keys[i], values[i], dropout=dropout, scale=scaling))
             continue
         c, d = span.context_start, span.context_end
         j = by_rows.get((c, d))  # the context is the shared prefix, itself a span
         context_k = keys[j] if j is not None else key[:, :, c:d]
         context_v = values[j] if j is not None else value[:, :, c:d]
         outputs.append(
-            F.scaled_dot_product_attention(
+            attend(
                 queries[i],
                 torch.cat([context_k, keys[i]], dim=2),
                 torch.cat([context_v, values[i]], dim=2),
-                attn_mask=mask,
-                dropout_p=dropout,
+                mask=mask,
+                dropout=dropout,
                 scale=scaling,
-                enable_gqa=gqa,
             )
         )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()

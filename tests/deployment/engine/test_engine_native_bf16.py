@@ -110,10 +110,20 @@ def test_bf16_native_step_matches_the_bf16_torch_step_and_is_no_further_from_fp3
 @pytest.mark.parametrize("m", [1, 5, 13, 40])
 def test_bf16_matmul_is_the_fp32_product_of_its_bf16_inputs(m, matmuls):
     """Odd and even K (pairs along K, padded), widths that are not whole panels, bias and in-place residual: the
-    product of the bf16 weights with ``a`` (rounded to bf16 first by the ``vdpbf16ps`` and AMX kernels) in fp32 sums."""
+    product of the bf16 weights with ``a`` (rounded to bf16 first by the ``vdpbf16ps`` and AMX kernels) in fp32 sums.
+    Whether the library built here rounds ``a`` is the library's own answer (``auto`` on a CPU with AVX-512 BF16 but
+    no AMX widens; with AMX it rounds), checked against the features gcc sees."""
     from training.deployment.engine.runners.native import linear, load_library, pack_weight
 
-    rounds_a = matmuls != "widen" and "__AVX512BF16__" in _predefined_macros()
+    lib = load_library(dtype=torch.bfloat16, matmuls=matmuls)
+    rounds_a = bool(lib.matmul_rounds_activations())
+    macros = _predefined_macros()
+    expected_rounding = {
+        "widen": False,
+        "vdpbf16ps": "__AVX512BF16__" in macros,
+        "auto": "__AMX_BF16__" in macros and "__AMX_TILE__" in macros and "__AVX512BF16__" in macros,
+    }[matmuls]
+    assert rounds_a == expected_rounding, (matmuls, rounds_a)
     g = torch.Generator().manual_seed(m)
     for n, k in [(1, 7), (31, 64), (33, 5), (100, 130), (64, 96)]:
         a, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16()

@@ -176,6 +176,8 @@ def _build_and_load(profile: bool, dtype_name: str, matmuls: str) -> ctypes.CDLL
     lib.pack_weight.restype = None
     lib.packed_size.argtypes = [i32, i32]
     lib.packed_size.restype = ctypes.c_size_t
+    lib.matmul_rounds_activations.argtypes = []
+    lib.matmul_rounds_activations.restype = ctypes.c_int
     lib.sample_plain.argtypes = [i32, i32, P, P, P, P, P, P]
     lib.sample_plain.restype = None
     lib.rope_store.argtypes = [ctypes.POINTER(_Model), i32, P, i32, P, P]

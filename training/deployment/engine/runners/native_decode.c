@@ -455,6 +455,16 @@ typedef float act_t;
 
 size_t packed_size(int N, int K) { return (size_t)panels_of(N) * K_STORED(K) * NB; }
 
+/* 1 when this build's matmuls round the activations to bf16 before multiplying (vdpbf16ps, AMX), 0 when they
+   multiply in fp32 (fp32 builds, and bf16 weights widened): what the path that runs does, for callers and tests. */
+int matmul_rounds_activations(void) {
+#ifdef BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* c[M][N] = a[M][K] w^T (+ bias) (+ res), w packed; res may be c itself (in-place residual add).
    While a thread works on panel p it prefetches panel p + PREFETCH_AHEAD into L2, spread evenly over
    the row blocks of panel p (a burst in the first block alone left memory idle in the others).

@@ -15,7 +15,7 @@ The process group and the rank-0 command protocol are the ground floor
 from __future__ import annotations
 
 import types
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,23 +29,34 @@ FSDP_LOGPROBS_METHOD = "fsdp_packed_logprobs"
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------------
-def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, device: torch.device, compute_dtype: Optional[torch.dtype] = None
+) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root; gradients are SUMMED over ranks.
 
     FSDP averages gradients over ranks by default; here the divide factor is 1, because each
     rank's loss is already its share of the step's loss (divided by step-wide denominators),
     so the sum over ranks is the single-process gradient. Registers ``FSDP_LOGPROBS_METHOD``
     so ``fsdp_logprobs(model, ...)`` gathers the root's parameters. Returns ``model`` (in place).
+
+    Mixed precision: with ``compute_dtype`` lower than the parameters' dtype (bf16 compute over fp32
+    master weights, the CUDA default) the all-gathers move ``compute_dtype`` parameters and the
+    forward and backward run in it, while gradients are reduced in fp32 into the fp32 shards the
+    optimizer keeps (``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)``).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     from training.trainer.logprobs import packed_logprobs
 
     mesh = init_device_mesh(device.type, (world_size(),))
+    param_dtype = next(model.parameters()).dtype
+    policy = {}
+    if compute_dtype is not None and compute_dtype.itemsize < param_dtype.itemsize:
+        policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
     for layer in decoder_layers(model):  # the repeated blocks, sharded one by one
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -253,6 +253,12 @@ def load_causal_lm(
     kwargs.setdefault("attn_implementation", PACKED_SDPA)
     model = AutoModelForCausalLM.from_pretrained(path_or_hub_id, dtype=dtype, **kwargs)
     model.to(torch.device(device))
+    return prepare_for_training(model, gradient_checkpointing)
+
+
+def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Dropout off (``disable_dropout``) and, when asked, activation checkpointing per decoder layer (no KV cache);
+    in place, on a loaded model or one still on the ``meta`` device."""
     disable_dropout(model)
     if gradient_checkpointing:
         checkpointing_kwargs = {"use_reentrant": False}

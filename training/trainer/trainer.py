@@ -38,6 +38,7 @@ from training.utils.dist import Command, lead
 from training.trainer.logprobs import score_sequences
 from training.trainer.lr_schedule import SCHEDULE_STEP, LrSchedule
 from training.trainer.model import decoder_layers, load_causal_lm, prefix_sharing_supported
+from training.trainer.sharded_load import load_sharded
 from training.trainer.packing import PackedBatch
 from training.trainer.optimizer_offload import move_optimizer_state
 from training.utils.config import TrainerConfig
@@ -242,12 +243,13 @@ class ReferenceModel(_ScoringModel):
         self.device = resolve_device(cfg.device if cfg.reference_device == "auto" else cfg.reference_device)
         self.dtype = self.compute_dtype = _dtypes(cfg, self.device)[1]  # frozen: no master copy needed
         self.device = dist_utils.device_for_rank(self.device)
-        self.model = load_causal_lm(model_path, self.device, self.dtype, gradient_checkpointing=False, **load_kwargs)
+        if dist_utils.is_distributed():  # each rank reads its own shards (sharded_load.py)
+            self.model = load_sharded(model_path, self.device, self.dtype, **load_kwargs)
+        else:
+            self.model = load_causal_lm(model_path, self.device, self.dtype, **load_kwargs)
         self.model.requires_grad_(False)
         self.model.eval()
         self.share_prefixes = self._use_prefix_sharing()
-        if dist_utils.is_distributed():
-            fsdp.shard_model(self.model, self.device)
 
 
 class PolicyTrainer(_ScoringModel):
@@ -269,16 +271,22 @@ class PolicyTrainer(_ScoringModel):
         self.device = dist_utils.device_for_rank(resolve_device(cfg.device))
         self.dtype, self.compute_dtype = _dtypes(cfg, self.device)
         self.model_path = model_path
-        self.model = load_causal_lm(model_path, self.device, self.dtype, cfg.gradient_checkpointing, **load_kwargs)
-        self.model.eval()
         self.lora = cfg.lora_rank > 0
         """LoRA adapters train, the base weights are frozen (``lora.py``)."""
+        checkpointing = cfg.gradient_checkpointing
+        if dist_utils.is_distributed() and not self.lora:  # each rank reads its own shards (sharded_load.py)
+            self.model = load_sharded(
+                model_path, self.device, self.dtype, checkpointing, self.compute_dtype, **load_kwargs
+            )
+        else:
+            self.model = load_causal_lm(model_path, self.device, self.dtype, checkpointing, **load_kwargs)
+        self.model.eval()
         if self.lora:
             trainable = lora.apply_lora(self.model, cfg)
             logger.info("LoRA rank %d: %d trainable parameters", cfg.lora_rank, trainable)
         self.share_prefixes = self._use_prefix_sharing()
-        if dist_utils.is_distributed():
-            fsdp.shard_model(self.model, self.device)  # before the optimizer: it must hold the sharded parameters
+        if dist_utils.is_distributed() and self.lora:  # before the optimizer: it must hold the sharded parameters
+            fsdp.shard_model(self.model, self.device, self.compute_dtype)
         tokenizer_kwargs = {k: v for k, v in load_kwargs.items() if k in _TOKENIZER_KWARGS}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, **tokenizer_kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]

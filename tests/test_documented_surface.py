@@ -292,10 +292,10 @@ def test_rows_carry_prompt_ids_under_both_names(tmp_path):
 @pytest.mark.unit
 def test_turn_matching_lives_at_the_documented_path_and_the_proxy_uses_it():
     import training.proxy as proxy
-    from training.proxy import server as proxy_server
+    from training.proxy import forwarding as proxy_forwarding  # where the proxy labels each call it records
     from training.utils.rl.rollout import turn_matching
 
-    assert proxy.classify is turn_matching.classify and proxy_server.assign is turn_matching.assign
+    assert proxy.classify is turn_matching.classify and proxy_forwarding.assign is turn_matching.assign
     assert turn_matching.STRATEGIES == ("messages", "tokens")
 
     class Call:

@@ -63,7 +63,7 @@ def test_stream_synthesised_from_a_full_reply_is_recorded_exactly(server):
             return chunks, text, truth, (completion_text, completion_truth), proxy.close_session("s1"), proxy
 
     chunks, text, truth, (completion_text, completion_truth), session, proxy = asyncio.run(go())
-    assert not proxy._stream_refused  # synthesised by choice, not after a refusal
+    assert not proxy.forwarder.refused_stream  # synthesised by choice, not after a refusal
     first = session.calls[0]
     t = truth["choices"][0]
     assert first.output_ids == t["token_ids"] and first.prompt_ids == t["prompt_token_ids"]

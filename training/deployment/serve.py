@@ -212,7 +212,7 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
             health=lambda: {"status": "ok", "weight_version": engine.weight_version},
         )
         await site.start()
-        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
+        port = site.bound_port
         name = args.served_model_name or engine.model_name
         print(
             f"{READY_PREFIX} http://{args.host}:{port} model={name} weight_version={engine.weight_version}",

@@ -3,9 +3,9 @@
 An agent on the Responses API (openai-agents' default ``OpenAIResponsesModel``, ``client.responses.create``,
 LangChain's Responses mode) points its ``base_url`` at the proxy as any other agent does. Its request is
 translated into the chat request it means (``training/openai_api/responses_request.py``), which then takes the
-proxy's chat path unchanged: the sampling-field policy (``sampling_policy.py``; a forced ``tool_choice`` or
-a ``text.format`` other than text is a constrained call, flagged), the upstream call with token ids and
-logprobs on, the ``CallRecord`` (prompt ids, output ids, logprobs, weight versions, the messages it stands
+proxy's chat path unchanged (``ProxyServer.body_and_session``, then the ``CallForwarder`` of ``forwarding.py``):
+the sampling-field policy (``sampling_policy.py``; a forced ``tool_choice`` or a ``text.format`` other than text
+is a constrained call, flagged), the upstream call with token ids and logprobs on, the ``CallRecord`` (prompt ids, output ids, logprobs, weight versions, the messages it stands
 for) and its NEW / APPEND / WIPE label. The chat reply is translated back into a Responses object
 (``training/openai_api/responses_output.py``): the agent gets the RL extras only when it asks
 (``return_token_ids``, ``include: ["message.output_text.logprobs"]``).
@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from training.proxy import sampling_policy
+from training.proxy.forwarding import label_headers
 from training.proxy.records import SessionRecord
 from training.proxy.streaming import StreamAccumulator, chat_chunks
 from training.proxy.upstream import UpstreamError
@@ -54,7 +55,7 @@ ProxyServer = Any
 
 async def serve(proxy: ProxyServer, request: web.Request) -> web.StreamResponse:
     """Answer one ``/v1/responses`` call of a session (module docstring)."""
-    body, session, err = await proxy._body_and_session(request)
+    body, session, err = await proxy.body_and_session(request)
     if err is not None:
         return err
     try:
@@ -76,13 +77,13 @@ async def serve(proxy: ProxyServer, request: web.Request) -> web.StreamResponse:
         async with proxy.gate.admitted():
             if rr.stream:
                 return await _stream(proxy, request, session, rr, chat, history)
-            out = await proxy._exchange(request, session, "chat", chat)
+            out = await proxy.forwarder.exchange(request, session, "chat", chat)
     if isinstance(out, web.Response):
         return _renamed(out)
     reply, record = out
     response = completed_response(rr, reply, new_response_id(), int(time.time()), _model(rr, reply))
     _keep(session, rr, history, response)
-    return web.json_response(response, headers=proxy._label_headers(record))
+    return web.json_response(response, headers=label_headers(record))
 
 
 def _model(rr: ResponsesRequest, reply: dict) -> str:
@@ -124,11 +125,11 @@ async def _stream(
     history: list[dict],
 ) -> web.StreamResponse:
     url = proxy.pool.pick(session.session_id)
-    if proxy.upstream_stream == "on" or (proxy.upstream_stream == "auto" and url not in proxy._stream_refused):
+    if proxy.forwarder.relays(url):
         resp = await _relay(proxy, request, session, rr, chat, history, url)
         if resp is not None:
             return resp
-    out = await proxy._exchange(request, session, "chat", chat)
+    out = await proxy.forwarder.exchange(request, session, "chat", chat)
     if isinstance(out, web.Response):
         return _renamed(out)
     reply, _ = out
@@ -157,7 +158,7 @@ async def _relay(
 
     None when the upstream refuses ``stream`` (a 400 naming it, ``upstream_stream="auto"``): the caller
     synthesises the stream, for this call and every later one to that upstream."""
-    fwd = proxy._upstream_body(chat, "chat")
+    fwd = proxy.forwarder.upstream_body(chat, "chat")
     fwd.update(stream=True, stream_options={"include_usage": True})
     acc = StreamAccumulator("chat")
     events: Optional[ResponsesEventStream] = None
@@ -169,8 +170,7 @@ async def _relay(
             if up.status != 200:
                 parsed: Any = await up.json(content_type=None)
                 param = (parsed.get("error") or {}).get("param") if isinstance(parsed, dict) else None
-                if up.status == 400 and param == "stream" and proxy.upstream_stream == "auto":
-                    proxy._stream_refused.add(url)
+                if proxy.forwarder.stream_refused(url, up.status, param):
                     return None
                 return _renamed(web.json_response(parsed, status=up.status))
             resp = await open_sse(request)
@@ -192,7 +192,7 @@ async def _relay(
     if events is None:  # an upstream stream without a single chunk
         events = ResponsesEventStream(rr, new_response_id(), int(time.time()), _model(rr, reply))
         await _write(resp, events.opening())
-    record = await proxy._commit(session, reply, "chat", chat, request, url)
+    record = await proxy.forwarder.commit(session, reply, "chat", chat, request, url)
     if record is None:
         return await _fail(resp, events, rr, session.upstream_errors[-1])
     final = events.closing(reply)

@@ -23,8 +23,8 @@ pause / resume). Sessions are bounded (``max_sessions``, ``session_idle_s``; ``/
 the table). Bodies are read by ``training/utils/http.py`` (gzip / deflate, 415 for other
 encodings, large JSON parsed off the event loop), as on the deployment server.
 
-Contract: every call is forwarded with ``return_token_ids`` and logprobs on, to the replica
-chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
+Contract: every call is forwarded with ``return_token_ids`` and logprobs on (``forwarding.py``), to the
+replica chosen by the session's hash; the agent gets a normal OpenAI response (``tool_calls``
 parsed, the token fields and logprobs removed unless it asked for them, its own ``model``
 name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records prompt ids,
 output ids, logprobs, finish reason, weight version, messages and tools, and labels the call
@@ -46,7 +46,8 @@ import aiohttp
 from aiohttp import web
 
 from training.proxy import anthropic, responses, sampling_policy
-from training.proxy.records import CallRecord, SessionRecord, record_from_reply
+from training.proxy.forwarding import AGENT_HEADER, CallForwarder, label_headers, upstream_path
+from training.proxy.records import SessionRecord
 from training.proxy.access import auth_middleware, check_session_id, forbidden, named_session, session_key
 from training.proxy.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionTable, SessionTableFull
 from training.proxy.streaming import (
@@ -58,21 +59,17 @@ from training.proxy.streaming import (
     wanted_fields,
 )
 from training.proxy.upstream import UpstreamError, UpstreamPool
-from training.utils.http import SESSION_HEADER, close_idle_connections, session_headers
+from training.utils.http import SESSION_HEADER, close_idle_connections
 from training.openai_api.errors import error_body, error_response
 from training.utils.pause_gate import PauseGate
 from training.utils.http import BodyError, read_json_request
 from training.utils.rl.rollout import RolloutValidationError, as_reward
-from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 from training.openai_api.sse import end_sse, iter_sse, open_sse, sse_event
 
 logger = logging.getLogger(__name__)
 
-AGENT_HEADER = "x-agent-name"
-_MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body after decoding (413 above it), as on the deployment server."""
-UPSTREAM_STREAM_MODES = ("auto", "on", "off")
 
 
 class ProxyServer:
@@ -108,22 +105,20 @@ class ProxyServer:
         Sampling fields follow ``sampling_policy.py``; ``constrained_calls`` (``exclude`` / ``train``): whether
         a call sampled under constrained decoding is kept as context only or trained on.
         """
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy: {strategy!r} is not one of {STRATEGIES}")
-        if upstream_stream not in UPSTREAM_STREAM_MODES:
-            raise ValueError(f"upstream_stream: {upstream_stream!r} is not one of {UPSTREAM_STREAM_MODES}")
-        self.constrained_calls = sampling_policy.checked_constrained_calls(constrained_calls)
         self.pool = UpstreamPool(
             upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
         )
+        self.forwarder = CallForwarder(
+            self.pool,
+            strategy=strategy,
+            forced_params=forced_params,
+            default_max_tokens=default_max_tokens,
+            upstream_stream=upstream_stream,
+            constrained_calls=constrained_calls,
+        )
+        """Forwards, records and labels every call (``forwarding.py``): the routes' shared path to the upstream."""
         self.host, self.port = host, port
         self.api_key = secrets.token_hex(16) if api_key == "auto" else api_key
-        self.strategy = strategy
-        self.forced_params = dict(forced_params or {})
-        self.default_max_tokens = default_max_tokens
-        self.upstream_stream = upstream_stream
-        self._stream_refused: set[str] = set()
-        """Upstream base URLs that answered ``stream`` with a 400 (their streams are synthesised)."""
         self.table = SessionTable(max_sessions, session_idle_s)
         self.sessions = self.table.open
         """Open sessions by id (the table's dict)."""
@@ -235,7 +230,7 @@ class ProxyServer:
 
     async def _reward_route(self, request: web.Request) -> web.Response:
         """``{"reward": x, "call": k}``: the agent credits call k (default: its latest) with x."""
-        body, session, err = await self._body_and_session(request)
+        body, session, err = await self.body_and_session(request)
         if err is not None:
             return err
         try:  # the rollout contract's check: a finite number within MAX_ABS_REWARD (a huge one overflows advantages)
@@ -296,10 +291,13 @@ class ProxyServer:
         except SessionTableFull as e:
             return None, error_response(503, str(e), "overloaded_error")
 
-    async def _body_and_session(
+    async def body_and_session(
         self, request: web.Request
     ) -> tuple[Optional[dict], Optional[SessionRecord], Optional[web.Response]]:
-        """The request's JSON object and the session it names (admitted), or the error response to send."""
+        """What every model route reads first: ``(body, session, None)``, the request's JSON object and the session it
+        names (from the URL, the headers or the ``user`` field; opened if new), or ``(None, None, error)``, the
+        response to send instead: 400 for a body that is not a JSON object or no session named, 403 for another
+        session's key, 410 for a closed session, 503 when the session table is full of sessions in flight."""
         body, err = await self._read_body(request)
         if err is not None:
             return None, None, err
@@ -316,7 +314,7 @@ class ProxyServer:
         return body, None
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        body, session, err = await self._body_and_session(request)
+        body, session, err = await self.body_and_session(request)
         if err is not None:
             return err
         refused = sampling_policy.refusal(body)
@@ -330,15 +328,15 @@ class ProxyServer:
             async with self.gate.admitted():
                 if body.get("stream"):
                     return await self._stream(request, session, endpoint, body)
-                out = await self._exchange(request, session, endpoint, body)
+                out = await self.forwarder.exchange(request, session, endpoint, body)
         if isinstance(out, web.Response):
             return out
         reply, record = out
-        return web.json_response(client_body(reply, body, endpoint), headers=self._label_headers(record))
+        return web.json_response(client_body(reply, body, endpoint), headers=label_headers(record))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic Messages API: translated to a chat call, recorded as one (see ``anthropic.py``)."""
-        body, session, err = await self._body_and_session(request)
+        body, session, err = await self.body_and_session(request)
         if err is not None:
             return err
         try:
@@ -350,7 +348,7 @@ class ProxyServer:
             return web.json_response(anthropic.error_body(refused[1]), status=400)
         with self.table.active(session):
             async with self.gate.admitted():
-                out = await self._exchange(request, session, "chat", chat)
+                out = await self.forwarder.exchange(request, session, "chat", chat)
         if isinstance(out, web.Response):  # the same error in Anthropic's envelope
             err_body = json.loads(out.body) if out.body else {}
             message = (err_body.get("error") or {}).get("message", "upstream error")
@@ -359,85 +357,23 @@ class ProxyServer:
         reply, record = out
         message = anthropic.from_chat_response(reply, body.get("model"))
         if not chat["stream"]:
-            return web.json_response(message, headers=self._label_headers(record))
+            return web.json_response(message, headers=label_headers(record))
         resp = await open_sse(request)
         for event, data in anthropic.stream_events(message):
             await resp.write(sse_event(data, event))
         await resp.write_eof()
         return resp
 
-    def _upstream_body(self, body: dict, endpoint: str) -> dict:
-        fwd = dict(body)
-        fwd.pop("model", None)  # the upstream serves one policy; the agent's model name is echoed back
-        fwd.pop("stream", None)
-        fwd.pop("stream_options", None)
-        fwd["return_token_ids"] = True
-        if endpoint == "chat":
-            fwd["logprobs"] = True
-        else:
-            fwd["logprobs"] = body.get("logprobs") or 0
-        fwd.update(self.forced_params)
-        if self.default_max_tokens is not None and not any(body.get(k) for k in _MAX_TOKEN_FIELDS):
-            fwd["max_tokens"] = self.default_max_tokens
-        return fwd
-
-    @staticmethod
-    def _label_headers(record: CallRecord) -> dict[str, str]:
-        return {"x-proxy-call-label": record.label.kind, "x-proxy-call-index": str(record.index)}
-
-    async def _exchange(
-        self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
-    ) -> "tuple[dict, CallRecord] | web.Response":
-        """Forward one call without streaming, record and label it: (upstream reply, record), or the
-        error response for the agent."""
-        sid = session.session_id
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        url = self.pool.pick(sid)
-        fwd = self._upstream_body(body, endpoint)
-        try:
-            reply = await self.pool.request("POST", url, path, fwd, headers=session_headers(sid))
-        except UpstreamError as e:
-            session.upstream_errors.append(str(e))
-            return error_response(502, f"upstream failed: {e}", "upstream_error")
-        if reply.status != 200:  # a 4xx names the agent's bad field: never retried without it
-            return web.json_response(reply.body, status=reply.status)
-        record = await self._commit(session, reply.body, endpoint, body, request, url)
-        if record is None:
-            return error_response(502, session.upstream_errors[-1], "upstream_error")
-        return reply.body, record
-
-    async def _commit(
-        self,
-        session: SessionRecord,
-        reply: dict,
-        endpoint: str,
-        body: dict,
-        request: web.Request,
-        url: str,
-    ) -> Optional[CallRecord]:
-        """Record and label one upstream reply; None (and the session's upstream error noted) when it
-        lacks token-level detail."""
-        try:
-            agent = request.headers.get(AGENT_HEADER) or body.get("user") or "default"
-            record = record_from_reply(reply, endpoint, body, str(agent), url)
-            sampling_policy.flag(record, self._upstream_body(body, endpoint), body, self.constrained_calls)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            session.upstream_errors.append(f"upstream response lacks token-level detail ({type(e).__name__}: {e})")
-            return None
-        async with session.lock:
-            assign(session, record, self.strategy)
-        return record
-
     async def _stream(
         self, request: web.Request, session: SessionRecord, endpoint: str, body: dict
     ) -> web.StreamResponse:
         """``stream: true``: relay the upstream's stream, or synthesise one from its full reply (``streaming.py``)."""
         url = self.pool.pick(session.session_id)
-        if self.upstream_stream == "on" or (self.upstream_stream == "auto" and url not in self._stream_refused):
+        if self.forwarder.relays(url):
             resp = await self._relay(request, session, endpoint, body, url)
             if resp is not None:
                 return resp
-        out = await self._exchange(request, session, endpoint, body)
+        out = await self.forwarder.exchange(request, session, endpoint, body)
         if isinstance(out, web.Response):
             return out
         reply, _ = out
@@ -459,19 +395,17 @@ class ProxyServer:
         the caller synthesises the stream instead, for this call and every later one to that upstream.
         """
         sid = session.session_id
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        fwd = self._upstream_body(body, endpoint)
+        fwd = self.forwarder.upstream_body(body, endpoint)
         fwd.update(stream=True, stream_options={"include_usage": True})
         wants = wanted_fields(body, endpoint)
         acc = StreamAccumulator(endpoint)
         resp: Optional[web.StreamResponse] = None
         try:
-            async with self.pool.stream(url, path, fwd, headers={SESSION_HEADER: sid}) as up:
+            async with self.pool.stream(url, upstream_path(endpoint), fwd, headers={SESSION_HEADER: sid}) as up:
                 if up.status != 200:
                     parsed = await up.json(content_type=None)
                     param = (parsed.get("error") or {}).get("param") if isinstance(parsed, dict) else None
-                    if up.status == 400 and param == "stream" and self.upstream_stream == "auto":
-                        self._stream_refused.add(url)
+                    if self.forwarder.stream_refused(url, up.status, param):
                         return None
                     return web.json_response(parsed, status=up.status)  # never retried without the field
                 resp = await open_sse(request)
@@ -490,7 +424,7 @@ class ProxyServer:
             await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
             await resp.write_eof()
             return resp
-        record = await self._commit(session, acc.reply(), endpoint, body, request, url)
+        record = await self.forwarder.commit(session, acc.reply(), endpoint, body, request, url)
         if record is None:
             await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))
         await end_sse(resp)

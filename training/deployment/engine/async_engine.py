@@ -217,7 +217,7 @@ class AsyncEngine:
                 elif paused:
                     if self._sleep.level == 2 and self.engine.pending_updates:
                         self._sleep.restore_weights()  # a push to a level-2 sleeper lands; KV stays freed
-                    self.engine._apply_ready_update()
+                    self.engine.apply_ready_updates()
                 elif self.engine.has_work() or not scores:
                     self.engine.step()
             except BaseException as exc:  # fail every in-flight request rather than hang them

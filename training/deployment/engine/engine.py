@@ -165,7 +165,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- step
     def step(self) -> None:
         """schedule → run → postprocess, once."""
-        self._apply_ready_update()
+        self.apply_ready_updates()
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
@@ -300,7 +300,12 @@ class LLMEngine:
             seq.on_finish(seq.result(self.weight_version))
 
     # ----------------------------------------------------------------- weights
-    def _apply_ready_update(self) -> None:
+    def apply_ready_updates(self) -> None:
+        """Apply the queued weight updates that may go now, in order: one with ``wait_for_inflight`` waits for the
+        running set to empty (admission stops until then, and the updates behind it wait too); the others go at
+        once, running sequences going on under the new weights. Each update's ``done`` gets None or its error.
+
+        Every ``step`` starts with it; the engine thread calls it alone while no step runs (paused or asleep)."""
         while self.pending_updates:
             upd = self.pending_updates[0]
             if upd.wait_for_inflight and self.scheduler.running:

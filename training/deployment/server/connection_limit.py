@@ -102,6 +102,8 @@ class CappedTCPSite(web.TCPSite):
     ):
         super().__init__(runner, host, port, reuse_address=True)
         self.max_connections, self.health, self.overflow = max_connections, health, 0
+        self.bound_port = port
+        """The port it listens on once started (the system's choice when ``port`` is 0)."""
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server
@@ -117,4 +119,4 @@ class CappedTCPSite(web.TCPSite):
         self._server = await loop.create_server(
             self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
         )
-        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        self.bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port

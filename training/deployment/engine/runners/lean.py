@@ -374,8 +374,9 @@ class LeanModelRunner:
         g, u = gu.chunk(2, dim=-1)
         return self._linear_add(L, "down", x, F.silu(g, inplace=True).mul_(u))
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V]; on CPU in a reused buffer (valid until the next forward).
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of final-layer hidden states ``x`` [N, hidden] (the final norm, then the LM head); on
+        CPU in a reused buffer (valid until the next forward).
 
         On CPU the vocabulary is cut into chunks whose slice of the head stays in cache: one
         [N, 49152] matmul ran ~25 % slower here than the chunked form (same values).
@@ -394,6 +395,13 @@ class LeanModelRunner:
         for j in range(0, vocab, LOGITS_CHUNK):
             torch.mm(h, self.lm_head[j : j + LOGITS_CHUNK].t(), out=out[:, j : j + LOGITS_CHUNK])
         return out.float()
+
+    def release_logits_buffer(self) -> int:
+        """Drop the CPU logits buffer (the next forward makes it again); the bytes it held (0 when there was none)."""
+        if self._logits_buf is None:
+            return 0
+        freed, self._logits_buf = self._logits_buf.nbytes, None
+        return freed
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """K/V of the first ``n`` positions of block ``src`` into block ``dst`` (a partial prefix block's copy)."""
@@ -449,7 +457,38 @@ class LeanModelRunner:
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             x = self._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
         last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
-        return self._logits(x[last])
+        return self.logits(x[last])
+
+    @torch.inference_mode()
+    def hidden_states(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Final-layer hidden states ``[N, hidden]`` (before the final norm: ``logits`` applies it) of ``prompts``
+        packed in order, each attending causally over its own tokens from position 0.
+
+        The prefill's forward without the KV cache: the same fused matmuls, norms and RoPE tables over all tokens
+        at once, attention per prompt over the K/V computed here and dropped after it. Nothing cached is read or
+        written, so it may run between any two steps (prompt scoring, scoring.py)."""
+        dev = self.device
+        lens = [len(p) for p in prompts]
+        tokens_N = torch.tensor([t for p in prompts for t in p], device=dev)
+        positions_N = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        cos, sin = self._rope_tables(positions_N)
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        h = self.num_heads
+        x = F.embedding(tokens_N, self.embed)
+        for L in self.layers:
+            qkv = self._linear(L, "qkv", self._norm(x, L["in_norm"]))
+            qk, v = self._qk_rope(L, qkv, cos, sin), self._value(qkv)
+            outs = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                q_i = qk[a:b, :h].transpose(0, 1).unsqueeze(0)
+                k_i = qk[a:b, h:].transpose(0, 1).unsqueeze(0)
+                v_i = v[a:b].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(b - a, -1))
+            x = self._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
+        return x
 
     def decode_forward(
         self,
@@ -486,7 +525,7 @@ class LeanModelRunner:
                 k, v = self.cache.gather(li, tables)
                 o = decode_attention(qs, k, v, mask)
             x = self._mlp_and_residual(L, x, o.reshape(b, -1))
-        return self._logits(x)
+        return self.logits(x)
 
     @torch.inference_mode()
     def decode(

@@ -345,6 +345,15 @@ class NativeDecoder:
         self.model, self._keep = self._struct()
         self._logits = torch.empty(0)
 
+    def repoint(self) -> None:
+        """Rebuild the C side's pointer table from the tensors' current storage: whoever gives the weights or the KV
+        cache new memory (a wake, sleep.py) calls it before the next decode."""
+        self.model, self._keep = self._struct()
+
+    def release_logits_buffer(self) -> None:
+        """Drop the decode step's logits buffer (the next decode makes it again, at least its batch's size)."""
+        self._logits = torch.empty(0)
+
     def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` itself if fp32, else an fp32 copy kept current by ``pack_weights``."""
         if t is None or t.dtype == torch.float32:

@@ -12,9 +12,10 @@ Invariants:
   untouched, so it can run on the engine thread between any two steps.
 - The logprob is ``log_softmax(logits)`` of the raw logits: no temperature, no penalty, no bias
   (vLLM's prompt logprobs are raw too, whatever ``--logprobs-mode`` says). Position 0 has none.
-- The lean runner uses its own forward pieces (the same weights, fused matmuls, RoPE tables and
-  norms as its prefill), so the figures match a ``transformers`` forward as closely as its
-  prefill does (fp32: ~1e-5); the fallback runner calls the ``transformers`` model itself.
+- The lean runner scores with ``LeanModelRunner.hidden_states`` (its prefill's forward without the
+  cache: the same weights, fused matmuls, RoPE tables and norms) and ``logits``, so the figures match
+  a ``transformers`` forward as closely as its prefill does (fp32: ~1e-5); the fallback runner calls
+  the ``transformers`` model itself.
 - Logits are formed ``SCORE_CHUNK_TOKENS`` rows at a time and reduced at once, so a long prompt
   never holds ``[T, vocab]`` fp32 logits whole (the fallback runner excepted).
 """
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 SCORE_CHUNK_TOKENS = 256
 """Positions whose logits are formed and reduced together (the lean runner)."""
@@ -63,46 +63,15 @@ def _reduce(
     return logprobs, ranks, top
 
 
-def _lean_hidden(runner, prompts: list[list[int]]) -> torch.Tensor:
-    """Final-layer hidden states ``[N, hidden]`` of the prompts packed in order (before the final norm).
-
-    The lean runner's prefill without its cache: matmuls over all tokens at once, attention per
-    prompt over its own K/V (causal), positions from 0."""
-    dev = runner.device
-    lens = [len(p) for p in prompts]
-    tokens_N = torch.tensor([t for p in prompts for t in p], device=dev)
-    positions_N = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    cos, sin = runner._rope_tables(positions_N)
-    bounds = [0]
-    for n in lens:
-        bounds.append(bounds[-1] + n)
-    h = runner.num_heads
-    x = F.embedding(tokens_N, runner.embed)
-    for L in runner.layers:
-        qkv = runner._linear(L, "qkv", runner._norm(x, L["in_norm"]))
-        qk, v = runner._qk_rope(L, qkv, cos, sin), runner._value(qkv)
-        outs = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            q_i = qk[a:b, :h].transpose(0, 1).unsqueeze(0)
-            k_i = qk[a:b, h:].transpose(0, 1).unsqueeze(0)
-            v_i = v[a:b].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=True)
-            outs.append(o[0].transpose(0, 1).reshape(b - a, -1))
-        x = runner._mlp_and_residual(L, x, torch.cat(outs) if len(outs) > 1 else outs[0])
-    return x
-
-
 def _score_lean(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
     inputs = [p[:-1] for p in prompts]  # the last token predicts nothing that is asked for
-    x = _lean_hidden(runner, inputs)
+    x = runner.hidden_states(inputs)
     targets_N = torch.tensor([t for p in prompts for t in p[1:]], device=runner.device)
     logprobs: list[float] = []
     ranks: list[int] = []
     top: Optional[list] = [] if top_k > 0 else None
     for a in range(0, x.shape[0], SCORE_CHUNK_TOKENS):
-        lp, rk, tp = _reduce(
-            runner._logits(x[a : a + SCORE_CHUNK_TOKENS]), targets_N[a : a + SCORE_CHUNK_TOKENS], top_k
-        )
+        lp, rk, tp = _reduce(runner.logits(x[a : a + SCORE_CHUNK_TOKENS]), targets_N[a : a + SCORE_CHUNK_TOKENS], top_k)
         logprobs += lp
         ranks += rk
         if top is not None:

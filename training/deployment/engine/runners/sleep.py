@@ -146,13 +146,13 @@ class RunnerSleep:
                 del L[name]  # oneDNN's opaque reordered weights: dropped, re-made at wake
         if getattr(r, "lm_head_packed", None) is not None:
             r.lm_head_packed = None
-        if getattr(r, "_logits_buf", None) is not None:
-            freed += r._logits_buf.nbytes
-            r._logits_buf = None
+        release_logits = getattr(r, "release_logits_buffer", None)  # the lean runner's CPU logits buffer
+        if release_logits is not None:
+            freed += release_logits()
         native = getattr(r, "native", None)
         if native is not None and not getattr(r, "native_linears", False):  # else they are the weights: level 2
             freed += self._derived.free([*(p for ps in native.packed.values() for p in ps), native.lm_head])
-            native._logits = torch.empty(0)
+            native.release_logits_buffer()
         graphs = getattr(r, "graphs", None)
         if graphs is not None:  # graphs hold the old addresses: captured again on first use
             graphs.graphs.clear()
@@ -197,5 +197,5 @@ class RunnerSleep:
         self.runner.weights_changed()  # re-pack the native panels, re-make oneDNN's copies
         native = getattr(self.runner, "native", None)
         if native is not None:  # the C side reads raw addresses: point it at the new storage
-            native.model, native._keep = native._struct()
+            native.repoint()
         self.level = 0

@@ -1,4 +1,4 @@
-"""Colocation on one device (seed 002's lifecycle): the server's ``/sleep``, ``/wake_up``, ``/is_sleeping`` over
+"""Colocation on one device (the sleep / wake lifecycle): the server's ``/sleep``, ``/wake_up``, ``/is_sleeping`` over
 real HTTP, the memory they give back (the server process's VmRSS), and a colocated recipe run.
 
 SmolLM2 (135M parameters, fp32) makes the freed bytes measurable against the process's RSS; the
@@ -173,9 +173,9 @@ def test_weight_push_to_a_level_2_sleeper_lands_and_is_served_after_wake(tiny_se
     assert logprobs == pytest.approx(before[1], abs=1e-5)
 
 
-def test_colocate_forces_synchronous_training(tiny_model_path):
+def test_colocate_trains_synchronously(tiny_model_path):
     cfg = async_rl_loop.Config(base_model=tiny_model_path, deployment=DeployConfig(colocate=True))
-    assert cfg.synchronous_training is True
+    assert cfg.trains_synchronously is True and cfg.synchronous_training is None  # decided, not rewritten
     with pytest.raises(ValueError, match="weight_sync_interval"):
         async_rl_loop.Config(
             base_model=tiny_model_path,

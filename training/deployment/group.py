@@ -212,11 +212,13 @@ class DeploymentGroup:
 
     # ------------------------------------------------------------ sleep (colocation)
     async def sleep(self, level: int) -> list[dict]:
-        """``POST /sleep?level=N`` on every replica at once (seed 002's step 1); each replica's answer."""
+        """``POST /sleep?level=N`` on every replica at once (the colocated step's first phase: the trainer trains
+        next); each replica's answer."""
         return list(await asyncio.gather(*(asyncio.to_thread(r.sleep, level) for r in self.replicas)))
 
     async def wake_up(self) -> list[dict]:
-        """``POST /wake_up`` on every replica at once (seed 002's step 4); each replica's answer."""
+        """``POST /wake_up`` on every replica at once (the colocated step's last phase, after the push); each
+        replica's answer."""
         return list(await asyncio.gather(*(asyncio.to_thread(r.wake_up) for r in self.replicas)))
 
     # ------------------------------------------------------------ weights

@@ -1,13 +1,12 @@
-"""The old home of the HTTP client, kept so that code written against it still imports.
+"""A second import path of the HTTP client, for code that imports ``training.deployment.sampler``.
 
 ``DeploymentSampler``, ``Completion``, ``DeploymentRequestError`` and ``build_deployment_sampler``
-now live in ``training/deployment/client.py`` (renamed so that the HTTP client cannot be confused
-with the engine's token sampler, ``engine/token_sampler.py``). Earlier versions of the skills
-(``skills/writing-a-rollout-function``) told users to import ``training.deployment.sampler``;
-new code imports ``training.deployment.client`` (or ``training.deployment``).
+live in ``training/deployment/client.py``, named so that the HTTP client cannot be confused with the
+engine's token sampler (``engine/token_sampler.py``); this module re-exports them, and new code
+imports ``training.deployment.client`` (or ``training.deployment``).
 """
 
-from training.deployment.client import (  # noqa: F401 - re-exported under the old path
+from training.deployment.client import (  # noqa: F401 - re-exported under this path
     Completion,
     DeploymentRequestError,
     DeploymentSampler,

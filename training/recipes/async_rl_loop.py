@@ -18,9 +18,10 @@ Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``run.py``):
 4. finish: final checkpoint and HF export, stop the deployment.
 
 ``synchronous_training=True`` drains in-flight rollouts before every step and submits nothing
-while training; ``max_head_offpolicy_versions=0`` is strict on-policy. ``deployment.colocate`` forces
-``synchronous_training`` and wraps train and push in ``RunContext.colocated`` (the replicas sleep, the
-trainer trains, the weights are pushed, the replicas wake).
+while training; ``max_head_offpolicy_versions=0`` is strict on-policy; whether rollouts overlap
+training is ``Config.rollouts_overlap_training``. ``deployment.colocate`` trains synchronously
+(``Config.trains_synchronously``) and wraps train and push in ``RunContext.colocated`` (the replicas
+sleep, the trainer trains, the weights are pushed, the replicas wake).
 """
 
 from __future__ import annotations
@@ -98,13 +99,13 @@ class AsyncRLLoop:
 
     @staticmethod
     def overlaps(cfg: Config) -> bool:
-        """Whether rollouts run while the trainer trains (the CPU split in ``resources.cpu_share`` depends on it)."""
-        return not cfg.synchronous_training and cfg.max_head_offpolicy_versions > 0
+        """Whether rollouts run while the trainer trains: ``Config.rollouts_overlap_training``."""
+        return cfg.rollouts_overlap_training
 
     # ---- producer -------------------------------------------------------------------------
     def may_submit(self) -> bool:
         cfg = self.ctx.cfg
-        if cfg.synchronous_training and self.training:
+        if cfg.trains_synchronously and self.training:
             return False
         return self.gate.can_submit(self.deployed_version, self.assembling_step, len(self.ready) + self.in_flight)
 
@@ -173,7 +174,7 @@ class AsyncRLLoop:
             if self.failure is not None:
                 raise self.failure
             self.drop_stale(step)
-            drained = not (cfg.synchronous_training and self.in_flight > 0)
+            drained = not (cfg.trains_synchronously and self.in_flight > 0)
             exhausted = self.exhausted()
             plan = None
             if (len(self.ready) >= need and drained) or (exhausted and self.ready):

@@ -1,6 +1,5 @@
-"""The old home of ``RolloutFailureError``, kept so that ``from training.recipes.common import
-RolloutFailureError`` goes on working. It now lives in ``context.py``; the rest of what this module
-held is in ``run.py``, ``context.py``, ``train_state.py`` and ``step_metrics.py``.
+"""A second import path of ``RolloutFailureError`` (defined in ``context.py``), so that user code that
+imports it from ``training.recipes.common`` works; nothing else lives here.
 """
 
 from training.recipes.context import RolloutFailureError

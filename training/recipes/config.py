@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -94,9 +93,10 @@ class Config:
     """Prompt groups (rows) per training step."""
     max_head_offpolicy_versions: int = 0
     """O: a sample may be trained at most O weight versions after the version it was submitted under (0 = strict on-policy)."""
-    synchronous_training: bool = False
-    """Drain every in-flight rollout before each step and submit nothing while training. Forced True by
-    ``deployment.colocate`` (the engine sleeps while the trainer trains)."""
+    synchronous_training: Optional[bool] = None
+    """Drain every in-flight rollout before each step and submit nothing while training. None = True with
+    ``deployment.colocate`` (the engine sleeps while the trainer trains), else False; False with
+    ``deployment.colocate`` is an error. What the run does: ``trains_synchronously``."""
     weight_sync_interval: int = 1
     """Push weights to the deployment every this many steps, and before each eval (needs max_head_offpolicy_versions
     >= interval - 1)."""
@@ -198,12 +198,17 @@ class Config:
         check(
             self.stale_policy in STALE_POLICIES, "stale_policy", f"{self.stale_policy!r} is not one of {STALE_POLICIES}"
         )
-        if self.deployment.colocate and not self.synchronous_training:
-            logging.getLogger("training.recipe").warning(
-                "deployment.colocate=True: synchronous_training forced to True (the engine sleeps while the "
-                "trainer trains, so rollouts cannot overlap training)"
-            )
-            self.synchronous_training = True
+        check(
+            self.synchronous_training is None or isinstance(self.synchronous_training, bool),
+            "synchronous_training",
+            "must be true, false or null",
+        )
+        check(
+            not (self.deployment.colocate and self.synchronous_training is False),
+            "synchronous_training",
+            "synchronous_training=False and deployment.colocate=True conflict: a colocated engine sleeps while the "
+            "trainer trains, so rollouts cannot overlap training; leave synchronous_training unset (or True)",
+        )
         check(
             not (self.deployment.colocate and self.deployment.sleep_level == 2 and self.weight_sync_interval != 1),
             "weight_sync_interval",
@@ -293,6 +298,30 @@ class Config:
         ``max_steps``): where ``trainer.lr_schedule`` ends. A step with fewer samples than ``ppo_mini_batches``
         takes fewer; the schedule then ends a little later than planned."""
         return None if self.max_steps is None else self.max_steps * self.ppo_epochs * self.ppo_mini_batches
+
+    @property
+    def trains_synchronously(self) -> bool:
+        """Whether the loop drains in-flight rollouts before each step and submits none while training:
+        ``synchronous_training`` when given, else ``deployment.colocate``. The one reader of the two fields."""
+        return self.deployment.colocate if self.synchronous_training is None else self.synchronous_training
+
+    @property
+    def rollouts_overlap_training(self) -> bool:
+        """Whether ``async_rl_loop`` samples while the trainer trains (``rl_loop`` never does; the CPU split in
+        ``resources.cpu_share`` depends on it). The one place this is decided:
+
+        ===================== ======================= ============================= =====================
+        synchronous_training  deployment.colocate     max_head_offpolicy_versions   overlaps
+        ===================== ======================= ============================= =====================
+        None or False         False                   0                             no: the gate admits no
+                                                                                    rollout until the push
+        None or False         False                   >= 1                          yes
+        True                  either                  any                           no: drained each step
+        None                  True                    any                           no: the engine sleeps
+        False                 True                    any                           ``ConfigError``
+        ===================== ======================= ============================= =====================
+        """
+        return not self.trains_synchronously and self.max_head_offpolicy_versions > 0
 
     @property
     def error_check_min_attempts(self) -> int:

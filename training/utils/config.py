@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
     Raised by config validation and by the checks a run makes before anything loads
     (``training/models/resolve.py``, ``training/utils/metrics.py``: ``check_trackers``); a recipe's
-    command line prints it without a traceback. A ``ValueError``, so older ``except ValueError`` still catch it.
+    command line prints it without a traceback. A ``ValueError``, so ``except ValueError`` catches it too.
     """
 
 
@@ -352,9 +352,10 @@ class DeployConfig:
     training/deployment/placement.py."""
     colocate: bool = False
     """Let a replica share a GPU with the trainer (or the reference model). False refuses such a placement at start:
-    both would compete for that GPU's memory. True also makes the recipes run seed 002's lifecycle around every
+    both would compete for that GPU's memory. True also makes the recipes run the colocated lifecycle around every
     training step (the replicas sleep at ``sleep_level``, the trainer trains, the weights are pushed, the replicas
-    wake) and forces ``synchronous_training`` (generation and training cannot overlap on one GPU)."""
+    wake) and train synchronously: generation and training cannot overlap on one GPU, so ``synchronous_training``
+    left unset means True and ``synchronous_training=False`` is an error."""
     sleep_level: int = 1
     """With ``colocate``: what a replica frees while the trainer trains (``POST /sleep?level=N``): 1 its KV cache
     (and the weight copies derived for speed), 2 its weights too (the push that follows refills them)."""

@@ -194,7 +194,7 @@ def test_normalised_weights_make_a_weighted_mean():
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
 def test_transitions_and_stitch_train_with_equal_weight_per_episode(tiny_model_path, aggregation):
     """Two episodes of two calls: stitched (one sample each) and as transitions (weight 1/2 each) give
-    the same loss and gradient (before the fix, transitions trained at half strength)."""
+    the same loss and gradient (without the weight normalisation, transitions would train at half strength)."""
     from training.trainer import PolicyTrainer
     from training.utils.config import TrainerConfig
     from training.utils.rl.losses.config import LossConfig

@@ -249,7 +249,7 @@ def _draw_blocked(probs: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
 
     The mass before each block comes from the block sums (one reduction over the row), the mass
     inside the chosen block from its own running sum, so no running sum over the whole vocabulary is
-    written (on CPU that ``cumsum`` was the dearest pass of a plain row's sampling). A rounding that
+    written (on CPU that ``cumsum`` is the dearest pass of a plain row's sampling). A rounding that
     lands past the block's mass, or on a zero-probability token, takes the block's most likely
     token (the block holds mass, so it has one).
     """

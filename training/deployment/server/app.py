@@ -132,7 +132,7 @@ def _engine_error_param(message: str) -> Optional[str]:
 
 async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body: Any) -> ParsedRequest:
     """Validate and tokenize (or render the chat template) in the app's one tokenizer thread, off the event
-    loop: a long prompt no longer stalls /health and every other request (one thread: HF tokenizers are
+    loop, so a long prompt does not stall /health and every other request (one thread: HF tokenizers are
     not safe to call concurrently)."""
     pool = request.app[SETTINGS_KEY]["tokenize_pool"]
     names, limits = request.app[SETTINGS_KEY]["served_names"], request.app[SETTINGS_KEY]["limits"]

@@ -16,7 +16,7 @@ first matmul, unless the environment already sets them (the user's value wins); 
 first. The decode step's shapes (one per batch size) are used every step, so the least-recently-used
 eviction keeps them. With 128 entries each the soak levels off (4 minutes at 128 clients: heap in use
 ~177 MB and resident memory 384 MB from the second minute on, against 306 → 689 MB and still rising
-before; BENCHMARKS.md, "soak").
+with the libraries' 1024; BENCHMARKS.md, "soak").
 """
 
 from __future__ import annotations

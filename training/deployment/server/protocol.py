@@ -36,7 +36,7 @@ MAX_PROMPTS = 256
 """Prompts one /v1/completions request may carry."""
 MAX_CHARS_PER_TOKEN = 32
 """A prompt's text may have at most this many characters per token of the context length; longer text
-cannot fit and is refused before it is tokenized (a 10 MB prompt used to stall the server)."""
+cannot fit and is refused before it is tokenized (tokenizing a 10 MB prompt would stall the server)."""
 
 
 @dataclass

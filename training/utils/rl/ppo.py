@@ -22,7 +22,8 @@ sequence) count, so the gradients summed over micro-batches and ranks equal the 
 gradient.
 
 Sample weights (``RolloutSample.weight``, e.g. 1/n for the n transitions of one episode) make
-the loss a weighted mean, normalised by the weighted count: per mini-batch each weight is
+the loss a weighted mean, normalised by the weighted count for the loss's aggregation
+(``loss_aggregation(cfg)``, the one ``compute_policy_loss`` reduces with): per mini-batch each weight is
 rescaled, w'_i = w_i · sum_j T_j / sum_j w_j·T_j (``token_mean`` and ``sum``; T = trainable
 tokens) or w'_i = w_i · S / sum_j w_j (``sequence_mean``, gspo), so that
 ``token_mean`` = sum_i w_i·sum_t L / sum_i w_i·T_i and ``sequence_mean`` = sum_i w_i·mean_t L / sum_i w_i.

@@ -60,15 +60,16 @@ class LossInputs:
 
 @dataclass
 class LossOutput:
-    """What a loss function returns: per-token losses, metrics, and optionally its own aggregation."""
+    """What a loss function returns: per-token losses and metrics.
+
+    It carries no aggregation: how L_t is reduced is ``compute.loss_aggregation(cfg)`` (the registered loss's own,
+    else ``cfg.aggregation``), known before the loss runs, because the PPO step normalises the sample weights
+    for that same aggregation before the micro-batches are packed."""
 
     per_token_loss_N: torch.Tensor
     """L_t for every token (masked tokens may hold anything; aggregation masks them)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Means over the micro-batch's trainable tokens; keys ending in ``_max`` are maxima."""
-    aggregation: Optional[str] = None
-    """None = the registered loss's own aggregation (``RegisteredLoss.aggregation``, e.g. gspo's
-    ``"sequence_mean"``), else ``cfg.aggregation``; a user callable may set its own here."""
 
 
 LossFn = Callable[[LossInputs, LossConfig], LossOutput]

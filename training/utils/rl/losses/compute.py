@@ -64,9 +64,11 @@ def needs_reference_logprobs(cfg: LossConfig) -> bool:
 
 
 def loss_aggregation(cfg: LossConfig) -> str:
-    """The aggregation the configured loss uses: the registered loss's own (gspo: ``sequence_mean``), else
-    ``cfg.aggregation`` (also for a callable, whose ``LossOutput.aggregation``, when set, applies in
-    ``compute_policy_loss`` only)."""
+    """The aggregation of the configured loss: the registered loss's own (gspo: ``sequence_mean``), else
+    ``cfg.aggregation`` (a user callable's aggregation is ``cfg.aggregation``).
+
+    The one place it is decided: the PPO step normalises sample weights for it (``ppo.normalised_weights``) and
+    ``compute_policy_loss`` reduces with it, so a sample is weighted and reduced the same way."""
     loss = registered_loss(cfg)
     if loss is not None and loss.aggregation is not None:
         return loss.aggregation
@@ -82,9 +84,9 @@ def compute_policy_loss(
     optimizer step (all micro-batches), so summing the returned losses over the step's
     micro-batches equals the aggregate over the step:
     ``token_mean`` → sum(L·m) / total_tokens; ``sequence_mean`` → sum over sequences of
-    (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m). The loss's own aggregation
-    (``loss_aggregation``: the registry's, e.g. gspo's ``sequence_mean``, or a callable's
-    ``LossOutput.aggregation``) overrides ``cfg.aggregation``. ``inputs.sample_weights_N``, when
+    (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m), with the aggregation
+    ``loss_aggregation(cfg)`` decides (a registered loss's own, e.g. gspo's ``sequence_mean``, overrides
+    ``cfg.aggregation``). ``inputs.sample_weights_N``, when
     given, multiplies L_t first (a sample of weight w counts w times).
 
     Metrics (unprefixed floats over this micro-batch's trainable tokens; ``*_max`` are maxima):
@@ -116,8 +118,7 @@ def compute_policy_loss(
     per_token_loss_N = output.per_token_loss_N
     if inputs.sample_weights_N is not None:
         per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
-    aggregation = output.aggregation or loss_aggregation(cfg)
-    loss = aggregate(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences)
+    loss = aggregate(per_token_loss_N, inputs, loss_aggregation(cfg), total_tokens, total_sequences)
     metrics = diagnostic_metrics(inputs, cfg)
     metrics.update(output.metrics)
     metrics["loss"] = float(loss.detach())

@@ -32,7 +32,7 @@ class SleepyEngine:
             if row.get("fail"):
                 raise RuntimeError(f"agent crashed on row {row['id']}")
             seg = RolloutSample(tokens=[1, 2], logprobs=[0.0, -0.5], loss_mask=[0, 1], reward=float(row["id"]))
-            return Episode(segments=[seg], reward=float(row["id"]), finish_reason="stop", metadata={})
+            return Episode(segments=[seg], reward=float(row["id"]), finish_reason="stop")
         finally:
             self.running -= 1
 

@@ -2,7 +2,9 @@
 
 Lifecycle (driven by ``training.agents.trajectory.TrajectoryEngine``), one agent per episode:
 
-1. ``agent.messages`` is the conversation so far (starts with the task's messages);
+1. ``agent.messages`` is the conversation so far: the task's messages, then the messages the
+   environment opens the episode with (``Environment.reset()``; an agent built with ``messages=None``
+   has none of its own: the environment supplies them all, as the gym and verifiers adapters do);
 2. per turn: the engine samples from ``agent.messages`` (token-in/token-out), then
    ``action = agent.act(text)`` records the assistant reply and parses it;
 3. the environment answers with a ``StepResult``; ``agent.observe(result)`` returns the new
@@ -71,15 +73,16 @@ class ConversationAgent:
 
     def __init__(
         self,
-        messages: list[dict],
+        messages: Optional[list[dict]],
         tools: Optional[list[dict]] = None,
         *,
         tool_choice: Any = None,
         response_format: Optional[dict] = None,
     ):
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: must be a non-empty list of chat messages")
-        self.messages: list[dict] = copy.deepcopy(messages)
+        if messages is not None and (not isinstance(messages, list) or not messages):
+            raise ValueError("messages: must be a non-empty list of chat messages (None: env.reset() gives them)")
+        self.messages: list[dict] = copy.deepcopy(messages) if messages is not None else []
+        """The conversation so far; starts as ``messages`` (empty for None) and the environment's opening."""
         self.tools = tools
         """Tool schemas rendered into the prompt (None = no tools)."""
         self.tool_choice = tool_choice
@@ -148,7 +151,7 @@ class ToolAgent(ConversationAgent):
 
     def __init__(
         self,
-        messages: list[dict],
+        messages: Optional[list[dict]],
         tools: Optional[list[dict]] = None,
         parser: ToolParser | str = "hermes",
         *,

@@ -61,9 +61,21 @@ async def _score(reward_fn: RewardFn, answer: str, task: dict) -> float:
 
 
 class Environment:
-    """Base: ``await step(action) -> StepResult``; ``await truncate()`` scores an episode cut short."""
+    """Base: ``await reset()`` opens the episode, ``await step(action) -> StepResult`` answers each turn,
+    ``await truncate()`` scores an episode cut short. Single-use: the engine calls ``reset`` once, first."""
 
     task: dict
+
+    async def reset(self) -> list[dict]:
+        """Start the episode, before the first turn: the chat messages it opens with, appended to the agent's
+        (default: none, the agent's task messages are the whole opening). A gym-style environment returns
+        its first observation here (``training/envs/text_gym.py``)."""
+        return []
+
+    def reward_components(self) -> Optional[dict[str, float]]:
+        """The final reward's parts by name, read once the episode is scored (``metadata["reward_components"]``,
+        step metrics ``reward/<name>``); None (default) = not split."""
+        return None
 
     async def step(self, action: Action) -> StepResult:
         raise NotImplementedError

@@ -1,5 +1,9 @@
 """Trajectory collect engine: one agent-environment episode through the sampler, token-in/token-out.
 
+Steps (``EpisodeRun``): ``open`` (``env.reset()``: its messages join the agent's; the first prompt),
+``turn`` until one ends the episode (sample, ``agent.act``, ``env.step``, record; then compaction or
+glue), ``close`` (an over-length episode scored by ``env.truncate``; the segments and ``EpisodeFacts``).
+
 Prompt construction (never re-tokenizes what the model generated):
 
 - turn 0: ``prompt_0 = chat_template(messages, tools=schemas, add_generation_prompt=True)``;
@@ -10,10 +14,14 @@ Prompt construction (never re-tokenizes what the model generated):
   token it emitted itself), that glue token is dropped: the model's token is kept.
 
 So every prompt sent is a prefix of the final ``tokens``; ``loss_mask`` is 1 exactly on the
-generated ids (with the sampler's logprobs) and 0 on the first prompt, tool results and glue.
+generated ids (with the sampler's logprobs) and 0 on the first prompt, tool results and glue. The
+segments are built by the one sample builder (``training/utils/rl/rollout/sample_builder.py``, the
+proxy's too): its mask, logprob and weight-version conventions, so the proxy gives the same samples
+for the same calls.
 
 Segments: when ``agent.compact()`` returns new messages, the context is rebuilt from them and
-the token prefix breaks; the episode then has several segments (a ``RolloutRun``).
+the token prefix breaks; the episode then has several segments (a ``RolloutRun``). The last
+segment's ``finish_reason`` is the episode's; an earlier one's is its last call's.
 
 Over-length: with ``limit = min(max_total_tokens, max_model_len)``, a turn's ``max_tokens`` is
 clipped to the room left; when no room is left (or the next glue would not fit) the episode
@@ -45,15 +53,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
-from training.agents.agents import ConversationAgent
+from training.agents.agents import Action, ConversationAgent, StepResult
 from training.agents.environments import Environment
 from training.utils.constrained_calls import checked_constrained_calls, constraint_of, trains
 from training.openai_api.tool_parsers import messages_with_tools, render_prompt_ids
-from training.utils.rl.credit import TRANSITIONS, CallTokens, CreditFn, credit_parts, transitions_of
+from training.utils.rl.credit import TRANSITIONS, CreditFn, credit_parts, transitions_of
 from training.utils.rl.rollout import STOP_REASONS, RolloutRun, RolloutSample
+from training.utils.rl.rollout.episode_facts import EpisodeFacts
+from training.utils.rl.rollout.sample_builder import CallTokens, SampleBuilder, call_weight_versions
 
 MODES = ("stitch", TRANSITIONS)
 """How an episode becomes training data (``Episode.to_result``): segments, or one sample per call."""
@@ -67,41 +77,8 @@ class TemplateGlueError(ValueError):
 
 
 @dataclass
-class Segment:
-    """One unbroken token sequence under construction (parallel lists)."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    token_weight_versions: list[int] = field(default_factory=list)
-    """Per generated token (``loss_mask`` 1), the weight version that produced it."""
-    start_turn: int = 0
-    reason: str = "start"
-    """Why this segment began: ``start`` or ``compaction``."""
-
-    def add_context(self, ids: list[int]) -> None:
-        self.tokens += ids
-        self.logprobs += [0.0] * len(ids)
-        self.loss_mask += [0] * len(ids)
-
-    def add_generated(self, ids: list[int], logprobs: list[float], weight_versions: list[int]) -> None:
-        if len(ids) != len(logprobs):
-            raise ValueError(f"logprobs: {len(logprobs)} values for {len(ids)} generated tokens")
-        if len(ids) != len(weight_versions):
-            raise ValueError(f"weight_versions: {len(weight_versions)} values for {len(ids)} generated tokens")
-        self.tokens += ids
-        self.logprobs += [float(x) for x in logprobs]
-        self.loss_mask += [1] * len(ids)
-        self.token_weight_versions += [int(v) for v in weight_versions]
-
-    @property
-    def num_generated(self) -> int:
-        return sum(self.loss_mask)
-
-
-@dataclass
 class Episode:
-    """A finished episode: its segments, return and transcript."""
+    """A finished episode: its segments, return and facts."""
 
     segments: list[RolloutSample]
     """Segments with at least one generated token, in order."""
@@ -109,21 +86,34 @@ class Episode:
     """The return: the sum of step rewards (final reward + intermediate rewards)."""
     finish_reason: str
     """The sampler's finish reason of the last call (``length`` when the episode was cut)."""
-    metadata: dict[str, Any]
-    """JSON-able transcript: ``turns`` (timings, statuses, rewards), ``segments``, ``messages``, ``return``,
-    ``stop_reason``, ``intermediate_rewards``."""
+    facts: EpisodeFacts = field(default_factory=EpisodeFacts)
+    """What the run's ``metadata`` says: the transcript (``turns``, ``segments``, ``messages``), ``return``,
+    ``final_reward``, ``stop_reason``, ``intermediate_rewards`` and the step metrics' keys."""
     prompts: list[list[int]] = field(default_factory=list)
     """Every prompt sent to the sampler, in order (for checks; not logged)."""
-    stop_reason: str = "finish"
-    """Why the episode ended: ``finish``, ``max_steps`` or ``length`` (``STOP_REASONS``)."""
     calls: list[CallTokens] = field(default_factory=list)
-    """Every model call's exact prompt and output ids, in order (for ``transitions``)."""
-    final_reward: float = 0.0
-    """R: the environment's score of the answer (the return without intermediate rewards)."""
-    intermediate: list[float] = field(default_factory=list)
-    """Per call, its intermediate reward (tool status); ``reward == final_reward + sum(intermediate)``."""
-    trainable_calls: list[bool] = field(default_factory=list)
-    """Per call, whether it trains (False: constrained under ``constrained_calls="exclude"``); empty = all do."""
+    """Every model call's exact prompt and output ids, in order (for ``transitions``); ``trainable`` False
+    for a constrained call under ``constrained_calls="exclude"``."""
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """``facts`` as the JSON-able dict a run carries (``EpisodeFacts.to_metadata``)."""
+        return self.facts.to_metadata()
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the episode ended: ``finish``, ``max_steps`` or ``length`` (``STOP_REASONS``)."""
+        return self.facts.stop_reason or "finish"
+
+    @property
+    def final_reward(self) -> float:
+        """R: the environment's score of the answer (the return without intermediate rewards)."""
+        return float(self.facts.final_reward or 0.0)
+
+    @property
+    def intermediate(self) -> list[float]:
+        """Per call, its intermediate reward (tool status); ``reward == final_reward + sum(intermediate)``."""
+        return list(self.facts.intermediate_rewards or [])
 
     def to_result(
         self,
@@ -146,16 +136,17 @@ class Episode:
             s.reward = self.reward
         if len(self.segments) == 1 and not as_run:
             return self.segments[0]
-        return RolloutRun(segments=list(self.segments), reward=self.reward, metadata=dict(self.metadata, mode="stitch"))
+        metadata = replace(self.facts, mode="stitch").to_metadata()
+        return RolloutRun(segments=list(self.segments), reward=self.reward, metadata=metadata)
 
     def transitions(
         self, credit_fn: Optional[CreditFn] = None, *, max_seq_len: Optional[int] = None
     ) -> Optional[RolloutRun]:
         """One sample per model call: reward g_k·R + i_k (R = ``final_reward``; i_k = the credit's own
         plus the call's intermediate reward), weight ``1 / n``; None when no call generated a token."""
-        turns = self.metadata.get("turns", [])
+        turns = self.facts.turns or []
         shares, intermediate = credit_parts(credit_fn, turns, self.final_reward, extra=self.intermediate)
-        keep = [k for k in range(len(self.calls)) if not self.trainable_calls or self.trainable_calls[k]]
+        keep = [k for k, c in enumerate(self.calls) if c.trainable]
         res = transitions_of(  # credit over every call; an excluded constrained call gives no sample
             [self.calls[k] for k in keep],
             [shares[k] for k in keep],
@@ -163,17 +154,7 @@ class Episode:
             self.final_reward,
             max_seq_len=max_seq_len,
         )
-        meta = dict(
-            self.metadata,
-            mode=TRANSITIONS,
-            sample_calls=res.calls,
-            credited_rewards=res.rewards,
-            sample_weights=res.weights,
-            return_weights=res.return_weights,
-            intermediate_rewards=res.intermediate,
-            run_reward=self.final_reward,
-        )
-        return res.to_run(self.final_reward, meta)
+        return res.to_run(self.final_reward, self.facts)
 
 
 class TrajectoryEngine:
@@ -219,165 +200,235 @@ class TrajectoryEngine:
             raise TemplateGlueError("the chat template dropped the assistant reply; cannot build token-in prompts")
         return list(self.tokenizer.encode(text[i + len(STUB) :], add_special_tokens=False))
 
-    # ---- episode ---------------------------------------------------------------------------
-    def _max_new_tokens(self) -> Optional[int]:
+    def max_new_tokens(self) -> Optional[int]:
+        """A turn's ``max_tokens`` before the length limit clips it (the engine's sampling, else the sampler's)."""
         if "max_tokens" in self.sampling:
             return self.sampling["max_tokens"]
         return (getattr(self.sampler, "sampling_defaults", None) or {}).get("max_tokens")
 
+    # ---- episode ---------------------------------------------------------------------------
     async def collect(self, agent: ConversationAgent, env: Environment) -> Episode:
-        """Run the episode to its end (or to the length limit) and return it."""
-        if agent.tools is None:
-            agent.tools = env.tool_schemas()
-        tools = agent.tools
-        limit = self.max_total_tokens
-        seg = Segment()
-        seg.add_context(self.render_prompt(agent.messages, tools))
-        closed: list[Segment] = []
-        session = uuid.uuid4().hex
-        prompts: list[list[int]] = []
-        turns: list[dict] = []
-        calls: list[CallTokens] = []
-        intermediate: list[float] = []
-        trainable_calls: list[bool] = []
-        total, final_reward, finish_reason, last_text = 0.0, None, "stop", ""
-        stop_reason = "finish"
-        t_start = time.perf_counter()
-        while True:
-            turn = len(turns)
-            room = None if limit is None else limit - len(seg.tokens)
-            if room is not None and room < 1:
-                finish_reason = "length"
-                break
-            want = self._max_new_tokens()
-            sampling = dict(self.sampling)
-            if room is not None:
-                sampling["max_tokens"] = room if want is None else min(want, room)
-            constraint = constraint_of(agent.constraint_fields(turn))
-            if constraint is not None:  # a forced call's grammar needs the tool schemas (not rendered again)
-                sampling.update(constraint, **({"tools": tools} if "tool_choice" in constraint else {}))
-            trainable_calls.append(trains(constraint, self.constrained_calls))
-            t0 = time.perf_counter()
-            (c,) = await self.sampler.sample_with_prompt_tokens(seg.tokens, n=1, session_id=session, **sampling)
-            sample_s = time.perf_counter() - t0
-            if c.prompt_tokens != seg.tokens:
-                raise RuntimeError("the server's prompt_token_ids differ from the prompt sent (token drift)")
-            prompts.append(list(seg.tokens))
-            out = c.output_tokens
-            versions = c.token_weight_versions or [c.weight_version] * len(out)
-            calls.append(
-                CallTokens(prompts[-1], list(out), list(c.inference_logprobs), list(versions), c.finish_reason, turn)
-            )
-            if trainable_calls[-1]:
-                seg.add_generated(out, c.inference_logprobs, versions)
-            else:  # constrained_calls="exclude": the output is context, never trained on
-                seg.add_context(out)
-            last_text = self.tokenizer.decode(out, skip_special_tokens=True)
-            action = agent.act(last_text)
-            t1 = time.perf_counter()
-            result = await env.step(action)
-            env_s = time.perf_counter() - t1
-            total += result.reward
-            step_final = result.info.get("final_reward", result.reward) if result.done else 0.0
-            intermediate.append(result.reward - step_final)
-            new_messages = agent.observe(result)
-            turns.append(
-                {
-                    "turn": turn,
-                    "prompt_tokens": c.prompt_len,
-                    "output_tokens": len(out),
-                    "finish_reason": c.finish_reason,
-                    "weight_version": c.weight_version,
-                    "cached_tokens": c.cached_tokens,
-                    "sample_s": round(sample_s, 4),
-                    "env_s": round(env_s, 4),
-                    "tool_calls": len(action.tool_calls),
-                    "parse_errors": len(action.parse_errors),
-                    "statuses": dict(result.observation.get("tool_statuses", {})),
-                    "reward": result.reward,
-                    "intermediate_reward": intermediate[-1],
-                    "done": result.done,
-                    "constraint": constraint,
-                    "trainable": trainable_calls[-1],
-                }
-            )
-            if result.done:
-                finish_reason = c.finish_reason
-                final_reward = step_final
-                stop_reason = episode_stop_reason(result.info.get("stop_reason"))
-                break
-            compacted = agent.compact()
-            if compacted is not None:
-                agent.messages = list(compacted)
-                closed.append(seg)
-                seg = Segment(start_turn=turn + 1, reason="compaction")
-                seg.add_context(self.render_prompt(agent.messages, tools))
-                session = uuid.uuid4().hex
-                continue
-            history = agent.messages[: len(agent.messages) - len(new_messages) - 1]
-            glue = self.render_glue(history, new_messages, tools)
-            if c.finish_reason == "stop" and out and glue and glue[0] == out[-1]:
-                glue = glue[1:]  # the model emitted the end-of-turn token itself: keep its own
-            if limit is not None and len(seg.tokens) + len(glue) >= limit:
-                finish_reason = "length"
-                break
-            seg.add_context(glue)
-        if finish_reason == "length" and final_reward is None:
-            final_reward = await env.truncate("length")
-            total += final_reward
-            stop_reason = "length"
-        closed.append(seg)
-        samples = [
-            RolloutSample(
-                tokens=s.tokens,
-                logprobs=s.logprobs,
-                loss_mask=s.loss_mask,
-                reward=total,
-                token_weight_versions=s.token_weight_versions,
-                finish_reason=finish_reason if s is seg else "stop",
-                text=last_text if s is seg else "",
-            )
-            for s in closed
-            if s.num_generated > 0
-        ]
+        """Run the episode to its end (or to the length limit) and return it: open, then turns until
+        one ends the episode, then close (``EpisodeRun``)."""
+        run = EpisodeRun(self, agent, env)
+        await run.open()
+        while await run.turn():
+            pass
+        return await run.close()
+
+
+class EpisodeRun:
+    """One episode in progress, in named steps: ``open`` (the environment's ``reset``, the first prompt),
+    ``turn`` (sample, act, step the environment, record; then compaction or glue), ``close`` (score a cut
+    episode, build the segments and the facts)."""
+
+    def __init__(self, engine: TrajectoryEngine, agent: ConversationAgent, env: Environment):
+        self.engine, self.agent, self.env = engine, agent, env
+        self.limit = engine.max_total_tokens
+        """The length limit: no prompt + output passes it (None = unlimited)."""
+        self.tools: Optional[list[dict]] = None
+        self.segment = SampleBuilder()
+        """The segment under construction; its tokens are the next prompt."""
+        self.closed: list[SampleBuilder] = []
+        """Segments ended by a compaction."""
+        self.session = uuid.uuid4().hex
+        """The sampler's session id (KV reuse); a new one after each compaction."""
+        self.prompts: list[list[int]] = []
+        self.calls: list[CallTokens] = []
+        self.turns: list[dict] = []
+        self.intermediate: list[float] = []
+        self.total = 0.0
+        """The return so far: the sum of step rewards."""
+        self.final_reward: Optional[float] = None
+        self.finish_reason = "stop"
+        self.stop_reason = "finish"
+        self.last_text = ""
+        self.t_start = time.perf_counter()
+
+    async def open(self) -> None:
+        """Reset the environment (its opening messages join the agent's) and render the first prompt."""
+        self.agent.messages.extend(await self.env.reset())
+        if not self.agent.messages:
+            raise ValueError("messages: the episode has no message (the agent's and env.reset()'s are both empty)")
+        if self.agent.tools is None:
+            self.agent.tools = self.env.tool_schemas()
+        self.tools = self.agent.tools
+        self.segment.add_context(self.engine.render_prompt(self.agent.messages, self.tools))
+
+    def room(self) -> Optional[int]:
+        """Tokens the next output may take before the length limit (None = unlimited)."""
+        return None if self.limit is None else self.limit - len(self.segment.tokens)
+
+    def sampling(self, constraint: Optional[dict], room: Optional[int]) -> dict:
+        """The call's sampling fields: the engine's, ``max_tokens`` clipped to ``room``, the constraint's."""
+        sampling = dict(self.engine.sampling)
+        if room is not None:
+            want = self.engine.max_new_tokens()
+            sampling["max_tokens"] = room if want is None else min(want, room)
+        if constraint is not None:  # a forced call's grammar needs the tool schemas (not rendered again)
+            sampling.update(constraint, **({"tools": self.tools} if "tool_choice" in constraint else {}))
+        return sampling
+
+    async def sample(self, turn: int, room: Optional[int]) -> tuple[Any, CallTokens, Optional[dict], float]:
+        """One model call on the segment's tokens, added to the segment: (completion, call, constraint, seconds)."""
+        constraint = constraint_of(self.agent.constraint_fields(turn))
+        trainable = trains(constraint, self.engine.constrained_calls)
+        prompt = list(self.segment.tokens)
+        t0 = time.perf_counter()
+        (c,) = await self.engine.sampler.sample_with_prompt_tokens(
+            prompt, n=1, session_id=self.session, **self.sampling(constraint, room)
+        )
+        sample_s = time.perf_counter() - t0
+        if c.prompt_tokens != prompt:
+            raise RuntimeError("the server's prompt_token_ids differ from the prompt sent (token drift)")
+        out = c.output_tokens
+        call = CallTokens(
+            prompt,
+            list(out),
+            list(c.inference_logprobs),
+            call_weight_versions(c.token_weight_versions, c.weight_version, len(out)),
+            c.finish_reason,
+            turn,
+            trainable,  # constrained_calls="exclude": a constrained output is context, never trained on
+        )
+        self.prompts.append(prompt)
+        self.calls.append(call)
+        self.segment.add_call(call)
+        return c, call, constraint, sample_s
+
+    async def turn(self) -> bool:
+        """One turn: sample, act, step the environment, record it, then continue the context (compaction
+        or glue). False when the episode is over."""
+        turn = len(self.turns)
+        room = self.room()
+        if room is not None and room < 1:
+            self.finish_reason = "length"
+            return False
+        c, call, constraint, sample_s = await self.sample(turn, room)
+        self.last_text = self.engine.tokenizer.decode(call.output_ids, skip_special_tokens=True)
+        action = self.agent.act(self.last_text)
+        t1 = time.perf_counter()
+        result = await self.env.step(action)
+        env_s = time.perf_counter() - t1
+        self.total += result.reward
+        step_final = result.info.get("final_reward", result.reward) if result.done else 0.0
+        self.intermediate.append(result.reward - step_final)
+        new_messages = self.agent.observe(result)
+        self.record(c, call, constraint, action, result, sample_s, env_s)
+        if result.done:
+            self.finish_reason = c.finish_reason
+            self.final_reward = step_final
+            self.stop_reason = episode_stop_reason(result.info.get("stop_reason"))
+            return False
+        return self.continue_context(turn, call, new_messages)
+
+    def record(
+        self,
+        c: Any,
+        call: CallTokens,
+        constraint: Optional[dict],
+        action: Action,
+        result: StepResult,
+        sample_s: float,
+        env_s: float,
+    ) -> None:
+        """The turn's entry in the transcript (``metadata["turns"]``)."""
+        self.turns.append(
+            {
+                "turn": call.index,
+                "prompt_tokens": c.prompt_len,
+                "output_tokens": len(call.output_ids),
+                "finish_reason": c.finish_reason,
+                "weight_version": c.weight_version,
+                "cached_tokens": c.cached_tokens,
+                "sample_s": round(sample_s, 4),
+                "env_s": round(env_s, 4),
+                "tool_calls": len(action.tool_calls),
+                "parse_errors": len(action.parse_errors),
+                "statuses": dict(result.observation.get("tool_statuses", {})),
+                "reward": result.reward,
+                "intermediate_reward": self.intermediate[-1],
+                "done": result.done,
+                "constraint": constraint,
+                "trainable": call.trainable,
+            }
+        )
+
+    def continue_context(self, turn: int, call: CallTokens, new_messages: list[dict]) -> bool:
+        """Before the next turn: a compaction opens a new segment from the agent's new messages; otherwise the
+        glue of the new messages joins the segment. False when the glue would not fit (over-length)."""
+        compacted = self.agent.compact()
+        if compacted is not None:
+            self.agent.messages = list(compacted)
+            self.closed.append(self.segment)
+            self.segment = SampleBuilder(start_call=turn + 1, reason="compaction")
+            self.segment.add_context(self.engine.render_prompt(self.agent.messages, self.tools))
+            self.session = uuid.uuid4().hex
+            return True
+        history = self.agent.messages[: len(self.agent.messages) - len(new_messages) - 1]
+        glue = self.engine.render_glue(history, new_messages, self.tools)
+        out = call.output_ids
+        if call.finish_reason == "stop" and out and glue and glue[0] == out[-1]:
+            glue = glue[1:]  # the model emitted the end-of-turn token itself: keep its own
+        if self.limit is not None and len(self.segment.tokens) + len(glue) >= self.limit:
+            self.finish_reason = "length"
+            return False
+        self.segment.add_context(glue)
+        return True
+
+    async def close(self) -> Episode:
+        """Score an episode cut for length (``env.truncate``), then its segments and facts."""
+        if self.finish_reason == "length" and self.final_reward is None:
+            self.final_reward = await self.env.truncate("length")
+            self.total += self.final_reward
+            self.stop_reason = "length"
+        builders = self.closed + [self.segment]
+        samples = []
+        for b in builders:  # the last segment ends as the episode did; an earlier one as its last call
+            last = b is self.segment
+            finish = self.finish_reason if last else None
+            sample = b.to_sample(self.total, finish_reason=finish, text=self.last_text if last else "")
+            if sample is not None:
+                samples.append(sample)
+        return Episode(
+            segments=samples,
+            reward=self.total,
+            finish_reason=self.finish_reason,
+            facts=self.facts(builders),
+            prompts=self.prompts,
+            calls=self.calls,
+        )
+
+    def facts(self, builders: list[SampleBuilder]) -> EpisodeFacts:
+        """The episode's ``EpisodeFacts``: the step metrics' keys and the transcript."""
         status_counts: dict[str, int] = {}
-        for t in turns:
+        for t in self.turns:
             for status in t["statuses"].values():
                 status_counts[status] = status_counts.get(status, 0) + 1
             if t["parse_errors"]:
                 status_counts["unparsable"] = status_counts.get("unparsable", 0) + t["parse_errors"]
-        compactions = sum(1 for s in closed if s.reason == "compaction")
-        metadata = {
-            "return": total,
-            "tool_status_counts": status_counts,
-            "final_reward": final_reward,
-            "intermediate_rewards": intermediate,
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-            "truncated": finish_reason == "length",
-            "num_turns": len(turns),
-            "num_calls": len(turns),
-            "labels": {"NEW": min(1, len(turns)), "APPEND": max(0, len(turns) - 1 - compactions), "WIPE": compactions},
-            "drift": 0,
-            "wall_s": round(time.perf_counter() - t_start, 4),
-            "turns": turns,
-            "segments": [
-                {"start_turn": s.start_turn, "reason": s.reason, "tokens": len(s.tokens), "generated": s.num_generated}
-                for s in closed
+        n = len(self.turns)
+        compactions = sum(1 for b in builders if b.reason == "compaction")
+        return EpisodeFacts(
+            stop_reason=self.stop_reason,
+            episode_return=self.total,
+            num_calls=n,
+            labels={"NEW": min(1, n), "APPEND": max(0, n - 1 - compactions), "WIPE": compactions},
+            drift=0,
+            tool_status_counts=status_counts,
+            truncated=self.finish_reason == "length",
+            final_reward=self.final_reward,
+            finish_reason=self.finish_reason,
+            num_turns=n,
+            wall_s=round(time.perf_counter() - self.t_start, 4),
+            turns=self.turns,
+            segments=[
+                {"start_turn": b.start_call, "reason": b.reason, "tokens": len(b.tokens), "generated": b.num_generated}
+                for b in builders
             ],
-            "messages": agent.messages,
-        }
-        return Episode(
-            segments=samples,
-            reward=total,
-            finish_reason=finish_reason,
-            metadata=metadata,
-            prompts=prompts,
-            stop_reason=stop_reason,
-            calls=calls,
-            final_reward=float(final_reward or 0.0),
-            intermediate=intermediate,
-            trainable_calls=trainable_calls,
+            messages=self.agent.messages,
+            intermediate_rewards=self.intermediate,
+            reward_components=self.env.reward_components(),
         )
 
 

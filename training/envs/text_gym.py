@@ -10,6 +10,9 @@ optional system prompt); each model reply is passed to ``step`` as the action (t
 generated, stripped); each new observation comes back as a user message; the episode ends when
 ``done`` (or ``terminated`` / ``truncated``) is true or after ``max_steps`` actions.
 
+The episode runs through ``training.agents.make_agent_rollout_fn``, like every adapter here:
+``TextGymEnvironment.reset()`` gives the first observation as the opening user message.
+
 Tokens: ``training.agents.TrajectoryEngine`` builds the conversation, so turn k+1's prompt is turn
 k's prompt + the server's generated ids + the template glue of the new user message: the sample's
 tokens are exactly what the server saw and produced, ``loss_mask`` is 1 only on the model's turns.
@@ -24,9 +27,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Optional
 
-from training.agents import Action, ConversationAgent, Environment, StepResult, engine_for_setup
-from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
-from training.openai_api.template_check import CHECK_MODES, run_template_check
+from training.agents import Action, ConversationAgent, Environment, StepResult, make_agent_rollout_fn
+from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 EMPTY_OBSERVATION = "(no observation)"
 """The user message sent for an empty observation (a chat turn cannot be empty)."""
@@ -84,10 +86,11 @@ class TextGymEnvironment(Environment):
         self.infos: list[dict] = []
         """Each step's ``info`` (for logs and tests)."""
 
-    async def reset(self) -> str:
+    async def reset(self) -> list[dict]:
+        """The first observation, as the opening user message."""
         text, info = await reset_observation(self.env)
         self.infos.append(info)
-        return text
+        return [{"role": "user", "content": text}]
 
     async def step(self, action: Action) -> StepResult:
         self.num_steps += 1
@@ -118,23 +121,11 @@ def make_text_gym_rollout_fn(
 
     ``template_check`` (``warn`` / ``error`` / ``off``) checks once that the chat template only appends
     when a conversation grows (``training/openai_api/template_check.py``)."""
-    if template_check not in CHECK_MODES:
-        raise ValueError(f"template_check: {template_check!r} is not one of {CHECK_MODES}")
-
-    def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
-        run_template_check(
-            setup.tokenizer, template_check, where="make_text_gym_rollout_fn", **(chat_template_kwargs or {})
-        )
-        engine = engine_for_setup(setup, max_total_tokens=max_total_tokens, chat_template_kwargs=chat_template_kwargs)
-
-        async def rollout_fn(row: dict) -> RolloutResult:
-            env = TextGymEnvironment(env_factory(row), row, max_steps=max_steps)
-            first = await env.reset()
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-            agent = ConversationAgent(messages + [{"role": "user", "content": first}])
-            episode = await engine.collect(agent, env)
-            return episode.to_result(as_run=True, max_seq_len=setup.max_seq_len)
-
-        return rollout_fn
-
-    return make_rollout_fn
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else None
+    return make_agent_rollout_fn(
+        agent_factory=lambda row: ConversationAgent(system),  # the first observation comes from reset
+        env_factory=lambda row: TextGymEnvironment(env_factory(row), row, max_steps=max_steps),
+        max_total_tokens=max_total_tokens,
+        chat_template_kwargs=chat_template_kwargs,
+        template_check=template_check,
+    )

@@ -14,6 +14,10 @@ calls the environment's ``env_response``); the messages it appends become the ne
 turn. At the end ``render_completion`` and ``rubric.score_rollout(state)`` give ``state["reward"]``
 (the weighted sum) and ``state["metrics"]`` (one value per reward function).
 
+The episode runs through ``training.agents.make_agent_rollout_fn``, like every adapter here:
+``VerifiersEnvironment.reset()`` gives the environment's first prompt (the agent starts with no message
+of its own) and ``reward_components()`` the rubric's parts.
+
 Tokens: ``training.agents.TrajectoryEngine`` builds the conversation token-in/token-out, so the
 sample holds exactly the server's ids and ``loss_mask`` is 1 only on the model's turns. The run's
 reward is the rubric's; ``metadata["reward_components"]`` holds the per-function values.
@@ -27,8 +31,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from training.agents import Action, ConversationAgent, Environment, StepResult, engine_for_setup
-from training.utils.rl.rollout import RolloutFn, RolloutResult, RolloutSetup
+from training.agents import Action, ConversationAgent, Environment, StepResult, make_agent_rollout_fn
+from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 MODEL_NAME = "policy"
 """The model name recorded in the environment's state (nothing is sent under it)."""
@@ -70,10 +74,10 @@ class VerifiersEnvironment(Environment):
         self.task = task
         self.state = None
         self.prompt: list = []
-        self.reward_components: dict[str, float] = {}
+        self.scored_components: dict[str, float] = {}
 
-    async def start(self) -> list[dict]:
-        """Initialise the state; the first prompt's messages."""
+    async def reset(self) -> list[dict]:
+        """Initialise the state; the first prompt's messages (the whole opening: the agent starts empty)."""
         vf = _library()
         client = vf.clients.Client.__new__(_client_class(vf))
         state = await self.vf_env.init_state(self.task, client=client, model=MODEL_NAME, sampling_args={})
@@ -104,11 +108,15 @@ class VerifiersEnvironment(Environment):
     async def _score(self) -> float:
         await self.vf_env.render_completion(self.state)
         await self.vf_env.rubric.score_rollout(self.state)
-        self.reward_components = {k: float(v) for k, v in (self.state["metrics"] or {}).items()}
+        self.scored_components = {k: float(v) for k, v in (self.state["metrics"] or {}).items()}
         return float(self.state["reward"])
 
     async def truncate(self, reason: str) -> float:
         return await self._score()
+
+    def reward_components(self) -> dict[str, float]:
+        """The rubric's value per reward function (``state["metrics"]``), once scored."""
+        return dict(self.scored_components)
 
 
 class VerifiersAgent(ConversationAgent):
@@ -139,21 +147,13 @@ def make_verifiers_rollout_fn(
     chat_template_kwargs: Optional[dict] = None,
 ) -> Callable[[RolloutSetup], RolloutFn]:
     """A ``make_rollout_fn(setup)``: ``rollout_fn(row)`` runs one episode of ``vf_env`` on ``row`` (a row of
-    ``verifiers_rows``) and returns a ``RolloutRun`` whose reward is the rubric's."""
+    ``verifiers_rows``) and returns a ``RolloutRun`` whose reward is the rubric's (its parts in
+    ``metadata["reward_components"]``)."""
     _library()
-
-    def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
-        engine = engine_for_setup(setup, max_total_tokens=max_total_tokens, chat_template_kwargs=chat_template_kwargs)
-
-        async def rollout_fn(row: dict) -> RolloutResult:
-            env = VerifiersEnvironment(vf_env, row)
-            agent = VerifiersAgent(await env.start())
-            episode = await engine.collect(agent, env)
-            result = episode.to_result(as_run=True, max_seq_len=setup.max_seq_len)
-            if result is not None:
-                result.metadata["reward_components"] = dict(env.reward_components)
-            return result
-
-        return rollout_fn
-
-    return make_rollout_fn
+    return make_agent_rollout_fn(
+        agent_factory=lambda row: VerifiersAgent(None),  # the environment's reset gives the whole prompt
+        env_factory=lambda row: VerifiersEnvironment(vf_env, row),
+        max_total_tokens=max_total_tokens,
+        chat_template_kwargs=chat_template_kwargs,
+        template_check="off",
+    )

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from training.openai_api.responses_store import ResponseStore
+from training.utils.rl.rollout.sample_builder import CallTokens, call_weight_versions
 from training.utils.rl.rollout.turn_matching import APPEND, NEW, WIPE, TurnLabel
 
 __all__ = ["APPEND", "NEW", "WIPE", "CallRecord", "SessionRecord", "TurnLabel"]
@@ -69,8 +70,20 @@ class CallRecord:
 
     @property
     def output_weight_versions(self) -> list[int]:
-        """The weight version of each output token."""
-        return list(self.token_weight_versions or [self.weight_version] * len(self.output_ids))
+        """The weight version of each output token (``call_weight_versions``: the sample builder's convention)."""
+        return call_weight_versions(self.token_weight_versions, self.weight_version, len(self.output_ids))
+
+    def call_tokens(self) -> CallTokens:
+        """This call's exact ids, logprobs, weight versions and ``trainable`` flag, as the sample builder takes them."""
+        return CallTokens(
+            prompt_ids=self.prompt_ids,
+            output_ids=self.output_ids,
+            output_logprobs=self.output_logprobs,
+            output_weight_versions=self.output_weight_versions,
+            finish_reason=self.finish_reason,
+            index=self.index,
+            trainable=self.trainable,
+        )
 
     @property
     def full_ids(self) -> list[int]:

@@ -36,6 +36,7 @@ from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer
 from training.proxy.stitching import DRIFT_POLICIES, stitch_calls
 from training.proxy.transitions import CreditFn, build_transitions, credit_parts, tool_status_counts
 from training.utils.rl.rollout import RolloutRun, RolloutSetup
+from training.utils.rl.rollout.episode_facts import EpisodeFacts
 from training.openai_api.template_check import run_template_check
 
 MODES = ("stitch", "transitions")
@@ -247,55 +248,34 @@ class ProxyRolloutFn:
             )
         reward = await self._reward(row, result, session)
         calls = session.calls_of(self.agents)
-        meta = self.episode_metadata(session, calls, reward)
+        facts = self.episode_facts(session, calls, reward)
         if self.mode == "stitch":
             _, intermediate = credit_parts(self.credit_fn, calls, reward)
             run_reward = reward + sum(intermediate)
             res = stitch_calls(calls, reward=run_reward, on_drift=self.on_drift, max_seq_len=self.max_seq_len)
-            meta.update(
-                segment_calls=res.segment_calls,
-                drift_events=res.drift_events,
-                dropped_segments=res.dropped_segments,
-                intermediate_rewards=intermediate,
-                run_reward=run_reward,
-            )
-            if not res.samples:
-                return None
-            return RolloutRun(segments=res.samples, reward=run_reward, metadata=meta)
+            return res.to_run(run_reward, facts, intermediate)
         trainable = [c for c in calls if c.trainable]  # constrained calls under constrained_calls="exclude" drop out
         res = build_transitions(trainable, reward, self.credit_fn, max_seq_len=self.max_seq_len)
-        meta.update(
-            sample_calls=res.calls,
-            credited_rewards=res.rewards,
-            sample_weights=res.weights,
-            return_weights=res.return_weights,
-            intermediate_rewards=res.intermediate,
-            run_reward=reward,
-        )
-        if not res.samples:
-            return None
-        return RolloutRun(
-            segments=res.samples, reward=reward, metadata=meta, segment_rewards=True, return_weights=res.return_weights
-        )
+        return res.to_run(reward, facts)
 
-    def episode_metadata(self, session: SessionRecord, calls: list, reward: float) -> dict[str, Any]:
-        """The run's facts (shape documented in ``training/utils/rl/run_metrics.py``)."""
+    def episode_facts(self, session: SessionRecord, calls: list, reward: float) -> EpisodeFacts:
+        """The run's facts (``EpisodeFacts``; the step metrics read them: ``training/utils/rl/run_metrics.py``)."""
         labels = {kind: 0 for kind in (NEW, APPEND, WIPE)}
         for c in calls:
             labels[c.label.kind] += 1
-        return {
-            "mode": self.mode,
-            "stop_reason": "finish",  # the agent returned; timeouts and errors count as failure causes
-            "session_id": session.session_id,
-            "return": reward,
-            "calls": [c.summary() for c in session.calls],
-            "num_calls": len(calls),
-            "labels": labels,
-            "drift": sum(1 for c in calls if c.label.token_drift),
-            "tool_status_counts": tool_status_counts(calls),
-            "truncated": any(c.finish_reason == "length" for c in calls),
-            "weight_versions": sorted({c.weight_version for c in calls}),
-        }
+        return EpisodeFacts(
+            mode=self.mode,
+            stop_reason="finish",  # the agent returned; timeouts and errors count as failure causes
+            session_id=session.session_id,
+            episode_return=reward,
+            calls=[c.summary() for c in session.calls],
+            num_calls=len(calls),
+            labels=labels,
+            drift=sum(1 for c in calls if c.label.token_drift),
+            tool_status_counts=tool_status_counts(calls),
+            truncated=any(c.finish_reason == "length" for c in calls),
+            weight_versions=sorted({c.weight_version for c in calls}),
+        )
 
 
 def make_proxy_rollout_fn(

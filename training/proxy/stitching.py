@@ -13,7 +13,10 @@ Per chain (the calls that share ``label.chain``), in order:
   (the dropped tail's generated tokens are lost, the rest stays exact).
 
 A call flagged ``trainable=False`` (constrained decoding under ``constrained_calls="exclude"``)
-adds its output as context (mask 0) instead.
+adds its output as context (mask 0, logprob 0.0) instead.
+
+The segments are built by the one sample builder (``training/utils/rl/rollout/sample_builder.py``,
+shared with the in-process agents): its mask, logprob and weight-version conventions.
 
 Over-length: a segment longer than ``max_seq_len`` is cut to it (``finish_reason="length"``);
 a segment with no trainable token left is dropped. Invariant (tested): the mask-1 tokens of a
@@ -23,61 +26,16 @@ logprobs are the sampler's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from training.utils.rl.rollout.turn_matching import common_prefix_len
 from training.proxy.records import CallRecord
-from training.utils.rl.rollout import RolloutSample
+from training.utils.rl.rollout import RolloutRun, RolloutSample
+from training.utils.rl.rollout.episode_facts import EpisodeFacts
+from training.utils.rl.rollout.sample_builder import SampleBuilder
+from training.utils.rl.rollout.turn_matching import common_prefix_len
 
 DRIFT_POLICIES = ("split", "mask")
-
-
-@dataclass
-class SegmentBuilder:
-    """Parallel token lists under construction, plus which calls they hold."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-    """Parallel to ``tokens``: the weight version of a generated token, -1 on context."""
-    calls: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"
-
-    def add_context(self, ids: list[int]) -> None:
-        self.tokens += ids
-        self.logprobs += [0.0] * len(ids)
-        self.loss_mask += [0] * len(ids)
-        self.weight_versions += [-1] * len(ids)
-
-    def add_output(self, call: CallRecord) -> None:
-        self.tokens += call.output_ids
-        self.logprobs += call.output_logprobs
-        self.loss_mask += [int(call.trainable)] * len(call.output_ids)  # an excluded constrained call: context
-        self.weight_versions += call.output_weight_versions
-        self.calls.append(call.index)
-        self.finish_reason = call.finish_reason
-
-    def truncate(self, n: int) -> None:
-        del self.tokens[n:], self.logprobs[n:], self.loss_mask[n:], self.weight_versions[n:]
-
-    def to_sample(self, reward: float, max_seq_len: Optional[int]) -> Optional[RolloutSample]:
-        finish = self.finish_reason
-        if max_seq_len is not None and len(self.tokens) > max_seq_len:
-            self.truncate(max_seq_len)
-            finish = "length"
-        if sum(self.loss_mask) == 0:
-            return None
-        versions = [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
-        return RolloutSample(
-            tokens=list(self.tokens),
-            logprobs=list(self.logprobs),
-            loss_mask=list(self.loss_mask),
-            reward=reward,
-            finish_reason=finish,
-            token_weight_versions=versions if all(v >= 0 for v in versions) else None,
-        )
 
 
 @dataclass
@@ -90,11 +48,29 @@ class StitchResult:
     dropped_segments: int = 0
     """Segments with no trainable token left (empty outputs, or cut by ``max_seq_len``)."""
 
+    def to_run(self, run_reward: float, facts: EpisodeFacts, intermediate: list[float]) -> Optional[RolloutRun]:
+        """The ``RolloutRun`` of the segments (reward ``run_reward``), or None when none is left; its metadata
+        is ``facts`` with the stitching's part: ``mode``, ``segment_calls``, ``drift_events``,
+        ``dropped_segments``, ``intermediate_rewards`` (per call) and ``run_reward``."""
+        facts = replace(
+            facts,
+            mode="stitch",
+            segment_calls=self.segment_calls,
+            drift_events=self.drift_events,
+            dropped_segments=self.dropped_segments,
+            intermediate_rewards=list(intermediate),
+            run_reward=run_reward,
+        )
+        if not self.samples:
+            return None
+        return RolloutRun(segments=self.samples, reward=run_reward, metadata=facts.to_metadata())
+
 
 def stitch_calls(
     calls: list[CallRecord], *, reward: float = 0.0, on_drift: str = "split", max_seq_len: Optional[int] = None
 ) -> StitchResult:
-    """Segments of ``calls`` (already labelled; any agent filter applied by the caller)."""
+    """Segments of ``calls`` (already labelled; any agent filter applied by the caller), each built by a
+    ``SampleBuilder`` (``training/utils/rl/rollout/sample_builder.py``: its masks and weight versions)."""
     if on_drift not in DRIFT_POLICIES:
         raise ValueError(f"on_drift: {on_drift!r} is not one of {DRIFT_POLICIES}")
     chains: dict[int, list[CallRecord]] = {}
@@ -102,32 +78,29 @@ def stitch_calls(
         if c.label is None:
             raise ValueError(f"calls[{c.index}]: unlabelled call; record calls through the proxy")
         chains.setdefault(c.label.chain, []).append(c)
-    builders: list[SegmentBuilder] = []
+    builders: list[SampleBuilder] = []
     drift: list[dict] = []
     for chain in chains.values():
-        seg: Optional[SegmentBuilder] = None
-        for call in chain:
+        seg: Optional[SampleBuilder] = None
+        for record in chain:
+            call = record.call_tokens()
             if seg is not None:
-                p = common_prefix_len(seg.tokens, call.prompt_ids)
-                if p == len(seg.tokens):
-                    seg.add_context(call.prompt_ids[p:])
-                    seg.add_output(call)
+                if seg.extends(call.prompt_ids):
+                    seg.add_call(call)
                     continue
+                p = common_prefix_len(seg.tokens, call.prompt_ids)
                 drift.append({"call": call.index, "position": p, "expected_len": len(seg.tokens), "action": on_drift})
                 if on_drift == "mask":
                     seg.truncate(p)
-                    seg.add_context(call.prompt_ids[p:])
-                    seg.add_output(call)
+                    seg.add_call(call)
                     continue
                 builders.append(seg)
-            seg = SegmentBuilder()
-            seg.add_context(call.prompt_ids)
-            seg.add_output(call)
+            seg = SampleBuilder.of_call(call, reason="start" if seg is None else "drift")
         if seg is not None:
             builders.append(seg)
     result = StitchResult([], [], drift)
     for b in builders:
-        sample = b.to_sample(reward, max_seq_len)
+        sample = b.to_sample(reward, max_seq_len=max_seq_len)
         if sample is None:
             result.dropped_segments += 1
             continue

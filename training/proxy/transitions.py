@@ -172,17 +172,8 @@ def build_transitions(
     *,
     max_seq_len: Optional[int] = None,
 ) -> TransitionResult:
-    """One sample per call with an output token; rewards g·R + i from ``credit_parts``."""
+    """One sample per call with a trainable output token (a call flagged ``trainable=False`` gives none);
+    rewards g·R + i from ``credit_parts``; built by the shared sample builder (``credit.transitions_of``)."""
     shares, intermediate = credit_parts(credit_fn, calls, episode_return)
-    tokens = [
-        credit.CallTokens(
-            prompt_ids=c.prompt_ids,
-            output_ids=c.output_ids,
-            output_logprobs=c.output_logprobs,
-            output_weight_versions=c.output_weight_versions,
-            finish_reason=c.finish_reason,
-            index=c.index,
-        )
-        for c in calls
-    ]
+    tokens = [c.call_tokens() for c in calls]
     return credit.transitions_of(tokens, shares, intermediate, episode_return, max_seq_len=max_seq_len)

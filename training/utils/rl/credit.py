@@ -23,10 +23,24 @@ The group's advantage of call k is g_k·Â_episode + (i_k - mean i): ``advantage
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from training.utils.rl.rollout import RolloutRun, RolloutSample
+from training.utils.rl.rollout.episode_facts import EpisodeFacts
+from training.utils.rl.rollout.sample_builder import CallTokens, SampleBuilder
+
+__all__ = [
+    "TRANSITIONS",
+    "CallTokens",
+    "CreditFn",
+    "TransitionResult",
+    "credit_parts",
+    "discounted",
+    "episode_weights",
+    "same_return",
+    "transitions_of",
+]
 
 CreditFn = Callable[[Sequence[Any], float], list[float]]
 """``credit_fn(calls, R) -> [r_0, ..., r_{K-1}]``, affine in R."""
@@ -87,21 +101,6 @@ def episode_weights(n: int) -> list[float]:
 
 
 @dataclass
-class CallTokens:
-    """One model call's exact token ids, as the server returned them."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    """Sampler logprob of each output token (parallel to ``output_ids``)."""
-    output_weight_versions: list[int]
-    """Weight version of each output token (-1 = unknown)."""
-    finish_reason: str
-    index: int = 0
-    """Position of the call in its episode."""
-
-
-@dataclass
 class TransitionResult:
     """Transitions of one episode: the samples and, parallel to them, what credited each."""
 
@@ -117,15 +116,27 @@ class TransitionResult:
     intermediate: list[float] = field(default_factory=list)
     """i of each sample: its per-call reward (tool status, posted rewards)."""
 
-    def to_run(self, episode_return: float, metadata: Optional[dict] = None) -> Optional[RolloutRun]:
+    def to_run(self, episode_return: float, facts: Optional[EpisodeFacts] = None) -> Optional[RolloutRun]:
         """The ``RolloutRun`` (``segment_rewards``, ``return_weights`` g; reward R for the group
-        statistics), or None when no call has a trainable token."""
+        statistics), or None when no call has a trainable token. Its metadata is ``facts`` with the
+        credit filled in: ``mode``, ``sample_calls``, ``credited_rewards``, ``sample_weights``,
+        ``return_weights``, ``intermediate_rewards`` (per sample) and ``run_reward`` (R)."""
         if not self.samples:
             return None
+        facts = replace(
+            facts or EpisodeFacts(),
+            mode=TRANSITIONS,
+            sample_calls=list(self.calls),
+            credited_rewards=list(self.rewards),
+            sample_weights=list(self.weights),
+            return_weights=list(self.return_weights),
+            intermediate_rewards=list(self.intermediate),
+            run_reward=float(episode_return),
+        )
         return RolloutRun(
             segments=self.samples,
             reward=float(episode_return),
-            metadata=dict(metadata or {}),
+            metadata=facts.to_metadata(),
             segment_rewards=True,
             return_weights=self.return_weights,
         )
@@ -139,32 +150,17 @@ def transitions_of(
     *,
     max_seq_len: Optional[int] = None,
 ) -> TransitionResult:
-    """One sample per call with an output token: ``prompt_ids`` (mask 0) + ``output_ids`` (mask 1, the
-    sampler's logprobs), reward g·R + i, weight ``1 / n``. A call longer than ``max_seq_len`` is cut
-    to it (``finish_reason="length"``); a call with no output token left is skipped."""
+    """One sample per call with a trainable output token (``SampleBuilder.of_call``): ``prompt_ids`` (mask 0)
+    + ``output_ids`` (mask 1, the sampler's logprobs and weight versions), reward g·R + i, weight ``1 / n``.
+    A call longer than ``max_seq_len`` is cut to it (``finish_reason="length"``); a call with no output
+    token left is skipped."""
     result = TransitionResult()
     for c, g, i in zip(calls, shares, intermediate):
-        tokens = list(c.prompt_ids) + list(c.output_ids)
-        mask = [0] * len(c.prompt_ids) + [1] * len(c.output_ids)
-        logprobs = [0.0] * len(c.prompt_ids) + [float(x) for x in c.output_logprobs]
-        versions = list(c.output_weight_versions)
-        finish = c.finish_reason
-        if max_seq_len is not None and len(tokens) > max_seq_len:
-            tokens, mask, logprobs, finish = tokens[:max_seq_len], mask[:max_seq_len], logprobs[:max_seq_len], "length"
-            versions = versions[: sum(mask)]
-        if sum(mask) == 0:
-            continue
         reward = g * float(episode_return) + i
-        result.samples.append(
-            RolloutSample(
-                tokens=tokens,
-                logprobs=logprobs,
-                loss_mask=mask,
-                reward=reward,
-                finish_reason=finish,
-                token_weight_versions=versions if all(v >= 0 for v in versions) else None,
-            )
-        )
+        sample = SampleBuilder.of_call(c).to_sample(reward, max_seq_len=max_seq_len)
+        if sample is None:
+            continue
+        result.samples.append(sample)
         result.rewards.append(reward)
         result.calls.append(c.index)
         result.return_weights.append(g)

@@ -5,7 +5,8 @@
                                failure_causes=causes))   # causes: PromptGroup.failure_causes, summed
 
 The agent rollouts (``training.agents.make_agent_rollout_fn``, ``training.proxy.make_proxy_rollout_fn``)
-put these keys in ``RolloutRun.metadata`` (all optional; any other key is ignored here and still
+put these keys in ``RolloutRun.metadata``, each a field of their ``EpisodeFacts``
+(``training/utils/rl/rollout/episode_facts.py``; all optional; any other key is ignored here and still
 written to ``rollouts.jsonl``):
 
 | key | type | meaning |

@@ -24,8 +24,10 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
   a numpy or torch scalar, converted to ``float`` at validation. ``None``, ``nan``, ``inf``, a bool
   or anything larger is refused naming the field (a huge reward would overflow the advantages).
 
-``training.utils.rl.rollout.turn_matching`` (a submodule of this package) classifies the calls
-of a recorded multi-turn episode as NEW, APPEND or WIPE.
+Submodules of this package: ``sample_builder`` (``SampleBuilder``, the one builder of these samples from
+model calls, with the weight-version convention), ``episode_facts`` (``EpisodeFacts``, the typed record
+behind an agent run's ``metadata``) and ``turn_matching`` (classifies the calls of a recorded multi-turn
+episode as NEW, APPEND or WIPE).
 
 Shape suffixes, the one convention of the whole code base: a list or tensor whose length or
 shape is not obvious ends in one capital letter per dimension, outermost first (``logprobs_T``,

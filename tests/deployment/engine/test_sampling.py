@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from training.deployment.engine import AsyncEngine, EngineConfig, EngineError, SamplingParams
+from training.deployment.engine.inbox import AddRequest
 from training.deployment.engine.requests import SequenceFailedError
 from training.deployment.engine.token_sampler import _process, sample
 from training.deployment.engine.sequence import Sequence
@@ -409,9 +410,7 @@ def test_a_sequence_that_fails_inside_a_step_fails_alone(tiny_model_path, hf_mod
             eng._deliver(fut := asyncio.get_running_loop().create_future()),
         )
         bad.params = replace(bad.params, logit_bias={10**9: 1.0})
-        with eng._cond:
-            eng._inbox.append(bad)
-            eng._cond.notify_all()
+        eng._post(AddRequest(bad))  # past the validation generate() would do
         results = await asyncio.gather(*good)
         with pytest.raises(SequenceFailedError):
             await fut

@@ -1,12 +1,13 @@
 """``AsyncEngine``: the asyncio face of the engine; a background thread runs the steps.
 
 Threading contract: only the engine thread touches the model, the scheduler and the KV cache.
-Coroutines hand it requests, aborts and weight updates through an inbox guarded by one
-condition variable; results come back to asyncio futures with ``loop.call_soon_threadsafe``.
-The thread sleeps while there is nothing to do or the engine is paused.
+Coroutines hand it commands (new requests, aborts, weight updates, prompt scoring, sleep / wake)
+through one inbox guarded by one condition variable (``inbox.py``: its table says what the thread
+takes when, and in which order); results come back to asyncio futures with
+``loop.call_soon_threadsafe``. The thread sleeps while there is nothing to do or the engine is paused.
 
 Prompt logprobs (``prompt_logprobs``) run on the same thread, between two steps, as a scoring
-forward that never touches the KV cache (``scoring.py``); like new requests they wait while the
+forward that never touches the KV cache (``runners/scoring.py``); like new requests they wait while the
 engine is paused or asleep.
 """
 
@@ -31,9 +32,9 @@ from training.deployment.engine.requests import (
     WeightUpdateError,
 )
 from training.deployment.engine.engine import LLMEngine, PendingUpdate
-from training.deployment.engine.runners.scoring import PromptLogprobs, score_prompts
-from training.deployment.engine.sequence import Sequence
-from training.deployment.engine.runners.sleep import SLEEP_LEVELS, RunnerSleep, trim_heap
+from training.deployment.engine.inbox import AbortRequest, AddRequest, Inbox
+from training.deployment.engine.runners.scoring import PromptLogprobs, ScorePrompts
+from training.deployment.engine.runners.sleep import SLEEP_LEVELS, SleepOrWake, trim_heap
 from training.deployment.server.process_stats import rss_bytes
 from training.deployment.engine.weights import load_safetensors, validate_update
 from training.utils.openmp import release_openmp_threads, releasing_openmp_threads
@@ -47,14 +48,6 @@ a burst's activations (an eval's prefill of every prompt) would otherwise stay r
 and add to the next weight push's peak."""
 
 
-class _ScoreJob:
-    """One ``prompt_logprobs`` call waiting for the engine thread (skipped if its caller went away first)."""
-
-    def __init__(self, prompts: list[list[int]], top_k: int, done: Callable):
-        self.prompts, self.top_k, self.done = prompts, top_k, done
-        self.cancelled = False
-
-
 class AsyncEngine:
     """Continuous-batching generation engine with prefix caching and in-flight weight updates."""
 
@@ -63,21 +56,13 @@ class AsyncEngine:
         self.engine = LLMEngine(config)
         release_openmp_threads()  # the engine thread computes: no second OpenMP pool (training/utils/openmp.py)
         self._cond = threading.Condition()
-        self._inbox: list[Sequence] = []
-        self._aborts: list[Sequence] = []
-        self._updates: list[PendingUpdate] = []
-        self._scores: list[_ScoreJob] = []
-        """``prompt_logprobs`` calls waiting for the engine thread (run between two steps)."""
-        self.score_counts = {"prompt_logprobs_requests": 0, "prompt_logprobs_tokens": 0}
+        self._inbox = Inbox()
+        """Commands for the engine thread (``inbox.py``), guarded by ``_cond``."""
         self._paused = False
         self._stopping = False
         self._in_step = False
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._sleep = RunnerSleep(self.engine.runner)
-        self._sleep_ops: list[tuple[int, Callable]] = []
-        """Pending sleep (level 1 / 2) and wake (level 0) requests, applied in order by the engine thread."""
-        self.sleep_counts = {"sleeps": 0, "wakes": 0, "weight_reloads": 0}
         self._num_threads = config.num_threads or torch.get_num_threads()
         """CPU threads of the engine thread's torch ops (OpenMP settings are per thread: handed on in ``_run``)."""
 
@@ -109,7 +94,7 @@ class AsyncEngine:
 
     def queued(self) -> int:
         """Sequences waiting for admission: handed in and not yet seen by the engine thread, or in its queue."""
-        return len(self._inbox) + len(self.engine.scheduler.waiting)
+        return self._inbox.requests() + len(self.engine.scheduler.waiting)
 
     def check_room(self, sequences: int = 1) -> None:
         """Raise :class:`EngineBusyError` unless ``sequences`` more may queue: the queue would pass
@@ -125,11 +110,10 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._cond:
             s = self.engine.stats()
-            s["waiting"] += len(self._inbox)
-            s["pools"]["waiting"]["size"] += len(self._inbox)
+            s["waiting"] += self._inbox.requests()
+            s["pools"]["waiting"]["size"] += self._inbox.requests()
             s["paused"] = self._paused
             s["num_threads"] = self._num_threads
-            s.update(self.score_counts)
             return s
 
     # ----------------------------------------------------------------- lifecycle
@@ -151,34 +135,19 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         with self._cond:
-            seqs = self._inbox + list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running)
-            self._inbox.clear()
-            for seq in seqs:
+            queued = self._inbox.drain()  # aborts among them are moot: every sequence is aborted here
+            held = [c.seq for c in queued if isinstance(c, AddRequest)]
+            for seq in held + list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
                 self.engine.abort(seq)
-            for upd in self._updates + self.engine.pending_updates:
+            for upd in [c for c in queued if isinstance(c, PendingUpdate)] + self.engine.pending_updates:
                 upd.done(RuntimeError("engine shut down before the weight update was applied"))
-            self._updates.clear()
             self.engine.pending_updates.clear()
-            for _, done in self._sleep_ops:
-                done(RuntimeError("engine shut down before the sleep / wake was applied"))
-            self._sleep_ops.clear()
-            for job in self._scores:
-                job.done(RuntimeError("engine shut down before the prompt logprobs were computed"))
-            self._scores.clear()
-
-    def _ready(self) -> bool:
-        if self._sleep_ops and self._sleep_op_ready():
-            return True
-        if (self._inbox and not self._holding()) or self._aborts:
-            return True
-        if self._scores and not (self._holding() or self._paused):
-            return True
-        if self._sleep.level:  # asleep: only weight updates proceed (they land in the restored weights)
-            return bool(self._updates or self.engine.pending_updates)
-        if self._paused:  # only a weight update that needs no running step may proceed
-            ups = self._updates + self.engine.pending_updates
-            return bool(ups) and (not ups[0].wait_for_inflight or not self.engine.scheduler.running)
-        return bool(self._updates) or self.engine.has_work()
+            for command in queued:
+                if isinstance(command, SleepOrWake):
+                    command.done(RuntimeError("engine shut down before the sleep / wake was applied"))
+            for command in queued:
+                if isinstance(command, ScorePrompts):
+                    command.done(RuntimeError("engine shut down before the prompt logprobs were computed"))
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
@@ -188,38 +157,18 @@ class AsyncEngine:
         trimmed_rss = rss_bytes() or 0
         while True:
             with self._cond:
-                while not self._stopping and not self._ready():
+                while not self._stopping and not self._inbox.ready(self.engine, self._paused):
                     if on_cpu and (rss_bytes() or 0) > trimmed_rss + IDLE_TRIM_BYTES:  # idle: a few ms, once a burst
                         trim_heap()
                         trimmed_rss = rss_bytes() or 0
                     self._cond.wait()
                 if self._stopping:
                     return
-                if not self._holding():
-                    for seq in self._inbox:
-                        self.engine.add(seq)
-                    self._inbox.clear()
-                scores: list[_ScoreJob] = []
-                if not (self._holding() or self._paused):
-                    scores, self._scores = self._scores, []
-                sleep_op = self._sleep_ops.pop(0) if self._sleep_ops and self._sleep_op_ready() else None
-                for seq in self._aborts:
-                    self.engine.abort(seq)
-                self._aborts.clear()
-                self.engine.pending_updates.extend(self._updates)
-                self._updates.clear()
-                paused = self._paused or self._sleep.level > 0
+                work = self._inbox.take(self.engine, self._paused)
+                work.run_at_once(self.engine)
                 self._in_step = True
             try:
-                self._run_scores(scores)  # taken only when neither paused nor asleep
-                if sleep_op is not None:
-                    self._apply_sleep_op(*sleep_op)
-                elif paused:
-                    if self._sleep.level == 2 and self.engine.pending_updates:
-                        self._sleep.restore_weights()  # a push to a level-2 sleeper lands; KV stays freed
-                    self.engine.apply_ready_updates()
-                elif self.engine.has_work() or not scores:
-                    self.engine.step()
+                work.run(self.engine)
             except BaseException as exc:  # fail every in-flight request rather than hang them
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -227,22 +176,6 @@ class AsyncEngine:
                 with self._cond:
                     self._in_step = False
                     self._cond.notify_all()
-
-    def _run_scores(self, jobs: list[_ScoreJob]) -> None:
-        """Engine thread: each waiting ``prompt_logprobs`` call, between two steps; a failure is its caller's alone."""
-        for job in jobs:
-            if job.cancelled:
-                continue
-            try:
-                scored = score_prompts(self.engine.runner, job.prompts, job.top_k)
-                for s in scored:
-                    s.weight_version = self.engine.weight_version
-                self.score_counts["prompt_logprobs_requests"] += 1
-                self.score_counts["prompt_logprobs_tokens"] += sum(len(p) for p in job.prompts)
-                job.done(scored)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                log.exception("prompt logprobs failed")
-                job.done(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         sched = self.engine.scheduler
@@ -255,46 +188,13 @@ class AsyncEngine:
     # ----------------------------------------------------------------- sleep / wake
     @property
     def sleep_level(self) -> int:
-        """0 awake; 1 the KV cache is freed; 2 the weights too (sleep.py)."""
-        return self._sleep.level
+        """0 awake; 1 the KV cache is freed; 2 the weights too (runners/sleep.py)."""
+        return self.engine.memory.level
 
-    def _holding(self) -> bool:
-        """New requests stay in the inbox: the engine sleeps or is about to (they run after the wake)."""
-        return self._sleep.level > 0 or any(level > 0 for level, _ in self._sleep_ops)
-
-    def _sleep_op_ready(self) -> bool:
-        """A sleep waits until nothing runs or waits and no update is pending; a wake goes at once."""
-        level, _ = self._sleep_ops[0]
-        if level == 0:
-            return True
-        return not self.engine.has_work() and not self._updates
-
-    def _apply_sleep_op(self, level: int, done: Callable) -> None:
-        """Engine thread: free (level 1 / 2) or re-allocate (0) the runner's memory; ``done(result or exc)``."""
-        try:
-            if level > 0:
-                result = self._sleep.sleep(level)
-                self.engine.scheduler.weights_changed()  # the freed K/V is gone: no cached prefix survives
-                self.sleep_counts["sleeps"] += 1
-            else:
-                result = {"reloaded_weights": self._sleep.level == 2}
-                if self._sleep.level == 2:  # no push since the sleep: the served model folder's weights
-                    log.warning(
-                        "wake_up after a level-2 sleep with no weight push: reloading %s", self.engine.model_path
-                    )
-                    self._sleep.restore_weights()
-                    self.engine.runner.load_weights(load_safetensors(self.engine.model_path))
-                    self.engine.weight_version = 0
-                    self.sleep_counts["weight_reloads"] += 1
-                woke = self._sleep.level > 0
-                self._sleep.wake()
-                self.engine.scheduler.weights_changed()
-                self.engine.scheduler.blocks.reset()  # fresh pool memory: hand out blocks from the first again
-                self.sleep_counts["wakes"] += woke
-            done(result)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            log.exception("sleep / wake failed")
-            done(exc)
+    @property
+    def sleep_counts(self) -> dict[str, int]:
+        """``sleeps``, ``wakes`` and ``weight_reloads`` (a wake after level 2 with no push since) so far."""
+        return self.engine.memory.counts
 
     async def sleep(self, level: int = 1) -> dict:
         """Finish what runs and waits, then free the KV cache (level 1) or the weights too (level 2).
@@ -304,23 +204,31 @@ class AsyncEngine:
         Returns the bytes freed (``kv_cache_bytes``, ``derived_bytes``, ``weight_bytes``)."""
         if level not in SLEEP_LEVELS:
             raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
-        return await self._queue_sleep_op(level)
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(SleepOrWake(level, self._deliver(fut)))
+        return await fut
 
     async def wake_up(self) -> dict:
         """Re-allocate the KV cache and derived copies (after level 2 with no push since: reload the model
         folder's weights, version 0); held requests then run. ``{"reloaded_weights": bool}``."""
-        return await self._queue_sleep_op(0)
-
-    async def _queue_sleep_op(self, level: int) -> dict:
         fut = asyncio.get_running_loop().create_future()
+        self._submit(SleepOrWake(0, self._deliver(fut)))
+        return await fut
+
+    # ----------------------------------------------------------------- the inbox
+    def _post(self, command) -> None:
+        """Hand ``command`` to the engine thread (call with ``_cond`` held, or it is taken here)."""
+        with self._cond:
+            self._inbox.post(command)
+            self._cond.notify_all()
+
+    def _submit(self, command) -> None:
+        """``_post`` for a command that only a running engine thread may take (RuntimeError before ``start``)."""
         with self._cond:
             if self._stopping or self._thread is None:
                 raise RuntimeError("engine is not running: call start() first")
-            self._sleep_ops.append((level, self._deliver(fut)))
-            self._cond.notify_all()
-        return await fut
+            self._post(command)
 
-    # ----------------------------------------------------------------- requests
     def _deliver(self, fut: asyncio.Future):
         loop = self._loop or asyncio.get_running_loop()
 
@@ -346,8 +254,7 @@ class AsyncEngine:
         with self._cond:
             seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, self._deliver(fut))
             self.check_room()
-            self._inbox.append(seq)
-            self._cond.notify_all()
+            self._post(AddRequest(seq))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -376,8 +283,7 @@ class AsyncEngine:
             seq = self.engine.make_sequence(list(prompt_token_ids), params, session_id, put)
             self.check_room()
             seq.on_token = lambda tok, lp, top, version: put((tok, lp, top, version))
-            self._inbox.append(seq)
-            self._cond.notify_all()
+            self._post(AddRequest(seq))
         received, finished = 0, False
         try:
             while not finished:
@@ -427,12 +333,8 @@ class AsyncEngine:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise EngineError(f"prompt_token_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
         fut = asyncio.get_running_loop().create_future()
-        job = _ScoreJob([list(p) for p in prompts], top_k, self._deliver(fut))
-        with self._cond:
-            if self._stopping or self._thread is None:
-                raise RuntimeError("engine is not running: call start() first")
-            self._scores.append(job)
-            self._cond.notify_all()
+        job = ScorePrompts([list(p) for p in prompts], top_k, self._deliver(fut))
+        self._submit(job)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -441,9 +343,7 @@ class AsyncEngine:
 
     def abort(self, seq) -> None:
         """Ask the engine thread to abort ``seq`` at the next step boundary (no-op once finished)."""
-        with self._cond:
-            self._aborts.append(seq)
-            self._cond.notify_all()
+        self._post(AbortRequest(seq))
 
     # ----------------------------------------------------------------- weights
     async def update_weights(
@@ -481,18 +381,8 @@ class AsyncEngine:
         load: Optional[Callable[[], None]],
     ) -> None:
         fut = asyncio.get_running_loop().create_future()
-        with self._cond:
-            if self._stopping or self._thread is None:
-                raise RuntimeError("engine is not running: call start() first")
-            self._updates.append(
-                PendingUpdate(tensors, int(weight_version), wait_for_inflight, self._deliver_update(fut), load)
-            )
-            self._cond.notify_all()
+        self._submit(PendingUpdate(tensors, int(weight_version), wait_for_inflight, self._deliver(fut), load))
         await fut
-
-    def _deliver_update(self, fut: asyncio.Future):
-        deliver = self._deliver(fut)
-        return lambda exc: deliver(exc if exc is not None else None)
 
     async def update_weights_from_disk(self, path: str, weight_version: int, **kw) -> None:
         """Map a safetensors folder (or file) (``load_safetensors``: views on the files, nothing copied), then

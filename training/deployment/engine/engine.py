@@ -41,6 +41,7 @@ from training.deployment.engine.block_manager import BlockManager
 from training.deployment.engine.constraints import GrammarMasks
 from training.deployment.engine.runners.lean import PrefillItem
 from training.deployment.engine.runners.build import build_runner
+from training.deployment.engine.runners.sleep import RunnerSleep
 from training.deployment.engine.token_sampler import SampleOutput, sample
 from training.deployment.engine.scheduler import Admission, Scheduler
 from training.deployment.engine.sequence import Sequence, SequenceStatus
@@ -53,7 +54,9 @@ class PendingUpdate:
     """A validated weight set waiting for its moment; ``done(exc)`` is called once applied or failed.
 
     ``load``, when given, replaces ``runner.load_weights(tensors)``: it runs on the engine thread at
-    the same moment (streamed updates that receive and copy one tensor at a time).
+    the same moment (streamed updates that receive and copy one tensor at a time). A command of the
+    engine thread's inbox (inbox.py): handed to ``LLMEngine.pending_updates``, which runs it when it may go
+    (``apply_ready_updates``).
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -61,6 +64,33 @@ class PendingUpdate:
     wait_for_inflight: bool
     done: Callable[[Optional[BaseException]], None]
     load: Optional[Callable[[], None]] = None
+
+    def run(self, engine: LLMEngine) -> None:
+        """Engine thread, between two steps: copy the weights in, take their version and drop every cached or parked
+        K/V of the old ones (running sequences keep theirs, or have it recomputed: ``inflight_update_kv``);
+        ``done(None)``, or ``done(exc)`` with the old weights and version kept (a streamed update that failed half-way
+        leaves version -1: the weights are a mix)."""
+        try:
+            if self.load is not None:
+                engine.runner.begin_weight_write()
+                try:
+                    self.load()
+                finally:  # streamed pieces went into runner.targets directly
+                    engine.runner.weights_changed()
+            else:
+                engine.runner.load_weights(self.tensors)
+        except BaseException as exc:  # validated before; a failure here is a bug, OOM or a lost peer
+            log.exception("weight update failed while copying")
+            if isinstance(exc, PartialWeightUpdateError):  # some tensors are new: no known version
+                engine.weight_version = -1
+                engine.scheduler.weights_changed()
+            self.done(exc)
+            return
+        engine.weight_version = self.weight_version
+        engine.scheduler.weights_changed()
+        if engine.scheduler.running and engine.config.inflight_update_kv == "recompute":
+            engine._recompute_running_kv()
+        self.done(None)
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> list[int]:
@@ -109,6 +139,8 @@ class LLMEngine:
         )
         self.grammars = GrammarMasks(self.tokenizer, self.vocab_size)
         """Token masks of constrained requests (``SamplingParams.constraint``); unused by other rows."""
+        self.memory = RunnerSleep(self.runner)
+        """Sleep and wake of the runner's memory (runners/sleep.py): what a ``SleepOrWake`` command changes."""
         self.weight_version = 0
         self._rng = random.Random(0 if config.seed is None else config.seed)
         self.pending_updates: list[PendingUpdate] = []
@@ -123,6 +155,8 @@ class LLMEngine:
             "requests_aborted": 0,
             "recomputed_tokens": 0,
             "preempted_recomputed_tokens": 0,
+            "prompt_logprobs_requests": 0,
+            "prompt_logprobs_tokens": 0,
         }
 
     # ----------------------------------------------------------------- requests
@@ -311,28 +345,7 @@ class LLMEngine:
             if upd.wait_for_inflight and self.scheduler.running:
                 self.scheduler.admitting = False
                 return
-            self.pending_updates.pop(0)
-            try:
-                if upd.load is not None:
-                    self.runner.begin_weight_write()
-                    try:
-                        upd.load()
-                    finally:  # streamed pieces went into runner.targets directly
-                        self.runner.weights_changed()
-                else:
-                    self.runner.load_weights(upd.tensors)
-            except BaseException as exc:  # validated before; a failure here is a bug, OOM or a lost peer
-                log.exception("weight update failed while copying")
-                if isinstance(exc, PartialWeightUpdateError):  # some tensors are new: no known version
-                    self.weight_version = -1
-                    self.scheduler.weights_changed()
-                upd.done(exc)
-                continue
-            self.weight_version = upd.weight_version
-            self.scheduler.weights_changed()
-            if self.scheduler.running and self.config.inflight_update_kv == "recompute":
-                self._recompute_running_kv()
-            upd.done(None)
+            self.pending_updates.pop(0).run(self)
         self.scheduler.admitting = True
 
     def _recompute_running_kv(self) -> None:

@@ -22,10 +22,13 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SCORE_CHUNK_TOKENS = 256
 """Positions whose logits are formed and reduced together (the lean runner)."""
@@ -121,3 +124,28 @@ def score_prompts(runner, prompts: list[list[int]], top_k: int = 0) -> list[Prom
             )
         )
     return result
+
+
+class ScorePrompts:
+    """One ``prompt_logprobs`` call for the engine thread (its inbox, inbox.py, runs it between two steps, never while
+    paused or asleep); skipped if its caller went away first (``cancelled``)."""
+
+    def __init__(self, prompts: list[list[int]], top_k: int, done: Callable):
+        self.prompts, self.top_k, self.done = prompts, top_k, done
+        self.cancelled = False
+
+    def run(self, engine) -> None:
+        """Engine thread (``engine``: the ``LLMEngine``): score the prompts under the live weights; ``done(scored)`` (each stamped with the weight
+        version) or ``done(exc)``, a failure being this caller's alone. Counted in ``engine.counters``."""
+        if self.cancelled:
+            return
+        try:
+            scored = score_prompts(engine.runner, self.prompts, self.top_k)
+            for s in scored:
+                s.weight_version = engine.weight_version
+            engine.counters["prompt_logprobs_requests"] += 1
+            engine.counters["prompt_logprobs_tokens"] += sum(len(p) for p in self.prompts)
+            self.done(scored)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            log.exception("prompt logprobs failed")
+            self.done(exc)

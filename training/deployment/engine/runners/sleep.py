@@ -10,11 +10,15 @@ Freeing resizes each tensor's storage to 0 bytes: the tensor objects, their view
 storage back (new addresses: the native step's pointer table is rebuilt, CUDA graphs are re-captured on
 first use). A storage that cannot be resized (the transformers fallback's parameters, memory-mapped from
 the checkpoint) has its tensor's ``.data`` swapped for an empty one instead, and back at wake. The contents do
-not survive: the block pool is new memory after a wake (the caller drops every cached prefix and resets the
-block manager; a block is zeroed when it is handed out, so the pool is not written whole), and level-2
-weights must be loaded again (``restore_weights`` then a weight update,
-or ``reload_weights`` from the model folder). Freed memory goes back to the system: ``torch.cuda.empty_cache``
+not survive: the block pool is new memory after a wake (``SleepOrWake`` drops every cached prefix and resets
+the block manager; a block is zeroed when it is handed out, so the pool is not written whole), and level-2
+weights must be loaded again (``restore_weights`` then a weight update, or at a wake with no update since the
+model folder's weights, ``SleepOrWake``). Freed memory goes back to the system: ``torch.cuda.empty_cache``
 on CUDA; on CPU ``gc.collect`` and glibc's ``malloc_trim(0)`` (where libc has it).
+
+``SleepOrWake`` is the engine thread's command for one ``sleep`` / ``wake_up`` call (its inbox, inbox.py, says
+when it runs): the runner's transition plus what the engine makes of it (no cached prefix survives a sleep, the
+block manager starts afresh at a wake, a wake after level 2 with no push since reloads the model folder).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ import ctypes.util
 import gc
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from training.deployment.engine.weights import load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +132,8 @@ class RunnerSleep:
         self._kv = FreedStorages()
         self._derived = FreedStorages()
         self._weights = FreedStorages()
+        self.counts = {"sleeps": 0, "wakes": 0, "weight_reloads": 0}
+        """Sleeps and wakes so far, and wakes after level 2 that reloaded the model folder (``SleepOrWake``)."""
 
     # ---- what each level frees -----------------------------------------------------------
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -199,3 +208,39 @@ class RunnerSleep:
         if native is not None:  # the C side reads raw addresses: point it at the new storage
             native.repoint()
         self.level = 0
+
+
+@dataclass
+class SleepOrWake:
+    """One ``sleep(level)`` (``level`` 1 / 2) or ``wake_up()`` (``level`` 0) for the engine thread; ``done(result or
+    exc)``: the bytes freed (``RunnerSleep.sleep``), or ``{"reloaded_weights": bool}`` for a wake."""
+
+    level: int
+    done: Callable
+
+    def run(self, engine) -> None:
+        """Engine thread, nothing running: free (level 1 / 2) or re-allocate (0) the runner's memory (``engine``: the
+        ``LLMEngine``, its ``memory``, scheduler and weight version)."""
+        memory = engine.memory
+        try:
+            if self.level > 0:
+                result = memory.sleep(self.level)
+                engine.scheduler.weights_changed()  # the freed K/V is gone: no cached prefix survives
+                memory.counts["sleeps"] += 1
+            else:
+                result = {"reloaded_weights": memory.level == 2}
+                if memory.level == 2:  # no push since the sleep: the served model folder's weights
+                    log.warning("wake_up after a level-2 sleep with no weight push: reloading %s", engine.model_path)
+                    memory.restore_weights()
+                    engine.runner.load_weights(load_safetensors(engine.model_path))
+                    engine.weight_version = 0
+                    memory.counts["weight_reloads"] += 1
+                woke = memory.level > 0
+                memory.wake()
+                engine.scheduler.weights_changed()
+                engine.scheduler.blocks.reset()  # fresh pool memory: hand out blocks from the first again
+                memory.counts["wakes"] += woke
+            self.done(result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            log.exception("sleep / wake failed")
+            self.done(exc)

@@ -24,20 +24,24 @@ def is_device_name(name: str) -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → ``cuda`` if available else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given.
+    """``auto`` → the current CUDA device if CUDA is available, else ``cpu``; ``cuda`` → the current CUDA device;
+    ``cpu`` and ``cuda:N`` as given. A CUDA device always comes back with its index (``cuda:0``, never a bare
+    ``cuda``): ``torch.cuda.set_device`` and CUDA-graph capture need one.
 
     Raises ``ValueError`` naming the setting when CUDA is asked for but missing.
     """
     import torch
 
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if is_device_name(name):
         if not torch.cuda.is_available():
             raise ValueError(f"device: {name!r} requested but CUDA is not available")
         device = torch.device(name)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device: {name!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
         return device

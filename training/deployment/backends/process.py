@@ -47,6 +47,20 @@ ORPHAN_GUARD = Path(__file__).with_name("orphan_guard.py")
 """Run as a script (stdlib only: no package imports in the guard process)."""
 HEALTH_POLL_S = 0.2
 """How often a starting server's health endpoint is polled."""
+ENGINE_CHECK_EVERY = 5
+"""The watchdog asks a running server's ``/health`` whether its engine died every this many rounds."""
+
+
+def engine_dead_reason(health_body: str) -> Optional[str]:
+    """The reason in a ``/health`` body of a server whose engine thread died (``{"status": "dead", "reason"}``), else
+    None."""
+    try:
+        body = json.loads(health_body)
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("status") == "dead":
+        return str(body.get("reason") or "no reason given")
+    return None
 
 
 class DeploymentStartError(RuntimeError):
@@ -235,8 +249,14 @@ class ServerProcess:
             if proc is None or proc.poll() is not None:
                 self.ensure_alive()
                 return True
-            if self._http("GET", self.health_path, timeout=2.0)[0] == 200:
+            status, text = self._http("GET", self.health_path, timeout=2.0)
+            if status == 200:
                 return False
+            if status == 503 and engine_dead_reason(text):  # alive but its engine is gone: restart it
+                log.warning("%s server at %s: %s; restarting it", self.engine, self.base_url, engine_dead_reason(text))
+                self._terminate()
+                self.ensure_alive()
+                return True
             time.sleep(HEALTH_POLL_S)
         return False
 
@@ -396,7 +416,15 @@ class ServerProcess:
                     + (f": {cause}" if cause else "")
                     + f" (its log: {self.log_path})",
                 )
-            if self._http("GET", self.health_path, timeout=2.0)[0] == 200:
+            status, text = self._http("GET", self.health_path, timeout=2.0)
+            if status == 503 and engine_dead_reason(text):  # up, but its engine thread failed: it will not recover
+                self._terminate()
+                raise DeploymentStartError(
+                    f"{self.engine} server's engine died during startup: {engine_dead_reason(text)}; "
+                    f"log {self.log_path}:\n{self.log_tail()}",
+                    summary=f"the {self.engine} server's engine died: {engine_dead_reason(text)} (its log: {self.log_path})",
+                )
+            if status == 200:
                 self.startup_s = time.monotonic() - t0
                 log.info("%s server ready at %s after %.1f s", self.engine, self.base_url, self.startup_s)
                 return
@@ -460,9 +488,24 @@ class ServerProcess:
             raise
 
     def _watch(self) -> None:
+        """Restart the child when it has exited, or when its ``/health`` says its engine died (asked every
+        ``ENGINE_CHECK_EVERY`` rounds, outside the lock)."""
+        rounds = 0
         while not self._stopping.wait(self.watchdog_interval_s):
+            rounds += 1
+            dead = None
+            if not self.attached_url and rounds % ENGINE_CHECK_EVERY == 0 and self.is_alive():
+                status, text = self._http("GET", self.health_path, timeout=2.0)
+                dead = engine_dead_reason(text) if status == 503 else None
             with self._lock:
-                if self._stopping.is_set() or self._failed or self.is_alive():
+                if self._stopping.is_set() or self._failed:
+                    continue
+                if dead:
+                    log.warning(
+                        "%s server at %s: its engine died (%s); restarting it", self.engine, self.base_url, dead
+                    )
+                    self._terminate()
+                if self.is_alive():
                     continue
                 try:
                     self._restart()

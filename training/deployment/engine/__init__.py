@@ -11,6 +11,7 @@ See README.md in this folder for the file map and invariants.
 from training.deployment.engine.async_engine import AsyncEngine
 from training.deployment.engine.requests import (
     EngineBusyError,
+    EngineDeadError,
     EngineConfig,
     EngineError,
     GenerationResult,
@@ -21,6 +22,7 @@ from training.deployment.engine.requests import (
 __all__ = [
     "AsyncEngine",
     "EngineBusyError",
+    "EngineDeadError",
     "EngineConfig",
     "EngineError",
     "GenerationResult",

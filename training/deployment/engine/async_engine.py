@@ -23,6 +23,7 @@ import torch
 
 from training.deployment.engine.requests import (
     EngineBusyError,
+    EngineDeadError,
     MAX_TOP_LOGPROBS,
     EngineConfig,
     EngineError,
@@ -61,6 +62,9 @@ class AsyncEngine:
         self._paused = False
         self._stopping = False
         self._in_step = False
+        self.dead_reason: Optional[str] = None
+        """Why the engine thread stopped on an error (None while it runs or after a clean shutdown): from then on
+        every request fails with :class:`EngineDeadError` naming it, and the server's ``/health`` answers 503."""
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._num_threads = config.num_threads or torch.get_num_threads()
@@ -135,21 +139,50 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         with self._cond:
-            queued = self._inbox.drain()  # aborts among them are moot: every sequence is aborted here
-            held = [c.seq for c in queued if isinstance(c, AddRequest)]
-            for seq in held + list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+            self._fail_queued(None)
+
+    def _fail_queued(self, error: Optional[EngineDeadError]) -> None:
+        """End everything handed in and not done (call with ``_cond`` held): on shutdown (``error`` None) requests
+        end with ``finish_reason='abort'`` and other commands with a RuntimeError; after the engine thread died,
+        every one fails with ``error``."""
+        queued = self._inbox.drain()  # aborts among them are moot: every sequence is ended here
+        held = [c.seq for c in queued if isinstance(c, AddRequest)]
+        sched = self.engine.scheduler
+        for seq in held + list(sched.waiting) + list(sched.running):
+            if error is None:
                 self.engine.abort(seq)
-            for upd in [c for c in queued if isinstance(c, PendingUpdate)] + self.engine.pending_updates:
-                upd.done(RuntimeError("engine shut down before the weight update was applied"))
-            self.engine.pending_updates.clear()
-            for command in queued:
-                if isinstance(command, SleepOrWake):
-                    command.done(RuntimeError("engine shut down before the sleep / wake was applied"))
-            for command in queued:
-                if isinstance(command, ScorePrompts):
-                    command.done(RuntimeError("engine shut down before the prompt logprobs were computed"))
+            else:
+                callback, seq.on_finish = seq.on_finish, None
+                if seq in sched.waiting or seq in sched.running:
+                    sched.finish(seq, "abort")
+                if callback is not None:
+                    callback(error)
+        unfinished = (
+            (PendingUpdate, "the weight update was applied"),
+            (SleepOrWake, "the sleep / wake was applied"),
+            (ScorePrompts, "the prompt logprobs were computed"),
+        )
+        for command in queued + self.engine.pending_updates:
+            for kind, what in unfinished:
+                if isinstance(command, kind):
+                    command.done(error or RuntimeError(f"engine shut down before {what}"))
+        self.engine.pending_updates.clear()
 
     def _run(self) -> None:
+        """The engine thread: any error that escapes the step loop (at start, or between steps) ends the engine
+        for good, recorded in ``dead_reason``; everything waiting fails with it at once (no request hangs)."""
+        try:
+            self._run_steps()
+        except BaseException as exc:
+            log.exception("the engine thread died")
+            reason = f"{type(exc).__name__}: {exc}"
+            with self._cond:
+                self.dead_reason = reason
+                self._stopping = True
+                self._fail_queued(EngineDeadError(reason))
+                self._cond.notify_all()
+
+    def _run_steps(self) -> None:
         torch.set_num_threads(self._num_threads)
         if self.engine.device.type == "cuda":  # graphs capture on the thread's current device: make it ours
             torch.cuda.set_device(self.engine.device)
@@ -217,14 +250,19 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- the inbox
     def _post(self, command) -> None:
-        """Hand ``command`` to the engine thread (call with ``_cond`` held, or it is taken here)."""
+        """Hand ``command`` to the engine thread (call with ``_cond`` held, or it is taken here); raises
+        :class:`EngineDeadError` once the engine thread has died."""
         with self._cond:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
             self._inbox.post(command)
             self._cond.notify_all()
 
     def _submit(self, command) -> None:
         """``_post`` for a command that only a running engine thread may take (RuntimeError before ``start``)."""
         with self._cond:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
             if self._stopping or self._thread is None:
                 raise RuntimeError("engine is not running: call start() first")
             self._post(command)

@@ -7,9 +7,9 @@ Endpoints (see README.md for bodies):
 - ``POST /v1/responses``: the OpenAI Responses API over the chat path (``responses_route.py``).
 - ``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /weight_version``, ``GET /stats``.
 - ``POST /update_weights_from_disk``, ``POST /update_weights_from_shm``, ``POST /pause``, ``POST /resume``.
-- ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: colocation (server_sleep.py).
+- ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: colocation (server/sleep_routes.py).
 - ``POST /init_weight_update_group``, ``POST /update_weights_from_distributed``: the torch.distributed
-  path (the trainer broadcasts tensors; see ``dist_weights.py``, ``dist_weights_receiver.py``).
+  path (the trainer broadcasts tensors; see ``weights/distributed.py``, ``server/distributed_receiver.py``).
 
 Contract: a bad request gets 400 with the OpenAI error envelope naming the field and never
 disturbs other requests; a refused weight update gets 400 and the old weights stay live;
@@ -35,6 +35,7 @@ from aiohttp import web
 from training.deployment.server.connection_limit import RETRY_AFTER_S
 from training.deployment.engine.requests import (
     EngineBusyError,
+    EngineDeadError,
     EngineError,
     GenerationResult,
     SequenceFailedError,
@@ -100,6 +101,8 @@ async def _errors_and_auth(request: web.Request, handler: Callable[[web.Request]
         resp = error_response(503, str(e), "server_busy")
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
         return resp
+    except EngineDeadError as e:  # the engine thread is gone: nothing here will ever generate again
+        return error_response(503, str(e), "engine_dead")
     except SequenceFailedError as e:  # this request's sequence failed inside a step; the others went on
         log.error("request failed in the engine: %s", e)
         return error_response(500, f"generation failed: {e}", "internal_error")
@@ -296,7 +299,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "weight_version": request.app[ENGINE_KEY].weight_version})
+    """200 ``{"status": "ok", "weight_version"}`` while the engine thread runs; 503 ``{"status": "dead", "reason"}``
+    once it has died (the launcher's watchdog then restarts the server)."""
+    engine = request.app[ENGINE_KEY]
+    if engine.dead_reason is not None:
+        return web.json_response({"status": "dead", "reason": engine.dead_reason}, status=503)
+    return web.json_response({"status": "ok", "weight_version": engine.weight_version})
 
 
 async def weight_version(request: web.Request) -> web.Response:
@@ -345,7 +353,7 @@ def create_app(
     ``weight_dirs``: the folders ``/update_weights_from_disk`` may read (symlinks resolved; default
     the temp dir, /dev/shm, the working directory and the served model's own folder). ``weight_peers``: the hosts
     ``/init_weight_update_group`` may connect to (default loopback only). ``limits``: the
-    per-request limits (``request_limits.py``).
+    per-request limits (``server/limits.py``).
     """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine

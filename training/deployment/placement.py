@@ -10,16 +10,17 @@ The one decision, made here and nowhere else (GPU indices are this process's ``c
 | --- | --- |
 | trainer | ``TrainerConfig.device``; under torchrun ``cuda`` means ``cuda:LOCAL_RANK``, so this node's trainer ranks hold GPUs ``0..LOCAL_WORLD_SIZE-1``; ``cpu``: no GPU |
 | reference model | ``TrainerConfig.reference_device``; ``auto`` = the trainer's device |
-| replica ``i`` (``replica_devices`` set) | entry ``i % len(replica_devices)``: ``cpu``, ``cuda:N``, or ``cuda:N,M`` (tensor parallel, vLLM / SGLang) |
+| replica ``i`` (``replica_devices`` set) | entry ``i % len(replica_devices)``: ``cpu``, ``cuda:N``, or ``cuda:N,M`` (tensor parallel, a ``multi_gpu`` backend) |
 | replica ``i`` (``replica_devices`` empty, ``engine_config.device`` ``cpu`` / ``cuda`` / ``cuda:N``) | that device, for every replica (``cuda`` = ``cuda:0``) |
 | replica ``i`` (both ``auto``) | CPU without GPUs; else the GPUs the trainer and reference do not use, spread round-robin; none free: the trainer's GPUs (refused unless ``colocate``) |
 
 A launched server sees only its own GPUs (``CUDA_VISIBLE_DEVICES``, so its engine runs on ``cuda:0``;
 a CPU replica sees none) and none of torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...:
 a server is no rank of the trainer's group). Refused at start (``ValueError`` naming the setting): a GPU
-that does not exist; a replica on a GPU of the trainer or reference model without ``colocate``; an
-embedded replica on several GPUs (it runs on one); replicas sharing a GPU whose memory budgets
-(``gpu_memory_fraction``, else the engine's default) sum over 1.
+that does not exist; a replica on a GPU of the trainer or reference model without ``colocate``; a
+replica on several GPUs of a backend that runs on one (``Backend.multi_gpu``: the embedded engine);
+replicas sharing a GPU whose memory budgets (``gpu_memory_fraction``, else the backend's
+``default_gpu_memory_fraction``; training/utils/backends.py) sum over 1.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from training.utils.config import DeployConfig, TrainerConfig
+from training.utils.backends import BACKENDS
+from training.utils.config import DeployConfig, TrainerConfig, backend
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,6 @@ TORCHRUN_VARS = (
 )
 """torchrun's per-rank variables: a launched server must not see them (it would think it is a rank)."""
 TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
-DEFAULT_GPU_MEMORY_FRACTION = {"vllm": 0.9, "sglang": 0.88, "embedded": None}
-"""The share of a GPU each engine takes when ``gpu_memory_fraction`` is None (None: no fixed budget)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def plan_placement(
     ``local_world_size`` (default: ``LOCAL_WORLD_SIZE``, else 1) describe the machine. Raises
     ``ValueError`` naming the setting of a placement that cannot work."""
     trainer = trainer or TrainerConfig()
+    facts = backend(deploy.engine)
     if num_gpus is None:
         import torch
 
@@ -154,8 +155,9 @@ def plan_placement(
             if g >= num_gpus:
                 have = f"{num_gpus} GPU(s)" if num_gpus else "no GPU (CUDA is not available)"
                 raise ValueError(f"{setting}: replica on {r.label}, but this machine has {have}")
-        if len(r.gpus) > 1 and deploy.engine == "embedded":
-            raise ValueError(f"{setting}: {r.label}: the embedded engine runs on one GPU (several: vllm / sglang)")
+        if len(r.gpus) > 1 and not facts.multi_gpu:
+            several = " / ".join(b.name for b in BACKENDS.values() if b.multi_gpu)
+            raise ValueError(f"{setting}: {r.label}: the {facts.name} engine runs on one GPU (several: {several})")
         shared = sorted(set(r.gpus) & taken)
         if shared and not deploy.colocate:
             raise ValueError(
@@ -170,10 +172,13 @@ def plan_placement(
 
 
 def _check_memory_budgets(deploy: DeployConfig, replicas: tuple[ReplicaPlacement, ...]) -> None:
-    """Replicas on one GPU must fit: their memory fractions (set or the engine's default) sum to <= 1."""
-    fraction = deploy.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION[deploy.engine]
+    """Replicas on one GPU must fit: their memory fractions (set or the backend's default) sum to <= 1."""
+    facts = backend(deploy.engine)
+    if "gpu_memory_fraction" not in facts.memory_settings:
+        return  # sized otherwise (the embedded engine: its KV pool takes a share of the memory free at its start)
+    fraction = deploy.gpu_memory_fraction or facts.default_gpu_memory_fraction
     if fraction is None:
-        return  # the embedded engine has no fixed budget: its KV cache is max_batch_size x max_model_len
+        return
     per_gpu: dict[int, int] = {}
     for r in replicas:
         for g in r.gpus:

@@ -30,6 +30,7 @@ from training.models.resolve import check_base_model
 from training.recipes.config import Config
 from training.recipes.single_turn import make_single_turn_rollout_fn
 from training.utils import dist
+from training.utils.config import backend
 from training.utils.data import Rows, load_rows
 from training.utils.device import resolve_device
 from training.utils.metrics import check_trackers
@@ -135,7 +136,8 @@ class CpuShare:
 
 
 def cpu_share(cfg: Config, overlaps: bool) -> Optional[CpuShare]:
-    """The core split of a run whose trainer and embedded servers run on this CPU at the same time, else None.
+    """The core split of a run whose trainer and servers run on this CPU at the same time, else None (servers of a
+    backend that takes ``EngineConfig.num_threads``: the embedded one; training/utils/backends.py).
 
     They run at the same time when the loop ``overlaps`` generation with training (``async_rl_loop`` with
     ``max_head_offpolicy_versions > 0``). Two OpenMP thread pools that each spin on every core slow each other down
@@ -151,7 +153,7 @@ def cpu_share(cfg: Config, overlaps: bool) -> Optional[CpuShare]:
     if (
         not overlaps
         or dcfg.base_url is not None
-        or dcfg.engine != "embedded"
+        or not backend(dcfg.engine).reads("num_threads")
         or dist.is_distributed()
         or resolve_device(cfg.trainer.device).type != "cpu"
         or dcfg.engine_config.resolve_device().type != "cpu"

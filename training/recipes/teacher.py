@@ -10,9 +10,11 @@ metrics. The teacher holds no state of the run: a resumed run starts it again an
 
 What ``start_teacher`` decides, once (logged):
 - the teacher's ``max_model_len`` is raised to the student's when it is shorter (a launched teacher must take
-  every sequence the student can produce; plus one token for vLLM, which generates one);
-- CPU threads: ``distillation.deployment.engine_config.num_threads`` when set, else ``threads`` (what the
-  recipe gives it: the trainer's share, since the trainer waits while the teacher scores);
+  every sequence the student can produce; plus one token for a backend that generates one to score
+  (``Backend.scores_prompts_alone`` False: vLLM);
+- CPU threads, for a backend that reads ``EngineConfig.num_threads`` (the embedded one):
+  ``distillation.deployment.engine_config.num_threads`` when set, else ``threads`` (what the recipe gives it: the
+  trainer's share, since the trainer waits while the teacher scores);
 - a local teacher must have the student's vocabulary (the ids it scores are the student's): checked here.
 """
 
@@ -27,6 +29,7 @@ from typing import Any, Optional
 from training.deployment.group import DeploymentGroup
 from training.models import resolve_model
 from training.recipes.config import Config
+from training.utils.config import backend
 from training.utils.rl.distillation import DistillationStats, distillation_advantages
 from training.utils.rl.groups import PromptGroup
 
@@ -42,8 +45,8 @@ class Teacher:
     def __init__(self, cfg: Config, group: DeploymentGroup):
         self.distillation = cfg.distillation
         self.group = group
-        self.score_only = group.cfg.engine == "embedded"
-        """The embedded server scores with ``max_tokens: 0`` (nothing generated); vLLM needs 1."""
+        self.score_only = backend(group.cfg.engine).scores_prompts_alone
+        """The backend scores with ``max_tokens: 0`` (nothing generated: the embedded server); else 1 (vLLM)."""
 
     async def distill(self, groups: list[PromptGroup]) -> dict[str, float]:
         """Score every sample of ``groups`` with the teacher, set their per-token advantages, return ``distill/*``."""
@@ -106,13 +109,13 @@ def start_teacher(cfg: Config, log_path: Path, student_tokenizer: Any, threads: 
     if d.teacher_model is not None:
         model_path = resolve_model(d.teacher_model)
         _check_vocabulary(model_path, student_tokenizer)
-    engine = dcfg.engine_config
+    engine, facts = dcfg.engine_config, backend(dcfg.engine)
     if dcfg.base_url is None:
-        need = cfg.deployment.engine_config.max_model_len + (0 if dcfg.engine == "embedded" else 1)
+        need = cfg.deployment.engine_config.max_model_len + (0 if facts.scores_prompts_alone else 1)
         if engine.max_model_len < need:
             logger.info("teacher: max_model_len %d -> %d (the student's sequences)", engine.max_model_len, need)
             engine = replace(engine, max_model_len=need)
-        if engine.num_threads is None and threads is not None:
+        if engine.num_threads is None and threads is not None and facts.reads("num_threads"):
             engine = replace(engine, num_threads=threads)
         if engine.seed is None:
             engine = replace(engine, seed=cfg.seed)

@@ -8,12 +8,12 @@ Plain dataclasses, validated in ``__post_init__``: a bad value fails at construc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional, Union
 
+from training.utils.backends import BACKENDS, Backend
 from training.utils.device import DEVICES, DTYPES, is_device_name, resolve_device, resolve_dtype
 
-ENGINES = ("embedded", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 INFLIGHT_UPDATE_KV = ("keep", "recompute")
 DECODE_KERNELS = ("auto", "native", "torch")
@@ -33,6 +33,13 @@ class ConfigError(ValueError):
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {message}")
+
+
+def backend(name: str) -> Backend:
+    """The facts of deployment backend ``name`` (``BACKENDS``, training/utils/backends.py); a ``ConfigError``
+    naming the allowed names when there is no such backend."""
+    _check(isinstance(name, str) and name in BACKENDS, "engine", f"{name!r} is not one of {tuple(BACKENDS)}")
+    return BACKENDS[name]
 
 
 def _is_replica_device(value: str) -> bool:
@@ -184,12 +191,13 @@ class EngineConfig:
     """Longest prompt + completion, in tokens (a sequence takes KV blocks only for the tokens it holds)."""
     kv_cache_memory_bytes: Optional[int] = None
     """Bytes of the KV cache's block pool (K and V of every layer). None: ``kv_cache_memory_fraction`` sizes it.
-    A request that alone could never fit the pool is refused with a 400 naming this setting."""
+    A request that alone could never fit the pool is refused with a 400 naming this setting. Embedded engine only
+    (vLLM / SGLang size their memory by ``DeployConfig.gpu_memory_fraction`` and refuse this one)."""
     kv_cache_memory_fraction: float = 0.1
     """With ``kv_cache_memory_bytes`` None: the pool takes this share of the memory free at start-up on the
     engine's device (MemAvailable on CPU, CUDA's free memory after the weights on a GPU), and never more than
     ``max_batch_size`` x ``max_model_len`` tokens' worth. On CPU pool pages become resident as blocks are first
-    used."""
+    used. Embedded engine only (vLLM / SGLang refuse it set away from this default)."""
     kv_block_size: int = 16
     """Tokens per KV cache block (a multiple of 16: the C decode step attends 16 keys per vector)."""
     max_waiting: int = 4096
@@ -309,7 +317,8 @@ class DeployConfig:
     vocabulary."""
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     """Settings of the inference engine (KV cache size, context length, device, dtype...): the embedded
-    server receives them whole; vLLM / SGLang get the ones they share (max_model_len, max_batch_size, dtype)."""
+    server receives them whole; vLLM / SGLang are launched with device, dtype, max_batch_size, max_model_len and seed,
+    and refuse any other field set away from its default (training/utils/backends.py: ``engine_config_fields``)."""
     weight_sync: str = "auto"
     """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when
     embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to this
@@ -336,8 +345,9 @@ class DeployConfig:
     log_file: Optional[str] = None
     """Where the embedded server's log goes; default ``<log_path>/deployment.log``."""
     engine: str = "embedded"
-    """Inference engine: ``embedded`` (this package's server), ``vllm`` or ``sglang``. With ``base_url``
-    set, ``vllm`` / ``sglang`` attach to that server (weight sync through the engine's own endpoints)."""
+    """Inference engine, a name of ``BACKENDS`` (training/utils/backends.py: what each one reads and can do):
+    ``embedded`` (this package's server), ``vllm`` or ``sglang``. With ``base_url`` set, ``vllm`` / ``sglang`` attach
+    to that server (weight sync through the engine's own endpoints)."""
     engine_python: Optional[str] = None
     """Python that launches a ``vllm`` / ``sglang`` server; None = ``.venv-vllm/bin/python`` of this
     repository for vLLM when it exists (``scripts/setup_vllm.sh``), else the current interpreter."""
@@ -360,12 +370,14 @@ class DeployConfig:
     """With ``colocate``: what a replica frees while the trainer trains (``POST /sleep?level=N``): 1 its KV cache
     (and the weight copies derived for speed), 2 its weights too (the push that follows refills them)."""
     gpu_memory_fraction: Optional[float] = None
-    """Share of a GPU's memory one replica may take (vLLM ``--gpu-memory-utilization``, SGLang
-    ``--mem-fraction-static``); None = the engine's default (vLLM 0.9, SGLang 0.88, embedded: no budget). Replicas
-    sharing a GPU must fit: their fractions may not sum over 1."""
+    """Share of a GPU's memory one vLLM / SGLang replica may take (vLLM ``--gpu-memory-utilization``: weights,
+    activations and KV cache; SGLang ``--mem-fraction-static``: weights and KV pool); None = the engine's default
+    (vLLM 0.9, SGLang 0.88). The embedded engine sizes its KV pool by ``engine_config.kv_cache_memory_bytes`` /
+    ``kv_cache_memory_fraction`` instead and refuses this setting (training/utils/backends.py). Replicas sharing a
+    GPU must fit: their fractions may not sum over 1."""
 
     def __post_init__(self):
-        _check(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
+        facts = backend(self.engine)
         for name in ("deployment_id", "tokenizer_model"):
             value = getattr(self, name)
             _check(
@@ -412,7 +424,7 @@ class DeployConfig:
         )
         if self.weight_sync == "distributed":
             _check(
-                self.base_url is not None and self.engine == "embedded",
+                self.base_url is not None and facts.distributed_weights,
                 "weight_sync",
                 "'distributed' needs servers of this package attached by base_url (same-host embedded "
                 "servers use shm; vLLM / SGLang sync through their own endpoints)",
@@ -449,6 +461,41 @@ class DeployConfig:
                     "base_url",
                     f"must start with http:// or https://, got {url!r}",
                 )
+        check_backend(self, facts)
+
+
+def check_backend(cfg: DeployConfig, facts: Backend) -> None:
+    """Refuse what backend ``facts`` cannot do or does not read (training/utils/backends.py), naming the setting:
+    ``colocate`` on a backend that cannot sleep, a ``sleep_level`` it lacks, ``gpu_memory_fraction`` where it
+    does not size the memory, an ``engine_config`` field it does not read set away from its default."""
+    name = f"the {facts.name} backend"
+    if cfg.colocate:
+        _check(
+            bool(facts.sleep_levels),
+            "colocate",
+            f"{name} cannot give its GPU memory back while the trainer trains (no sleep calls are wired for it); "
+            "give its replicas GPUs of their own (colocate=False, replica_devices)",
+        )
+        _check(
+            cfg.sleep_level in facts.sleep_levels,
+            "sleep_level",
+            f"{name} sleeps at levels {facts.sleep_levels}, got {cfg.sleep_level}",
+        )
+    memory = f"its memory is sized by {' / '.join(facts.memory_settings)}"
+    _check(
+        cfg.gpu_memory_fraction is None or "gpu_memory_fraction" in facts.memory_settings,
+        "gpu_memory_fraction",
+        f"{name} does not read it: {memory}",
+    )
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        value = getattr(cfg.engine_config, f.name)
+        _check(
+            facts.reads(f.name) or value == default,
+            f"engine_config.{f.name}",
+            f"{name} does not read it (it reads engine_config's {', '.join(sorted(facts.engine_config_fields or ()))}; "
+            f"{memory}); leave it at its default {default!r}, got {value!r}",
+        )
 
 
 @dataclass

@@ -528,8 +528,7 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
 
     def logits(runner, onednn: bool) -> torch.Tensor:
         if not onednn:  # the plain path on the same tensors
-            saved = [{k: L.pop(k) for k in list(L) if k.endswith("_packed")} for L in runner.layers]
-            head, runner.lm_head_packed = runner.lm_head_packed, None
+            runner.matmul = "torch"
         try:
             tables = row_tables(runner, [0, 1], 32)
             first = runner.prefill([PrefillItem(tables[0], PROMPTS[3], 0), PrefillItem(tables[1], PROMPTS[0], 0)])
@@ -537,10 +536,7 @@ def test_onednn_linears_match_plain_matmuls_and_follow_streamed_weight_updates(t
             step = runner.decode(tables, [7, 8], [len(PROMPTS[3]), len(PROMPTS[0])]).clone()
             return torch.cat([first, step])
         finally:
-            if not onednn:
-                for L, packed in zip(runner.layers, saved):
-                    L.update(packed)
-                runner.lm_head_packed = head
+            runner.matmul = "onednn"
 
     config = EngineConfig(model=tiny_qwen2_path, max_batch_size=4, max_model_len=64, dtype=dtype, decode_kernel="torch")
     runner = LLMEngine(config).runner  # the torch step: with the native one the prefill's matmuls are its own

@@ -264,6 +264,13 @@ class SGLangDeployment(ServerProcess):
         self.python = self.cfg.engine_python or sys.executable
         self.last_sync: dict[str, float] = {}
 
+    def sleep(self, level: int = 1) -> dict:
+        """Not wired (SGLang has no ``/sleep``; its ``/release_memory_occupation`` is not driven here): a colocated
+        SGLang config is refused when it is built (``Backend.sleep_levels`` is empty), so nothing calls this."""
+        raise NotImplementedError("SGLang replicas cannot sleep here (deployment.colocate is refused for sglang)")
+
+    wake_up = is_sleeping = sleep
+
     def _command(self) -> list[str]:
         cmd = [
             self.python,

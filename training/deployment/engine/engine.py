@@ -239,7 +239,7 @@ class LLMEngine:
             self._sample_and_postprocess(seqs, logits[rows] if rows != list(range(len(logits))) else logits)
 
     def _sample_and_postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        native = getattr(self.runner, "native", None) is not None  # the C sampler goes with the C step
+        native = self.execution_path.sampler == "native"  # the plan's sampler kernel (build_runner)
         grammar_errors: list[Optional[str]] = [None] * len(seqs)
         if any(s.params.constraint is not None for s in seqs):  # masked before sampling: the logprob is the mask's
             logits, grammar_errors = self.grammars.apply(logits, seqs)
@@ -384,6 +384,7 @@ class LLMEngine:
             "pending_weight_updates": len(self.pending_updates),
             "execution_path": self.execution_path.name,
             "execution_path_reason": self.execution_path.reason,
+            "execution_kernels": self.execution_path.kernels(),
             **self.counters,
             "kv_cache": self.kv_cache_stats(),
             "pools": self.pools(),

@@ -9,8 +9,16 @@
 
 A hub id (``Qwen/Qwen3-0.6B``) is resolved to its cached snapshot folder by the engine first
 (``training.utils.cache.local_model_path``), so a cached model takes the lean path.
-The choice is logged once at start (``engine path: ...``) and reported by ``GET /stats``
-(``execution_path``, ``execution_path_reason``).
+
+The plan also names the kernels around the decode step, chosen here with the path:
+
+| kernel | choice | when |
+| --- | --- | --- |
+| ``matmul`` (the prefill's, scoring's and the torch step's matmuls, the LM head) | ``native`` / ``onednn`` / ``torch`` | ``native``: the fp32 native step (C on its packed panels, no other weight copy); ``onednn``: another lean path on CPU in fp32, or bf16 where the CPU has it (lean.py: ``matmul_kernel``); ``torch``: the rest (CUDA, fp16, transformers) |
+| ``sampler`` (a batch of plain rows: temperature alone) | ``native`` / ``torch`` | ``native`` with the native step (``native.sample_plain``); ``torch`` otherwise (token_sampler.py) |
+
+The choice is logged once at start (``engine path: ...``, the kernels included) and reported by ``GET /stats``
+(``execution_path``, ``execution_path_reason``, ``execution_kernels``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from pathlib import Path
 import torch
 
 from training.deployment.engine.kv_cache import KVBudget
-from training.deployment.engine.runners.lean import LeanModelRunner, lean_supported
+from training.deployment.engine.runners.lean import LeanModelRunner, lean_supported, matmul_kernel
 from training.deployment.engine.runners.native import NativeUnavailable, native_available
 from training.utils.config import EngineConfig
 
@@ -40,13 +48,22 @@ _DESCRIPTIONS = {
 
 @dataclass(frozen=True)
 class ExecutionPath:
-    """Which path the engine runs (one of ``EXECUTION_PATHS``) and why it was chosen."""
+    """The engine's execution plan: which path it runs (one of ``EXECUTION_PATHS``), why, and its kernels."""
 
     name: str
     reason: str
+    matmul: str = "torch"
+    """The matmuls outside the C decode step and the LM head: ``native``, ``onednn`` or ``torch``
+    (``MATMUL_KERNELS``, lean.py; the module docstring's second table)."""
+    sampler: str = "torch"
+    """The draw of a batch of plain rows: ``native`` (C, with the native step) or ``torch``."""
 
     def describe(self) -> str:
-        return f"{_DESCRIPTIONS[self.name]} ({self.reason})"
+        return f"{_DESCRIPTIONS[self.name]} ({self.reason}); matmuls {self.matmul}, sampler {self.sampler}"
+
+    def kernels(self) -> dict[str, str]:
+        """``{"matmul": ..., "sampler": ...}`` (``GET /stats``: ``execution_kernels``)."""
+        return {"matmul": self.matmul, "sampler": self.sampler}
 
 
 def _fallback_reason(config: EngineConfig, hf_config, model_path: str) -> str | None:
@@ -79,20 +96,22 @@ def build_runner(config: EngineConfig, hf_config, model_path: str, device: torch
     if fallback is not None:
         from training.deployment.engine.runners.hf import HFModelRunner
 
-        path = ExecutionPath("hf_fallback", fallback)
+        path = ExecutionPath("hf_fallback", fallback)  # transformers' own matmuls, torch's sampler
         runner = HFModelRunner(model_path, dtype, device, budget, config.max_model_len)
     else:
         not_native = _native_reason(config, device, dtype)
         args = (model_path, hf_config, budget, config.max_model_len, dtype, device)
+        matmul = matmul_kernel(not_native is None, device, dtype)
         try:
-            runner = LeanModelRunner(*args, native=not_native is None)
+            runner = LeanModelRunner(*args, native=not_native is None, matmul=matmul)
         except NativeUnavailable as exc:  # the library built, but this model's shape is not one it runs
             if config.decode_kernel == "native":
                 raise ValueError(f"decode_kernel='native' cannot run here: {exc}") from exc
-            not_native, runner = str(exc), LeanModelRunner(*args, native=False)
+            not_native, matmul = str(exc), matmul_kernel(False, device, dtype)
+            runner = LeanModelRunner(*args, native=False, matmul=matmul)
         dtype_name = str(dtype).removeprefix("torch.")
         if not_native is None:
-            path = ExecutionPath("native", f"{device.type}, {dtype_name}, native_decode.c built")
+            path = ExecutionPath("native", f"{device.type}, {dtype_name}, native_decode.c built", matmul, "native")
         elif device.type == "cuda" and config.cuda_graph_batch_sizes:
             from training.deployment.engine.runners.cuda_graphs import CudaGraphDecoder
 
@@ -100,9 +119,9 @@ def build_runner(config: EngineConfig, hf_config, model_path: str, device: torch
                 runner, config.cuda_graph_batch_sizes, config.max_batch_size, config.max_model_len
             )
             path = ExecutionPath(
-                "cuda_graphs", f"cuda, {dtype_name}, batch sizes {list(config.cuda_graph_batch_sizes)}"
+                "cuda_graphs", f"cuda, {dtype_name}, batch sizes {list(config.cuda_graph_batch_sizes)}", matmul
             )
         else:
-            path = ExecutionPath("torch", f"{device.type}, {dtype_name}: {not_native}")
+            path = ExecutionPath("torch", f"{device.type}, {dtype_name}: {not_native}", matmul)
     log.info("engine path: %s", path.describe())
     return runner, path

@@ -23,16 +23,15 @@ On CPU in fp32 and bf16 the decode step runs in C by default (``native``, chosen
 (``native_passes``); ``decode_forward`` below is the torch step (``decode_kernel="torch"``, fp16, CUDA,
 or no C compiler).
 
-With the native step, the prefill's five matmuls (qkv, o, gate_up, down, LM head) run in C too, on
-its packed weights (``native.linear``): no other copy is made. Otherwise, on CPU in fp32 (and in
-bf16 where the CPU has native bf16) the five matmuls of the torch step and of every prefill run as
-oneDNN linears on weights reordered once into oneDNN's blocked layout (``weights_changed``, called
-after every weight change). In fp32
-they are 1.3–3.5× faster than
-``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every batch size on the AMD EPYC this was measured
-on. The reordered copies double the weights' memory. The fp32 sums run in another order than
-MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is in BENCHMARKS.md
-("exactness").
+Which kernel runs the matmuls outside the C step is part of the execution plan (``matmul_kernel``, recorded by
+build.py's ``build_runner``; ``self.matmul``). With the fp32 native step, the prefill's five matmuls (qkv, o,
+gate_up, down, LM head) run in C too, on its packed weights (``native.linear``): no other copy is made. Otherwise,
+on CPU in fp32 (and in bf16 where the CPU has native bf16) the five matmuls of the torch step and of every prefill
+run as oneDNN linears on weights reordered once into oneDNN's blocked layout (``weights_changed``, called after
+every weight change). In fp32 they are 1.3–3.5× faster than ``F.linear`` (MKL, ~100 GFLOPS at 32 rows) at every
+batch size on the AMD EPYC this was measured on. The reordered copies double the weights' memory. The fp32 sums
+run in another order than MKL's, so logits move by ~1e-6 relative; the trainer-side exactness figure is in
+BENCHMARKS.md ("exactness").
 """
 
 from __future__ import annotations
@@ -70,6 +69,21 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+MATMUL_KERNELS = ("native", "onednn", "torch")
+"""How a lean runner's matmuls outside the C decode step (the prefill's, scoring's, the torch step's) and its LM head
+run: ``native`` (C, ``native.linear`` on the native step's packed panels), ``onednn`` (oneDNN linears on reordered
+copies), ``torch`` (``F.linear``)."""
+
+
+def matmul_kernel(native: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """The ``MATMUL_KERNELS`` entry of a runner whose decode step is ``native`` (C) or not: ``native`` with the fp32
+    native step (its panels are the only copy of the weights), else ``onednn`` where it runs
+    (``onednn_linear_available``), else ``torch``. ``build_runner`` records it in the execution plan."""
+    if native and dtype == torch.float32:
+        return "native"
+    return "onednn" if onednn_linear_available(device, dtype) else "torch"
 
 
 @dataclass
@@ -122,12 +136,21 @@ class LeanModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         native: bool,
+        matmul: Optional[str] = None,
     ):
-        """``native``: run the decode step in C (``NativeDecoder``; raises NativeUnavailable where it cannot).
-        The engine decides it once, in runners.py (``build_runner``); this class has no default of its own."""
+        """``native``: run the decode step in C (``NativeDecoder``; raises NativeUnavailable where it cannot);
+        ``matmul``: the ``MATMUL_KERNELS`` entry of the other matmuls (None: ``matmul_kernel``'s choice). The engine
+        decides both once, in build.py (``build_runner``); this class has no default for ``native``."""
         reason = lean_supported(config)
         if reason:
             raise ValueError(f"lean forward cannot run this model: {reason}")
+        allowed = matmul_kernel(native, device, dtype)
+        if matmul is not None and matmul != allowed and not (matmul == "torch" and allowed == "onednn"):
+            raise ValueError(
+                f"matmul={matmul!r} cannot run with native={native} on {device} in {dtype} ({allowed!r} does)"
+            )
+        self.matmul = matmul or allowed
+        """The ``MATMUL_KERNELS`` entry ``_linear``, ``_linear_add`` and ``logits`` dispatch on."""
         self.config, self.dtype, self.device = config, dtype, device
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -139,10 +162,10 @@ class LeanModelRunner:
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.weight_shapes = checkpoint_shapes(path)
         self.tied = self.tied and "lm_head.weight" not in self.weight_shapes
-        self.native_linears = native and dtype == torch.float32
+        self.native_linears = self.matmul == "native"
         """The prefill's (and scoring's) matmuls and LM head run in C on the native step's packed weights
         (``native.linear``, the decode step's own kernel): no third copy of the weights."""
-        self.onednn = onednn_linear_available(device, dtype) and not self.native_linears
+        self.onednn = self.matmul == "onednn"
         """The matmuls run as oneDNN linears on reordered weights (``weights_changed`` makes them)."""
         self.lm_head_packed: torch.Tensor | None = None
         self._unheld = FreedStorages()
@@ -342,27 +365,22 @@ class LeanModelRunner:
         n, d = qkv.shape[0], self.head_dim
         return qkv[:, (self.num_heads + self.num_kv_heads) * d :].view(n, self.num_kv_heads, d)
 
-    @staticmethod
-    def _linear(L: dict, name: str, a: torch.Tensor) -> torch.Tensor:
-        """``a @ W.T (+ b)`` for layer weight ``name`` (``qkv``, ``gate_up``)."""
-        native_packed = L.get(name + "_native")
-        if native_packed is not None:
-            return native_linear(a, native_packed, L[name + "_w"].shape[0], L.get(name + "_b"))
-        packed = L.get(name + "_packed")
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(a, packed, L.get(name + "_b"), "none", [], "")
+    def _linear(self, L: dict, name: str, a: torch.Tensor) -> torch.Tensor:
+        """``a @ W.T (+ b)`` for layer weight ``name`` (``qkv``, ``gate_up``), on ``self.matmul``'s kernel."""
+        if self.matmul == "native":
+            return native_linear(a, L[name + "_native"], L[name + "_w"].shape[0], L.get(name + "_b"))
+        if self.matmul == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(a, L[name + "_packed"], L.get(name + "_b"), "none", [], "")
         return F.linear(a, L[name + "_w"], L.get(name + "_b"))
 
-    @staticmethod
-    def _linear_add(L: dict, name: str, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def _linear_add(self, L: dict, name: str, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """``x + a @ W.T (+ b)`` for layer weight ``name`` (``o``, ``down``): the residual add fused into the matmul
-        (in place in ``x`` on the native path)."""
-        packed, b = L.get(name + "_packed"), L.get(name + "_b")
-        native_packed = L.get(name + "_native")
-        if native_packed is not None:
-            return native_linear(a, native_packed, x.shape[1], b, residual=x)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(a.contiguous(), x, packed, b, "add")
+        (in place in ``x`` on the native path), on ``self.matmul``'s kernel."""
+        b = L.get(name + "_b")
+        if self.matmul == "native":
+            return native_linear(a, L[name + "_native"], x.shape[1], b, residual=x)
+        if self.matmul == "onednn":
+            return torch.ops.mkldnn._linear_pointwise.binary(a.contiguous(), x, L[name + "_packed"], b, "add")
         out = torch.addmm(x, a, L[name + "_w"].t())
         return out if b is None else out.add_(b)
 
@@ -382,9 +400,9 @@ class LeanModelRunner:
         [N, 49152] matmul ran ~25 % slower here than the chunked form (same values).
         """
         h = self._norm(x, self.final_norm)
-        if self.native_linears:
+        if self.matmul == "native":
             return native_linear(h, self.native.lm_head, self.lm_head.shape[0])
-        if self.lm_head_packed is not None:
+        if self.matmul == "onednn":
             return torch.ops.mkldnn._linear_pointwise(h, self.lm_head_packed, None, "none", [], "").float()
         if self.device.type != "cpu":
             return F.linear(h, self.lm_head).float()

@@ -125,3 +125,43 @@ def test_memory_plan_command_reads_an_examples_cfg_and_its_overrides(tiny_model_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "memory plan: full fine-tuning, 7 trainer rank(s)" in done.stdout and "512 tokens" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "fits"
+
+
+def test_a_colocated_vllm_takes_its_memory_share_and_the_plan_says_what_it_leaves(tmp_path, tiny_model_path):
+    """vLLM reads one memory setting, its share of the GPU: colocated at its default 0.9 with a trainer, the
+    8B plan does not fit and names ``gpu_memory_fraction``; at 0.35 it fits."""
+    from training.utils import DeployConfig
+
+    folder = _qwen3_8b_shape(tmp_path)
+    shape = ModelShape.of(folder)
+    trainer = TrainerConfig(micro_batch_tokens=4096, gradient_checkpointing=True)
+    for fraction, fits in ((None, False), (0.35, True)):
+        deployment = DeployConfig(engine="vllm", colocate=True, gpu_memory_fraction=fraction)
+        cfg = Config(base_model=folder, trainer=trainer, deployment=deployment)
+        plan = plan_memory(cfg, shape=shape, gpus_per_node=8, gpu_bytes=80 * GB, host_bytes=1000 * GB)
+        assert {p.name for p in plan.parts} >= {"engine share"} and "KV pool" not in {p.name for p in plan.parts}
+        assert (not plan.problems()) == fits, plan.table()
+        if not fits:
+            assert "gpu_memory_fraction" in plan.problems()[0]
+
+
+def test_plan_run_decides_checkpointing_from_the_plan_on_cuda_and_leaves_it_off_on_cpu(
+    tmp_path, tiny_model_path, monkeypatch
+):
+    """(The visible GPUs are faked: this machine has none; the decision is what is tested.)"""
+    from training.recipes import memory_plan
+
+    folder = _qwen3_8b_shape(tmp_path)
+    cfg = Config(base_model=folder, trainer=TrainerConfig(micro_batch_tokens=16384))
+    assert cfg.trainer.gradient_checkpointing is None
+    monkeypatch.setattr(memory_plan, "_visible_gpus", lambda: (0, None))
+    assert memory_plan.plan_run(cfg, folder).trainer.gradient_checkpointing is False
+    monkeypatch.setattr(memory_plan, "_visible_gpus", lambda: (8, 80 * GB))
+    assert memory_plan.plan_run(cfg, folder).trainer.gradient_checkpointing is True  # 16k tokens need it
+    small = Config(base_model=folder, trainer=TrainerConfig(micro_batch_tokens=1024))
+    assert memory_plan.plan_run(small, folder).trainer.gradient_checkpointing is False
+    from training.utils import ConfigError
+
+    monkeypatch.setattr(memory_plan, "_visible_gpus", lambda: (1, 80 * GB))
+    with pytest.raises(ConfigError, match="memory plan: .*LoRA"):
+        memory_plan.plan_run(cfg, folder)

@@ -6,7 +6,8 @@ reads the module-level ``cfg`` of a ``train.py`` (its ``__main__`` block does no
 overrides as ``train.py`` would, counts the model's parameters from its config alone (built on the
 ``meta`` device: nothing is downloaded beyond ``config.json``, no weights are read) and prints a table.
 Without ``--gpus-per-node`` it plans for the visible GPUs, else for this host's memory (CPU). The
-recipe calls ``check_fits`` at start on CUDA and refuses a config that cannot fit, naming what to change.
+recipe calls ``plan_run`` at start: on CUDA it refuses a config that cannot fit, naming what to change,
+and turns activation checkpointing on where ``trainer.gradient_checkpointing`` is None and the run needs it.
 
 Bytes per part (N parameters, W trainer ranks, b = the compute dtype's size, per token and decoder layer
 with hidden size h, MLP size I, query width q = heads·head_dim, key / value width k = kv_heads·head_dim):
@@ -22,8 +23,9 @@ with hidden size h, MLP size I, query width q = heads·head_dim, key / value wid
 
 | part | bytes per inference GPU |
 | --- | --- |
-| engine weights | N · (engine dtype size) / tensor-parallel size |
-| KV pool | ``kv_cache_memory_bytes`` if set, else its fraction of the GPU (the backend's memory setting) |
+| engine weights | N · (engine dtype size) / tensor-parallel size (the embedded engine) |
+| KV pool | ``kv_cache_memory_bytes`` if set, else ``kv_cache_memory_fraction`` of the memory free after the weights (the embedded engine) |
+| engine share | vLLM / SGLang: ``gpu_memory_fraction`` (else the backend's default, 0.9 / 0.88) of the GPU, weights and KV cache together (``training/utils/backends.py``); colocated with the trainer, the plan shows what that share leaves it |
 
 Per host: the weight push's file (N · engine dtype size on /dev/shm, one per host), optimizer state offloaded
 there, and on CPU every part above. The activation coefficients are a count of the tensors a
@@ -36,10 +38,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from training.utils.config import backend
+
+logger = logging.getLogger(__name__)
 
 GB = 1e9
 GiB = 2**30
@@ -176,7 +183,8 @@ def _advice(part: str) -> str:
         "optimizer": "use more trainer GPUs, trainer.offload_optimizer=true, or LoRA (trainer.lora_rank)",
         "policy weights": "use more trainer GPUs or LoRA (trainer.lora_rank)",
         "gradients": "use more trainer GPUs or LoRA (trainer.lora_rank)",
-        "KV pool": "lower the KV pool (deployment.engine_config.kv_cache_memory_bytes / the memory fraction)",
+        "KV pool": "lower the KV pool (deployment.engine_config.kv_cache_memory_bytes or kv_cache_memory_fraction)",
+        "engine share": "lower deployment.gpu_memory_fraction (the share of the GPU vLLM / SGLang take)",
         "engine weights": "use tensor parallelism for the replicas or a bf16 engine",
         "reference": "set kl_beta=0 or use LoRA (the reference is then the base itself)",
     }.get(part, "use more GPUs")
@@ -252,9 +260,15 @@ def plan_memory(
     act += trainer.logprob_chunk_tokens * shape.vocab * 4 * 3 + tokens * shape.hidden * 4 * 2
     put("activations", act, note=note)
     inference = "inference"
-    put("engine weights", n * engine_b / tp, where=inference, note=f"{_engine_dtype(deploy, on_gpu)}, tp {tp}")
-    kv = _kv_bytes(deploy, gpu_bytes if on_gpu else host_bytes)
-    put("KV pool", kv, where=inference, note="the backend's memory setting")
+    facts = backend(deploy.engine)
+    if "gpu_memory_fraction" in facts.memory_settings and on_gpu:  # the backend takes a share of the GPU, whole
+        share = deploy.gpu_memory_fraction or facts.default_gpu_memory_fraction
+        note = f"{deploy.engine}: weights, activations and KV cache in {share:g} of the GPU (gpu_memory_fraction)"
+        put("engine share", share * gpu_bytes, where=inference, note=note)
+    else:
+        put("engine weights", n * engine_b / tp, where=inference, note=f"{_engine_dtype(deploy, on_gpu)}, tp {tp}")
+        kv = _kv_bytes(deploy.engine_config, (gpu_bytes if on_gpu else host_bytes) - n * engine_b / tp)
+        put("KV pool", kv, where=inference, note="engine_config.kv_cache_memory_bytes / _fraction of the free memory")
     parts.append(Part("push staging", host_bytes=n * engine_b, note="one weights file per host on /dev/shm"))
     return MemoryPlan(
         mode="LoRA" if lora else "full",
@@ -268,22 +282,40 @@ def plan_memory(
     )
 
 
-def check_fits(cfg: Any) -> Optional[MemoryPlan]:
-    """At the start of a run on CUDA: the plan for the visible GPUs, raising ``ConfigError`` naming what to change
-    when it cannot fit. None on CPU (host memory is not checked here) or where the model's config cannot be read."""
+def plan_run(cfg: Any, model_path: str) -> Any:
+    """At the start of a run: ``cfg`` with ``trainer.gradient_checkpointing`` decided where it is None (on CUDA: on
+    only when the plan does not fit without it; on CPU: off), after checking on CUDA that the plan fits the visible
+    GPUs, else ``ConfigError`` naming what to change. The plan's table is logged once. Host memory (CPU runs) is not
+    checked. Where the model's config cannot be read the load itself says what is wrong, so nothing is checked."""
+    from dataclasses import replace
+
     from training.utils.config import ConfigError
 
     gpus, gpu_bytes = _visible_gpus()
+    checkpointing = cfg.trainer.gradient_checkpointing
     if not gpus:
-        return None
+        return (
+            cfg
+            if checkpointing is not None
+            else replace(cfg, trainer=replace(cfg.trainer, gradient_checkpointing=False))
+        )
     try:
-        plan = plan_memory(cfg, gpus_per_node=gpus, gpu_bytes=gpu_bytes)
-    except Exception:  # a model whose config needs a download: the load itself will say what is wrong
-        return None
-    problems = plan.problems()
-    if problems:
-        raise ConfigError("memory plan: " + "; ".join(problems) + " (python -m training.memory_plan train.py shows it)")
-    return plan
+        shape = ModelShape.of(model_path)
+    except Exception as exc:
+        logger.info("memory plan: skipped (%s)", exc)
+        return cfg
+    choices = [checkpointing] if checkpointing is not None else [False, True]
+    for choice in choices:
+        decided = replace(cfg, trainer=replace(cfg.trainer, gradient_checkpointing=choice))
+        plan = plan_memory(decided, shape=shape, gpus_per_node=gpus, gpu_bytes=gpu_bytes)
+        if not plan.problems():
+            break
+    logger.info("%s", plan.table())
+    if plan.problems():
+        raise ConfigError("memory plan: " + "; ".join(plan.problems()) + " (python -m training.memory_plan train.py)")
+    if checkpointing is None and choice:
+        logger.info("memory plan: activation checkpointing on (the run does not fit without it)")
+    return decided
 
 
 def _model_path(model: str) -> str:
@@ -321,12 +353,12 @@ def _engine_dtype(deploy: Any, on_gpu: bool) -> str:
     return ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype
 
 
-def _kv_bytes(deploy: Any, device_bytes: float) -> float:
-    engine = deploy.engine_config
+def _kv_bytes(engine: Any, free_bytes: float) -> float:
+    """The embedded engine's KV pool: ``kv_cache_memory_bytes``, else its fraction of the memory free after the
+    weights (``KVBudget``)."""
     if engine.kv_cache_memory_bytes:
         return float(engine.kv_cache_memory_bytes)
-    fraction = getattr(deploy, "gpu_memory_fraction", None) or engine.kv_cache_memory_fraction
-    return fraction * device_bytes
+    return engine.kv_cache_memory_fraction * max(free_bytes, 0.0)
 
 
 def _lora_params(shape: ModelShape, rank: int) -> int:

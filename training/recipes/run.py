@@ -34,6 +34,7 @@ from training.deployment.backends.process import DeploymentStartError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, Config
 from training.recipes.context import RunContext
+from training.recipes.memory_plan import plan_run
 from training.recipes.resources import (
     CpuShare,
     check_run_inputs,
@@ -199,7 +200,7 @@ def _run_recipe(
         eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
         model_path = resolve_model(cfg.base_model)
         log_path = choose_log_path(cfg, main_rank)
-        cfg = replace(cfg, log_path=str(log_path))
+        cfg = plan_run(replace(cfg, log_path=str(log_path)), model_path)  # config.json keeps the settings as given
         t_start = time.perf_counter()
         state = build_train_state(cfg, model_path, len(rows), log_path)
         try:

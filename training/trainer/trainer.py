@@ -273,7 +273,7 @@ class PolicyTrainer(_ScoringModel):
         self.model_path = model_path
         self.lora = cfg.lora_rank > 0
         """LoRA adapters train, the base weights are frozen (``lora.py``)."""
-        checkpointing = cfg.gradient_checkpointing
+        checkpointing = bool(cfg.gradient_checkpointing)  # None (the recipe's plan did not decide): off
         if dist_utils.is_distributed() and not self.lora:  # each rank reads its own shards (sharded_load.py)
             self.model = load_sharded(
                 model_path, self.device, self.dtype, checkpointing, self.compute_dtype, **load_kwargs

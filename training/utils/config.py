@@ -104,8 +104,10 @@ class TrainerConfig:
     the LM head's log-softmax run in fp32. Logprobs then differ from fp32's by a few hundredths (SmolLM2: mean
     |Δ logprob| about 0.03); speed and gap are in training/trainer/README.md, "bf16 autocast". The reference model
     (``kl_beta > 0``) is held in this dtype."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing: Optional[bool] = None
+    """Recompute activations in the backward pass (per decoder layer) to save memory, at about a third more compute.
+    None: the recipe decides at start from the memory plan (``training/recipes/memory_plan.py``): on CUDA, on only
+    when the run would not fit without it; on CPU, off. ``trainer.gradient_checkpointing=true/false`` decides."""
     reference_device: str = "auto"
     """Where the frozen reference model (``kl_beta > 0``) lives: ``auto`` = the policy's device. With LoRA the reference
     is the policy's own base weights with the adapters switched off (no second copy), so this does not apply."""

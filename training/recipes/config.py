@@ -32,11 +32,12 @@ RESUME_MAY_CHANGE = (
     "show_experimental_notice",
     "deployment",
     "distillation.deployment",
+    "trainer.gradient_checkpointing",
     "wandb",
     "tensorboard",
 )
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
-is trained: how long, how it is logged and served)."""
+is trained: how long, how it is logged and served, whether activations are recomputed)."""
 DISTILLATION_LOSS = LossConfig(policy_loss="importance_sampling", kl_beta=0.0)
 """The loss of a distillation run whose ``loss`` (and its top-level spellings) is left at ``LossConfig()``: the
 unclipped policy gradient with the train/inference correction, no reference model (why:

@@ -218,3 +218,48 @@ def test_shm_that_does_not_fit_falls_back_to_disk(servers, weights, monkeypatch,
     assert not disk_folder.exists()  # the fallback's temp folder goes with the group
     ids, logprobs, version = answer(live.base_url)
     assert version == 61 and (ids, logprobs) == answer(reference.base_url)[:2]
+
+
+def test_shm_of_one_and_a_half_weights_takes_two_pushes(servers, weights, monkeypatch, caplog):
+    """/dev/shm of 1.5x the weights file pushes twice, both times to shm: the second push writes in place of
+    the first file, which the rename would otherwise need beside it. A fake tmpfs (a real one of a chosen size
+    cannot be mounted by a test): the free-space probe reports 1.5x the file minus what the shm folder holds,
+    and a write that leaves the folder holding more than that fails with ENOSPC, as a full tmpfs would."""
+    import errno
+
+    import safetensors.torch
+
+    live, reference = servers
+    reset(live, weights, 80, reference)
+    need = weight_sync.weights_nbytes(
+        [(n, t.dtype, tuple(t.shape)) for n, t in weights["trained"].items()], torch.bfloat16
+    )
+    capacity = int(need * 1.5) + 4096  # + the header's bytes
+    owned: list[Path] = []
+
+    def used() -> int:
+        return sum(f.stat().st_size for d in owned for f in d.iterdir() if f.is_file())
+
+    real_save = safetensors.torch.save_file
+
+    def save_on_small_tmpfs(tensors, filename, *args, **kwargs):
+        real_save(tensors, filename, *args, **kwargs)
+        if Path(filename).parent in owned and used() > capacity:
+            Path(filename).unlink()
+            raise OSError(errno.ENOSPC, "No space left on device (fake tmpfs)", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_on_small_tmpfs)
+    monkeypatch.setattr(weight_sync, "shm_free_bytes", lambda folder: capacity - used())
+    group = DeploymentGroup.attach([live.base_url], DeployConfig(api_key=API_KEY, weight_sync="shm"))
+    try:
+        group._file_folder([], None)  # creates the shm folder, so the fake can count what it holds
+        owned.append(group._folder.folder)
+        with caplog.at_level(logging.INFO, logger="training.deployment.group"):
+            for version in (81, 82):
+                out = asyncio.run(group.push(weights["trained"].items(), version))
+                assert out["mode"] == "shm" and out["path"].startswith(str(owned[0]))
+                assert answer(live.base_url) == (*answer(reference.base_url)[:2], version)
+        assert sum("only in place" in r.getMessage() for r in caplog.records) == 1  # the second push
+        assert not any("do not fit" in r.getMessage() for r in caplog.records)
+    finally:
+        group.stop()

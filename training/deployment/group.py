@@ -26,7 +26,8 @@ session affinity (``client.py``).
 Every path sends the servers' own dtype: the first push asks each replica (``weight_dtype``,
 ``GET /weight_version``) and, when they agree, casts each floating-point tensor just before it is
 written or broadcast (fp32 master weights reach a bf16 server as bf16 bytes). A shm push first
-checks that the file fits in /dev/shm (``WeightFolder.fits``); when it does not, that push goes to
+checks what the write needs in /dev/shm (``WeightFolder.placement``): the new file beside the old
+one, else (one log line) the old one removed first; when not even one copy fits, that push goes to
 disk (``weights_dir``, else a temp folder) with one warning.
 
 It returns once every replica serves ``weight_version``; then the sampler labels completions of
@@ -277,18 +278,28 @@ class DeploymentGroup:
             self._wire_dtype = wire
         return DTYPES.get(wire)
 
-    def _file_folder(self, specs: Sequence[tuple[str, Any, tuple[int, ...]]], dtype: Any) -> WeightFolder:
-        """The folder this push writes to: the mode's own, or disk when a shm file would not fit."""
+    def _file_folder(self, specs: Sequence[tuple[str, Any, tuple[int, ...]]], dtype: Any) -> tuple[WeightFolder, bool]:
+        """The folder this push writes to (the mode's own, or disk when a shm file would not fit) and
+        whether the old file must be removed first (only one copy fits in /dev/shm)."""
         mode = self.weight_sync_mode
         if self._folder is None:
             if mode == "disk" and self.weights_dir is None:
                 raise ValueError("weights_dir: required for weight_sync='disk' (where the weights file goes)")
             self._folder = WeightFolder(mode, None if mode == "shm" else str(self.weights_dir))
         if mode != "shm":
-            return self._folder
+            return self._folder, False
         need = weights_nbytes(specs, dtype)
-        if self._folder.fits(need):
-            return self._folder
+        place = self._folder.placement(need)
+        if place == "beside":
+            return self._folder, False
+        if place == "in_place":
+            log.info(
+                "the weights (%.1f MB) fit in %s only in place of the previous file: it is removed before the "
+                "new one is written (a server restarted meanwhile finds no file until the write ends)",
+                need / 2**20,
+                self._folder.folder.parent,
+            )
+            return self._folder, True
         if self._disk_folder is None:
             directory = self.weights_dir or tempfile.mkdtemp(prefix="training-weights-disk-")
             self._disk_folder = WeightFolder("disk", str(directory))
@@ -298,7 +309,7 @@ class DeploymentGroup:
             self._folder.folder.parent,
             self._disk_folder.folder,
         )
-        return self._disk_folder
+        return self._disk_folder, False
 
     async def _push_file(
         self,
@@ -312,10 +323,10 @@ class DeploymentGroup:
         if specs is None:
             named_weights = list(named_weights)  # references: the specs are read from them
             specs = [(n, t.dtype, tuple(t.shape)) for n, t in named_weights]
-        target = self._file_folder(specs, dtype)
+        target, in_place = self._file_folder(specs, dtype)
         mode = target.mode
         loop = asyncio.get_running_loop()
-        write = await loop.run_in_executor(self._pool, target.write, named_weights, dtype)
+        write = await loop.run_in_executor(self._pool, target.write, named_weights, dtype, in_place)
         t1 = time.perf_counter()
         folder = str(target.folder)
         answers = await asyncio.gather(

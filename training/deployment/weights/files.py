@@ -4,8 +4,12 @@
   tied tensors are copied apart (safetensors refuses shared storage); with ``dtype`` (the server's,
   ``GET /weight_version``) floating-point tensors are cast one at a time as they are staged, so a
   bf16 server gets a bf16 file (half the bytes of the fp32 master weights).
-- ``WeightFolder.fits`` checks the free space first (``shm_free_bytes``: /dev/shm is 64 MB by
-  default in Docker); ``DeploymentGroup`` writes to disk instead when a shm file would not fit.
+- ``WeightFolder.placement`` checks the free space first (``shm_free_bytes``: /dev/shm is 64 MB by
+  default in Docker) against what the write needs: the new file is written beside the old one and
+  renamed over it, so it needs its own size free (``"beside"``); when only one copy fits, the old
+  file is removed before the new one is written (``"in_place"``: a server restarted in that window
+  finds no file until the write ends; the servers already loaded keep their weights, which they
+  hold in their own memory); when not even that fits, ``DeploymentGroup`` writes to disk instead.
 - ``WeightFolder`` is where a push writes: a private folder under /dev/shm (``shm``, same host:
   the server memory-maps the file) or a folder on disk (``disk``, any host that sees it).
 
@@ -13,7 +17,8 @@ A /dev/shm copy is a full model in RAM, so none is left behind: a failed write r
 file; an owned shm folder is removed by ``remove()`` (``DeploymentGroup.stop``), at interpreter
 exit (normal exit, an exception, Ctrl-C, and SIGTERM under the recipe, which turns it into
 ``SystemExit``); and the folder of a process that died by SIGKILL, whose name carries its pid, is
-swept by the next ``WeightFolder(mode="shm")`` on the host.
+swept by the next ``WeightFolder(mode="shm")`` on the host (the owner-pid sweep at start,
+``sweep_stale_shm``: a folder whose owner pid is dead is removed; a live owner's is kept).
 
 Who loads the file into which server is ``DeploymentGroup.push`` (``group.py``): it writes once
 and loads the file into every replica through that engine's own endpoint.
@@ -150,21 +155,42 @@ class WeightFolder:
     def file(self) -> Path:
         return self.folder / "model.safetensors"
 
-    def write(self, named_weights: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> dict:
-        """Write the tensors (see ``write_safetensors``); returns ``{"bytes", "write_s"}``."""
+    def write(
+        self,
+        named_weights: Iterable[tuple[str, torch.Tensor]],
+        dtype: Optional[torch.dtype] = None,
+        in_place: bool = False,
+    ) -> dict:
+        """Write the tensors (see ``write_safetensors``); returns ``{"bytes", "write_s"}``. ``in_place``
+        removes the current file first (``placement`` said only one copy fits)."""
         t0 = time.perf_counter()
+        if in_place:
+            self.file.unlink(missing_ok=True)
         written = write_safetensors(named_weights, self.file, dtype)
         return {"bytes": written, "write_s": time.perf_counter() - t0}
 
     async def write_async(
-        self, named_weights: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None
+        self,
+        named_weights: Iterable[tuple[str, torch.Tensor]],
+        dtype: Optional[torch.dtype] = None,
+        in_place: bool = False,
     ) -> dict:
-        return await asyncio.to_thread(releasing_openmp_threads(self.write), named_weights, dtype)
+        return await asyncio.to_thread(releasing_openmp_threads(self.write), named_weights, dtype, in_place)
+
+    def placement(self, nbytes: int) -> Optional[str]:
+        """How a file of ``nbytes`` fits: ``"beside"`` (free space holds it next to the current file, which
+        the rename then replaces), ``"in_place"`` (only once the current file is removed), or None."""
+        free = shm_free_bytes(self.folder)
+        if nbytes <= free:
+            return "beside"
+        current = self.file.stat().st_size if self.file.exists() else 0
+        if current and nbytes <= free + current:
+            return "in_place"
+        return None
 
     def fits(self, nbytes: int) -> bool:
-        """Whether a file of ``nbytes`` fits in the folder's free space (the file it replaces counts as free)."""
-        current = self.file.stat().st_size if self.file.exists() else 0
-        return nbytes <= shm_free_bytes(self.folder) + current
+        """Whether a file of ``nbytes`` can be written here at all (``placement`` is not None)."""
+        return self.placement(nbytes) is not None
 
     def remove(self) -> None:
         """Delete an owned /dev/shm folder (a full model copy in RAM); a disk folder stays."""

@@ -236,3 +236,48 @@ def test_recipe_distils_for_two_steps_and_resumes(tiny_teacher_path, tmp_path, l
         assert math.isfinite(m["distill/reverse_kl"]) and m["distill/teacher_logprob_mean"] < 0
         assert m["train/loss"] == pytest.approx(-m["distill/advantage_mean"], abs=1e-4)
     assert "teacher_model" in json.loads((tmp_path / "run" / "config.json").read_text())["distillation"]
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_reward_at_the_sampling_temperature(server, tiny_model_path):
+    """The teacher is scored at the temperature the student sampled at (0.7 here): with the student's own server as
+    the teacher, log π_t^T − log π_s^T is 0 on every token (fp32), where a raw (T = 1) teacher is not."""
+    from types import SimpleNamespace
+
+    from training.recipes.config import Config
+    from training.recipes.teacher import Teacher
+    from training.utils.rl.groups import PromptGroup
+    from training.utils.rl.rollout import RolloutSample
+
+    cfg = Config(base_model=tiny_model_path, temperature=0.7, distillation=DistillationConfig(teacher_model="tiny"))
+    prompt = [5, 17, 42, 99, 7]
+
+    async def run() -> tuple[PromptGroup, dict]:
+        sampler = DeploymentSampler(server.base_url)
+        try:
+            completions = await sampler.sample_with_prompt_tokens(
+                prompt, n=4, max_tokens=16, seed=11, ignore_eos=True, temperature=0.7
+            )
+            group = PromptGroup(position=0, row={}, submit_version=0)
+            for k, c in enumerate(completions):
+                n_out = len(c.full_tokens) - c.prompt_len
+                group.samples.append(
+                    RolloutSample(
+                        c.full_tokens,
+                        [0.0] * c.prompt_len + c.inference_logprobs,
+                        [0] * c.prompt_len + [1] * n_out,
+                        0.0,
+                    )
+                )
+                group.completion_index.append(k)
+                group.completion_rewards[k] = 0.0
+            group.compute_advantages()
+            teacher = Teacher(cfg, SimpleNamespace(cfg=DeployConfig(), sampler=sampler))
+            return group, await teacher.distill([group])
+        finally:
+            await sampler.close()
+
+    group, metrics = asyncio.run(run())
+    rewards = [a for s, adv in zip(group.samples, group.advantages) for a, m in zip(adv, s.loss_mask) if m]
+    assert len(rewards) == 64 == metrics["distill/scored_tokens"]
+    assert sum(abs(r) for r in rewards) / len(rewards) < 1e-4
+    assert abs(metrics["distill/reverse_kl"]) < 1e-4

@@ -395,6 +395,7 @@ class DeploymentSampler:
         *,
         top_k: int = 0,
         max_tokens: int = 1,
+        temperature: float = 1.0,
         session_id: Optional[str] = None,
     ) -> list[ScoredTokens]:
         """Score token sequences through ``/v1/completions``' ``prompt_logprobs`` (all in one request).
@@ -402,14 +403,16 @@ class DeploymentSampler:
         Works against vLLM and the embedded server alike: the answer is vLLM's ``choices[].prompt_logprobs``
         (per token a dict keyed by token id of ``{"logprob", "rank", "decoded_token"}``, None first).
         ``max_tokens``: vLLM needs >= 1 (one token is generated and dropped); the embedded server also takes
-        0, which only scores. Raises ``DeploymentRequestError`` when the answer lacks a sequence's entries."""
+        0, which only scores. ``temperature``: the embedded server scores softmax(logits / temperature) (a
+        distillation teacher is asked at the student's sampling temperature); vLLM's prompt logprobs are raw
+        whatever it is (it only sets the one generated token's sampling). Raises ``DeploymentRequestError`` when the answer lacks a sequence's entries."""
         if not sequences or any(not s for s in sequences):
             raise ValueError("sequences: give at least one non-empty token sequence")
         body: dict[str, Any] = {
             "prompt": [list(s) for s in sequences],
             "prompt_logprobs": top_k,
             "max_tokens": max_tokens,
-            "temperature": 1.0,
+            "temperature": temperature,
             "n": 1,
         }
         if self.model:

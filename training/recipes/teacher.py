@@ -4,9 +4,16 @@
 server by default, its log in ``<log_path>/teacher.log``) or attaches to ``distillation.deployment.base_url``;
 ``Teacher.distill(groups)``, awaited by the loops before each training step, asks it for the logprob of every
 token of every sample of the step (``prompt_logprobs`` requests of up to ``SEQUENCES_PER_REQUEST`` samples of one
-group, all at once), replaces each
+group, all at once, at the run's sampling ``temperature``: see below), replaces each
 sample's advantage by the per-token one (``training/utils/rl/distillation.py``) and returns the ``distill/*``
 metrics. The teacher holds no state of the run: a resumed run starts it again and scores the same way.
+
+The teacher is scored at ``Config.temperature``, the temperature the student's samples were drawn at (their
+``logprobs`` are log softmax(logits / T)): the reward log π_t^T − log π_s^T then compares the two at one
+temperature, and a teacher equal to the student gives 0 on every token. Scored raw (T = 1) against a student
+sampled at T = 0.7 it would pull the student toward a flattened teacher. The embedded server applies the
+request's temperature to ``prompt_logprobs``; vLLM's are raw whatever it is, so with vLLM as the teacher and
+T ≠ 1 the reward carries that gap (logged as a warning at start).
 
 What ``start_teacher`` decides, once (logged):
 - the teacher's ``max_model_len`` is raised to the student's when it is shorter (a launched teacher must take
@@ -47,6 +54,8 @@ class Teacher:
         self.group = group
         self.score_only = backend(group.cfg.engine).scores_prompts_alone
         """The backend scores with ``max_tokens: 0`` (nothing generated: the embedded server); else 1 (vLLM)."""
+        self.temperature = cfg.temperature
+        """The student's sampling temperature, at which the teacher is scored (module docstring)."""
 
     async def distill(self, groups: list[PromptGroup]) -> dict[str, float]:
         """Score every sample of ``groups`` with the teacher, set their per-token advantages, return ``distill/*``."""
@@ -59,7 +68,10 @@ class Teacher:
         answers_flat = iter(
             a
             for chunk in await asyncio.gather(
-                *(self.group.sampler.prompt_logprobs(c, max_tokens=max_tokens) for c in chunks)
+                *(
+                    self.group.sampler.prompt_logprobs(c, max_tokens=max_tokens, temperature=self.temperature)
+                    for c in chunks
+                )
             )
             for a in chunk
         )
@@ -124,5 +136,12 @@ def start_teacher(cfg: Config, log_path: Path, student_tokenizer: Any, threads: 
     logger.info(
         "teacher: %s (%s); kl_coef %g, task_reward_coef %g", d.teacher_model, where, d.kl_coef, d.task_reward_coef
     )
+    if cfg.temperature != 1.0 and not facts.scores_prompts_alone:
+        logger.warning(
+            "teacher: the %s backend returns raw prompt logprobs (temperature 1) while the student samples at "
+            "temperature %g: the distillation reward compares the two at different temperatures",
+            dcfg.engine,
+            cfg.temperature,
+        )
     group = DeploymentGroup(model_path, dcfg, trainer=cfg.trainer).start()
     return Teacher(cfg, group)

@@ -354,13 +354,18 @@ class AsyncEngine:
             if not finished:
                 self.abort(seq)
 
-    async def prompt_logprobs(self, prompts: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+    async def prompt_logprobs(
+        self, prompts: list[list[int]], top_k: int = 0, temperature: float = 1.0
+    ) -> list[PromptLogprobs]:
         """Teacher-forced logprobs of every token of each prompt (``scoring.py``): a scoring forward on the engine
         thread between two steps that never reads or writes the KV cache. ``top_k``: the likeliest alternatives per
-        position (0..20). Raises ``EngineError`` naming the field for an empty prompt, a token outside the
+        position (0..20). ``temperature`` (> 0): the logprobs of softmax(logits / temperature), 1 = raw.
+        Raises ``EngineError`` naming the field for an empty prompt, a token outside the
         vocabulary or a prompt longer than ``max_model_len``."""
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_LOGPROBS:
             raise EngineError(f"prompt_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_k!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise EngineError(f"temperature: prompt logprobs need a temperature > 0, got {temperature!r}")
         vocab, limit = self.vocab_size, self.max_model_len
         for p in prompts:
             if not p:
@@ -371,7 +376,7 @@ class AsyncEngine:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise EngineError(f"prompt_token_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
         fut = asyncio.get_running_loop().create_future()
-        job = ScorePrompts([list(p) for p in prompts], top_k, self._deliver(fut))
+        job = ScorePrompts([list(p) for p in prompts], top_k, self._deliver(fut), float(temperature))
         self._submit(job)
         try:
             return await fut

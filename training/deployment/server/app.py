@@ -246,10 +246,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _score_and_generate(request: web.Request, req: ParsedRequest, body: Any) -> tuple[list, list[list[Any]]]:
-    """``prompt_logprobs``: the engine's scoring forward (no KV cache) beside the generation; with ``max_tokens: 0``
-    only the scoring, and every choice is empty (``finish_reason`` ``length``)."""
+    """``prompt_logprobs``: the engine's scoring forward (no KV cache) beside the generation, at the request's
+    ``temperature`` (0, greedy, scores the raw logits); with ``max_tokens: 0`` only the scoring, and every choice is
+    empty (``finish_reason`` ``length``)."""
     engine = request.app[ENGINE_KEY]
-    scoring = asyncio.ensure_future(engine.prompt_logprobs(req.prompts, req.prompt_logprobs))
+    t = req.params.temperature
+    scoring = asyncio.ensure_future(engine.prompt_logprobs(req.prompts, req.prompt_logprobs, t if t > 0 else 1.0))
     try:
         results = await _generate_all(request, req, body) if req.params.max_tokens > 0 else None
         scored = await scoring

@@ -5,7 +5,7 @@ or raises ``RequestError`` naming the offending field; the server answers that w
 400 ``{"error": {"message", "type": "invalid_request_error", "param"}}``. Every field is
 honoured, accepted as metadata, or refused (``fields.py``); known fields are type-checked here
 and range-checked by the engine's ``validate_request``, so a request that reaches the engine
-can always be sampled. Responses are built in ``responses.py`` (whole) and ``streaming.py``
+can always be sampled. Responses are built in ``bodies.py`` (whole) and ``streaming.py``
 (server-sent events).
 """
 
@@ -73,7 +73,8 @@ class ParsedRequest:
     prompt_logprobs: Optional[int] = None
     """Completions only (vLLM's field): k >= 0 adds ``prompt_logprobs`` to every choice, each prompt token's logprob
     given the tokens before it plus the k likeliest tokens there, from a scoring forward apart from generation
-    (``engine/scoring.py``). With ``max_tokens: 0`` nothing is generated (``params.max_tokens`` is then 0)."""
+    (``engine/scoring.py``), of softmax(logits / ``temperature``) (raw at 1 or 0; vLLM's are always raw). With
+    ``max_tokens: 0`` nothing is generated (``params.max_tokens`` is then 0)."""
 
     def params_for(self, choice_index: int) -> SamplingParams:
         """Sampling params of choice ``choice_index`` (seed + index when a seed was given)."""

@@ -16,9 +16,10 @@ states the student itself visits (mode-seeking, dense: one signal per token rath
 
 Why this shape (the choices tinker-cookbook's ``distillation`` recipe makes too): the reward is taken per
 token and not summed over the future (no discount: each token is credited only with its own log-ratio);
-the teacher sees exactly the student's token ids (one tokenizer); the teacher's logprobs are raw
-(no temperature), which is what vLLM's ``prompt_logprobs`` returns. Sample the student at
-``temperature=1`` so that log π_s is the student itself; at T ≠ 1 the estimate is KL(π_s^T ‖ π_t).
+the teacher sees exactly the student's token ids (one tokenizer); the teacher is scored at the
+temperature T the student sampled at (``training/recipes/teacher.py``), so both logprobs are of
+softmax(logits / T) and the estimate is KL(π_s^T ‖ π_t^T): 0 on every token when the teacher is the
+student. At T = 1 that is the student itself against the raw teacher.
 Which loss: ``importance_sampling`` (Config's default when distillation is on and the loss is left at
 its defaults): −r·A·w, the unclipped policy gradient with the train/inference correction w; clipping is
 inert with one update per step anyway, and a reference-model KL would pull toward the starting student,

@@ -1,6 +1,6 @@
 """Prompt logprobs: a scoring forward over given token sequences, apart from generation.
 
-``score_prompts(runner, prompts, top_k)`` returns, for every token of every prompt, its logprob
+``score_prompts(runner, prompts, top_k, temperature)`` returns, for every token of every prompt, its logprob
 given the tokens before it (teacher forcing), its rank in the vocabulary and optionally the
 ``top_k`` most likely tokens: what vLLM's ``prompt_logprobs`` returns, and what on-policy
 distillation asks a teacher for (the teacher's logprob of each token the student sampled).
@@ -10,8 +10,10 @@ Invariants:
   keys and values, computed in this forward and dropped after it (a causal forward, like a
   prefill from position 0 into a throw-away cache). Scheduling, blocks and cached prefixes are
   untouched, so it can run on the engine thread between any two steps.
-- The logprob is ``log_softmax(logits)`` of the raw logits: no temperature, no penalty, no bias
-  (vLLM's prompt logprobs are raw too, whatever ``--logprobs-mode`` says). Position 0 has none.
+- The logprob is ``log_softmax(logits / temperature)``: raw logits at ``temperature`` 1 (the default, and
+  what vLLM's prompt logprobs are, whatever ``--logprobs-mode`` says); no penalty, no bias. Another
+  temperature scores the distribution a sampler at that temperature (top-p 1) draws from, which is what a
+  distillation teacher must be compared at (``training/recipes/teacher.py``). Position 0 has none.
 - The lean runner scores with ``LeanModelRunner.hidden_states`` (its prefill's forward without the
   cache: the same weights, fused matmuls, RoPE tables and norms) and ``logits``, so the figures match
   a ``transformers`` forward as closely as its prefill does (fp32: ~1e-5); the fallback runner calls
@@ -50,10 +52,12 @@ class PromptLogprobs:
 
 
 def _reduce(
-    logits_MV: torch.Tensor, targets_M: torch.Tensor, top_k: int
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, top_k: int, temperature: float = 1.0
 ) -> tuple[list[float], list[int], Optional[list[list[tuple[int, float]]]]]:
-    """Logprob and rank of each target, and the ``top_k`` alternatives, from fp32 logits ``[M, V]``."""
+    """Logprob and rank of each target, and the ``top_k`` alternatives, from fp32 logits ``[M, V]`` / temperature."""
     logits_MV = logits_MV.float()
+    if temperature != 1.0:
+        logits_MV = logits_MV / temperature
     lse_M = torch.logsumexp(logits_MV, dim=-1)
     target_logit_M = logits_MV.gather(1, targets_M[:, None])[:, 0]
     logprobs = (target_logit_M - lse_M).tolist()
@@ -66,7 +70,7 @@ def _reduce(
     return logprobs, ranks, top
 
 
-def _score_lean(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
+def _score_lean(runner, prompts: list[list[int]], top_k: int, temperature: float) -> list[tuple]:
     inputs = [p[:-1] for p in prompts]  # the last token predicts nothing that is asked for
     x = runner.hidden_states(inputs)
     targets_N = torch.tensor([t for p in prompts for t in p[1:]], device=runner.device)
@@ -74,7 +78,9 @@ def _score_lean(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
     ranks: list[int] = []
     top: Optional[list] = [] if top_k > 0 else None
     for a in range(0, x.shape[0], SCORE_CHUNK_TOKENS):
-        lp, rk, tp = _reduce(runner.logits(x[a : a + SCORE_CHUNK_TOKENS]), targets_N[a : a + SCORE_CHUNK_TOKENS], top_k)
+        lp, rk, tp = _reduce(
+            runner.logits(x[a : a + SCORE_CHUNK_TOKENS]), targets_N[a : a + SCORE_CHUNK_TOKENS], top_k, temperature
+        )
         logprobs += lp
         ranks += rk
         if top is not None:
@@ -87,18 +93,19 @@ def _score_lean(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
     return out
 
 
-def _score_hf(runner, prompts: list[list[int]], top_k: int) -> list[tuple]:
+def _score_hf(runner, prompts: list[list[int]], top_k: int, temperature: float) -> list[tuple]:
     out = []
     for p in prompts:
         ids = torch.tensor([p[:-1]], device=runner.device)
         logits = runner.model(input_ids=ids, use_cache=False).logits[0]
-        out.append(_reduce(logits, torch.tensor(p[1:], device=runner.device), top_k))
+        out.append(_reduce(logits, torch.tensor(p[1:], device=runner.device), top_k, temperature))
     return out
 
 
 @torch.inference_mode()
-def score_prompts(runner, prompts: list[list[int]], top_k: int = 0) -> list[PromptLogprobs]:
+def score_prompts(runner, prompts: list[list[int]], top_k: int = 0, temperature: float = 1.0) -> list[PromptLogprobs]:
     """Teacher-forced logprobs of every token of every prompt (module docstring); nothing cached is touched.
+    ``temperature`` (> 0) divides the logits first (1: raw).
 
     ``runner``: the engine's ``LeanModelRunner`` or ``HFModelRunner``. Prompts must be non-empty and at
     most the runner's ``max_len`` tokens (the engine validates them first)."""
@@ -108,9 +115,9 @@ def score_prompts(runner, prompts: list[list[int]], top_k: int = 0) -> list[Prom
     if not scorable:
         parts = []
     elif isinstance(runner, HFModelRunner):
-        parts = _score_hf(runner, scorable, top_k)
+        parts = _score_hf(runner, scorable, top_k, temperature)
     else:
-        parts = _score_lean(runner, scorable, top_k)
+        parts = _score_lean(runner, scorable, top_k, temperature)
     parts_iter = iter(parts)
     result = []
     for p in prompts:
@@ -130,8 +137,8 @@ class ScorePrompts:
     """One ``prompt_logprobs`` call for the engine thread (its inbox, inbox.py, runs it between two steps, never while
     paused or asleep); skipped if its caller went away first (``cancelled``)."""
 
-    def __init__(self, prompts: list[list[int]], top_k: int, done: Callable):
-        self.prompts, self.top_k, self.done = prompts, top_k, done
+    def __init__(self, prompts: list[list[int]], top_k: int, done: Callable, temperature: float = 1.0):
+        self.prompts, self.top_k, self.done, self.temperature = prompts, top_k, done, temperature
         self.cancelled = False
 
     def run(self, engine) -> None:
@@ -140,7 +147,7 @@ class ScorePrompts:
         if self.cancelled:
             return
         try:
-            scored = score_prompts(engine.runner, self.prompts, self.top_k)
+            scored = score_prompts(engine.runner, self.prompts, self.top_k, self.temperature)
             for s in scored:
                 s.weight_version = engine.weight_version
             engine.counters["prompt_logprobs_requests"] += 1

@@ -90,3 +90,60 @@ def test_oversized_requests_are_refused_before_any_tokenizing(server):
     status, _ = post(server, "/v1/completions", {"prompt": "c" * (40 * 1024 * 1024), "max_tokens": 1})
     assert status == 413
     assert control_request("GET", server.base_url + "/health")[0] == 200
+
+
+def canary(server) -> str:
+    """The server's greedy answer to a fixed prompt (text, logprobs to 3 places, weight version): it changes
+    when the served weights do."""
+    import json
+
+    body = {"prompt": [5, 17, 42, 99, 7], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+    status, text = post(server, "/v1/completions", body)
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    logprobs = [round(x, 3) for x in choice["logprobs"]["token_logprobs"]]  # not bitwise stable from call to call
+    return json.dumps([choice["text"], logprobs, choice["weight_version"]])
+
+
+def test_a_pushed_folder_with_a_symlink_out_of_the_weight_folders_is_refused(server, tiny_model_path, tmp_path):
+    """A folder under the allowed roots whose x.safetensors links to a file outside them: 400 naming the file
+    and the rule, and the served weights (the canary answer) unchanged."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    outside = Path(tempfile.mkdtemp(prefix="outside-weights-", dir=Path.home()))
+    try:
+        allowed = [Path(tempfile.gettempdir()).resolve(), Path("/dev/shm").resolve(), Path(tiny_model_path).resolve()]
+        if any(outside.resolve().is_relative_to(r) for r in allowed):
+            pytest.skip("the home folder lies under the server's weight folders")
+        weights = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+        g = torch.Generator().manual_seed(3)
+        save_file(
+            {k: v + torch.randn(v.shape, generator=g) for k, v in weights.items()}, str(outside / "w.safetensors")
+        )
+        folder = tmp_path / "push"
+        folder.mkdir()
+        os.symlink(outside / "w.safetensors", folder / "x.safetensors")
+        before = canary(server)
+        status, text = post(server, "/update_weights_from_disk", {"path": str(folder), "weight_version": 50})
+        assert status == 400, text
+        assert "x.safetensors resolves outside the server's weight folders" in text and str(folder) in text
+        assert str(outside) not in text  # the link's target is not revealed
+        assert canary(server) == before
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_a_bad_files_refusal_never_echoes_its_bytes_or_size(server, tmp_path):
+    """Refusals name the path and what is wrong, never a number or byte read from the file (no oracle)."""
+    secret = b"SECRET!!" + b"x" * 92  # its first 8 bytes, read as a header length, would be a readable number
+    no_utf8 = (16).to_bytes(8, "little") + b"\xfeSECRET-TOKEN-XY" + b"\0" * 20  # a header that is not UTF-8
+    for name, data in (("secret", secret), ("no_utf8", no_utf8)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(data)
+        status, text = post(server, "/update_weights_from_disk", {"path": str(folder), "weight_version": 60})
+        assert status == 400 and "could not read safetensors" in text and "not a safetensors file" in text, text
+        leaks = [str(int.from_bytes(data[:8], "little")), str(len(data)), "SECRET", "0xfe", "\\ufffd"]
+        assert not [leak for leak in leaks if leak in text], text

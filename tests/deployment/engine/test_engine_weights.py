@@ -64,3 +64,19 @@ def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
     (tmp_path / "empty.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="empty.safetensors: not a safetensors file"):
         load_safetensors(tmp_path / "empty.safetensors")
+
+
+def test_a_file_written_in_place_after_mapping_is_named_changed_and_a_renamed_over_one_is_not(tmp_path):
+    """``changed()`` (checked by the server after reading a push, before the swap) names a file rewritten
+    or truncated in place; a file replaced by a rename keeps the mapped inode whole, so it is not changed."""
+    import os
+
+    save_file({"w": torch.ones(1024)}, tmp_path / "a.safetensors")
+    save_file({"v": torch.ones(1024)}, tmp_path / "b.safetensors")
+    mapped = load_safetensors(tmp_path)
+    assert mapped.changed() == []
+    os.truncate(tmp_path / "a.safetensors", 100)  # shrinks under the reader
+    save_file({"v": torch.zeros(1024)}, tmp_path / "new.safetensors")
+    os.replace(tmp_path / "new.safetensors", tmp_path / "b.safetensors")  # the trainer's atomic replace
+    assert mapped.changed() == [tmp_path / "a.safetensors"]
+    assert torch.equal(mapped["v"], torch.ones(1024))  # the renamed-over file's mapping still holds its values

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import warnings
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -59,6 +60,16 @@ SAFETENSORS_DTYPES = {
 """The safetensors dtype names ``MappedWeights`` reads."""
 
 
+class WeightFileError(ValueError):
+    """A file that is not a readable safetensors file, or that changed while it was read. The message names
+    the file and what is wrong with it, never its bytes or its size (a refusal must not be a way to read
+    any file the server can read, a few bytes at a time)."""
+
+
+def _file_stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class MappedWeights(Mapping[str, torch.Tensor]):
     """The tensors of safetensors files as read-only CPU views on the files' pages (``mmap``): nothing is copied.
 
@@ -71,6 +82,11 @@ class MappedWeights(Mapping[str, torch.Tensor]):
     dropped). A consumer that reads each tensor twice (the server's NaN check, then the load) reads its
     pages from the page cache twice: ~60 ms of a SmolLM2 push. The views must not be written to (the
     mapping is read-only).
+
+    Each file's size and mtime are recorded as it is mapped; ``changed()`` names the files whose mapped inode
+    differs now (written or truncated in place), so a reader checks it after reading and refuses what it
+    read. A file replaced by a rename is not changed: the mapping holds the old inode, which stays whole.
+    Malformed files raise ``WeightFileError``.
     """
 
     RELEASE_BYTES = 32 * 2**20
@@ -82,30 +98,45 @@ class MappedWeights(Mapping[str, torch.Tensor]):
         """Bytes of the tensors handed out since the last ``release_pages``."""
         self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...], int, int]] = {}
         """name → (file index, dtype, shape, start, end): the byte range in that file."""
+        self._stamps: list[tuple[Path, tuple[int, int, int]]] = []
+        """(file, (inode, size, mtime_ns)) as each file was mapped."""
+        self._fds: list[int] = []
+        """A descriptor of each mapped file (its inode, whatever its path names now)."""
         for f in files:
             with open(f, "rb") as fh:
-                size = fh.seek(0, 2)
-                fh.seek(0)
+                stamp = _file_stamp(os.fstat(fh.fileno()))
+                size = stamp[1]
                 n = int.from_bytes(fh.read(8), "little")
                 if size < 8 or n > size - 8:
-                    raise ValueError(f"{f}: not a safetensors file (header of {n} bytes in a {size}-byte file)")
-                header = json.loads(fh.read(n))
+                    raise WeightFileError(f"{f}: not a safetensors file (its first 8 bytes are no header length)")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError:  # also UnicodeDecodeError; their messages quote the bytes
+                    header = None
+                if not isinstance(header, dict):
+                    raise WeightFileError(f"{f}: not a safetensors file (its header is not a JSON object)")
                 mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self._fds.append(os.dup(fh.fileno()))  # to stamp the mapped inode itself later
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
-                if info["dtype"] not in SAFETENSORS_DTYPES:
-                    raise ValueError(
-                        f"{f}: tensor {name!r} has dtype {info['dtype']}, not one of {list(SAFETENSORS_DTYPES)}"
+                try:
+                    dtype_name, shape, offsets = info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"])
+                    start, end = (8 + n + int(o) for o in offsets)
+                except (TypeError, KeyError, ValueError):
+                    raise WeightFileError(f"{f}: tensor {name!r} has no valid dtype, shape and offsets") from None
+                if dtype_name not in SAFETENSORS_DTYPES:
+                    raise WeightFileError(
+                        f"{f}: tensor {name!r} has dtype {dtype_name}, not one of {list(SAFETENSORS_DTYPES)}"
                     )
-                dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
-                start, end = (8 + n + o for o in info["data_offsets"])
+                dtype = SAFETENSORS_DTYPES[dtype_name]
                 if end > size:
-                    raise ValueError(f"{f}: tensor {name!r} ends at byte {end}, past the end of the file ({size})")
+                    raise WeightFileError(f"{f}: tensor {name!r} ends at byte {end}, past the end of the file")
                 if end - start != math.prod(shape) * dtype.itemsize:
-                    raise ValueError(f"{f}: tensor {name!r} holds {end - start} bytes, not a {info['dtype']} {shape}")
+                    raise WeightFileError(f"{f}: tensor {name!r} does not hold a {dtype_name} {shape}")
                 self._where[name] = (len(self._maps), dtype, shape, start, end)
             self._maps.append(mapped)
+            self._stamps.append((Path(f), stamp))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         i, dtype, shape, start, end = self._where[name]
@@ -125,6 +156,15 @@ class MappedWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def changed(self) -> list[Path]:
+        """The mapped files whose size or mtime differ from when they were mapped (written or truncated in
+        place); a file renamed over or deleted since is not changed (the mapping holds the old inode)."""
+        return [f for (f, stamp), fd in zip(self._stamps, self._fds) if _file_stamp(os.fstat(fd)) != stamp]
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", ()):
+            os.close(fd)
 
     def release_pages(self) -> None:
         """Give the pages of the files read so far back to the kernel (the views stay valid)."""

@@ -2,6 +2,9 @@
 (a safetensors file, path confined to the allowed folders), and the torch.distributed path
 ``/init_weight_update_group``, ``/update_weights_from_distributed`` (see dist_weights_receiver.py).
 
+Every file of a pushed folder is resolved with its symlinks and must lie under the allowed folders;
+a refusal names the client's path and the rule, never a file's bytes or size; a file whose size or
+mtime changes while it is read (``MappedWeights.changed``) refuses the push before the swap.
 A refused update gets 400 and the old weights stay live; a version below the served one is refused
 (409) unless forced; a streamed update that fails half-way answers 500 and leaves ``weight_version = -1``.
 """
@@ -92,27 +95,76 @@ def _finite_tensors(tensors: Mapping) -> Mapping:
     return tensors
 
 
-@releasing_openmp_threads
-def _read_weights(path: Path) -> Mapping:
-    """Every tensor of a safetensors file, or of the ``*.safetensors`` files of a folder (never pickle), as views on
-    the files (``MappedWeights``: checking and loading them keeps a few tensors of the files resident)."""
-    from training.deployment.engine.weights import load_safetensors
+def _confined_files(path: Path, shown: str, roots: list[Path]) -> list[Path]:
+    """The ``*.safetensors`` files of ``path`` (a file, or a folder's), each with its symlinks resolved; a file
+    that resolves outside ``roots`` refuses the push, naming the client's path and the rule."""
+    from training.deployment.engine.weights import safetensors_files
 
-    return load_safetensors(str(path))
-
-
-async def _load_checked(path: Path, shown: str) -> tuple[dict, float]:
-    t0 = time.perf_counter()
     try:
-        tensors = await asyncio.to_thread(_read_weights, path)
+        files = safetensors_files(path)
+    except FileNotFoundError:
+        raise RequestError(f"no *.safetensors file in {shown!r}", "path") from None
+    resolved = []
+    for f in files:
+        try:
+            r = f.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise RequestError(f"'path' {shown!r}: {f.name} cannot be resolved on the server", "path") from None
+        if not any(r.is_relative_to(root) for root in roots):
+            raise RequestError(
+                f"'path' {shown!r}: {f.name} resolves outside the server's weight folders (every file of a push, "
+                "its symlinks resolved, must lie under them; set them with --weight-dir)",
+                "path",
+            )
+        resolved.append(r)
+    return resolved
+
+
+@releasing_openmp_threads
+def _read_weights(files: list[Path]) -> Mapping:
+    """Every tensor of the safetensors ``files`` (never pickle), as views on the files (``MappedWeights``:
+    checking and loading them keeps a few tensors of the files resident)."""
+    from training.deployment.engine.weights import MappedWeights
+
+    return MappedWeights(files)
+
+
+def _read_error(e: Exception, path: Path, shown: str) -> str:
+    """What a refusal says of a file that could not be read: ``WeightFileError``'s own message (which never
+    quotes the file's bytes or size) or the OS error, with the client's path; never another exception's text."""
+    from training.deployment.engine.weights import WeightFileError
+
+    if isinstance(e, WeightFileError):
+        detail = str(e)
+    elif isinstance(e, OSError):
+        detail = e.strerror or "unreadable"
+    else:
+        detail = "not a readable safetensors file"
+    return f"{type(e).__name__}: {detail}".replace(str(path), shown)  # the client's own path, never the resolved one
+
+
+async def _load_checked(path: Path, shown: str, roots: list[Path]) -> tuple[Mapping, float]:
+    """The checked tensors of a push: every file confined to ``roots``, read, finite, and unchanged (size and
+    mtime) from before the read to after it, else a refusal with the served weights unchanged."""
+    t0 = time.perf_counter()
+    files = _confined_files(path, shown, roots)
+    try:
+        tensors = await asyncio.to_thread(_read_weights, files)
     except Exception as e:  # a file that is not safetensors, truncated, unreadable: the client's mistake
-        detail = str(e).replace(str(path), shown)  # the client's own path, never the resolved one
-        raise RequestError(
-            f"could not read safetensors weights at {shown!r}: {type(e).__name__}: {detail}", "path"
-        ) from e
+        detail = _read_error(e, path, shown)
+        raise RequestError(f"could not read safetensors weights at {shown!r}: {detail}", "path") from e
     if not tensors:
         raise RequestError(f"no safetensors tensors at {shown!r}", "path")
-    return await asyncio.to_thread(_finite_tensors, tensors), time.perf_counter() - t0
+    tensors = await asyncio.to_thread(_finite_tensors, tensors)
+    changed = tensors.changed()
+    if changed:
+        names = ", ".join(f.name for f in changed)
+        raise RequestError(
+            f"'path' {shown!r}: {names} changed (size or mtime) while the server read it; the served weights "
+            "are unchanged",
+            "path",
+        )
+    return tensors, time.perf_counter() - t0
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -122,7 +174,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if not _is_file(resolved, folder_ok=True):
         raise RequestError(f"'path' {path!r} does not exist on the server", "path")
     t0 = time.perf_counter()
-    tensors, read_s = await _load_checked(resolved, path)
+    tensors, read_s = await _load_checked(resolved, path, request.app[SETTINGS_KEY]["weight_dirs"])
     await engine.update_weights(tensors, version, wait_for_inflight=wait)
     return web.json_response(
         {"weight_version": engine.weight_version, "read_s": read_s, "load_s": time.perf_counter() - t0}
@@ -136,7 +188,7 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
     if not _is_file(resolved, folder_ok=False) or resolved.suffix != ".safetensors":
         raise RequestError(f"'path' {path!r} is not an existing .safetensors file", "path")
     t0 = time.perf_counter()
-    tensors, read_s = await _load_checked(resolved, path)
+    tensors, read_s = await _load_checked(resolved, path, shm_roots())
     await engine.update_weights(tensors, version, wait_for_inflight=wait)
     return web.json_response(
         {"weight_version": engine.weight_version, "read_s": read_s, "load_s": time.perf_counter() - t0}

@@ -147,3 +147,20 @@ def test_a_bad_files_refusal_never_echoes_its_bytes_or_size(server, tmp_path):
         assert status == 400 and "could not read safetensors" in text and "not a safetensors file" in text, text
         leaks = [str(int.from_bytes(data[:8], "little")), str(len(data)), "SECRET", "0xfe", "\\ufffd"]
         assert not [leak for leak in leaks if leak in text], text
+
+
+def test_a_malformed_dtypes_entry_is_a_400_naming_the_field(server):
+    """``"dtypes": [[1]]`` (an unhashable entry) on /update_weights_from_distributed is refused as the
+    client's mistake, naming ``dtypes[0]``, before any group or tensor is involved."""
+    import json
+
+    _, text = control_request("GET", server.base_url + "/weight_version", api_key=KEY)
+    body = {
+        "weight_version": json.loads(text)["weight_version"] + 1,
+        "update_id": "malformed-dtypes",
+        "names": ["model.embed_tokens.weight"],
+        "dtypes": [[1]],
+        "shapes": [[1]],
+    }
+    status, text = post(server, "/update_weights_from_distributed", body)
+    assert status == 400 and "dtypes[0]" in text, text

@@ -18,6 +18,18 @@ def test_open_bind_without_a_key_refuses_unless_allowed(monkeypatch):
     check_bind(parse(["--host", "127.0.0.2", "--model", "m"]))
 
 
+def test_loopback_is_judged_by_address_not_by_a_name_that_begins_with_127(monkeypatch):
+    """Every address in 127.0.0.0/8 or ::1 counts as loopback, and a name only through what it resolves to:
+    ``127.attacker.example`` (which resolves to nothing here, or anywhere an attacker chooses) needs a key."""
+    monkeypatch.delenv("DEPLOYMENT_API_KEY", raising=False)
+    parse = build_parser().parse_args
+    for host in ("127.0.0.1", "127.255.0.9", "::1", "localhost"):
+        check_bind(parse(["--host", host, "--model", "m"]))
+    for host in ("127.attacker.example", "127.0.0.1.nip.invalid", "0.0.0.0", "10.0.0.1"):
+        with pytest.raises(SystemExit, match=f"--host {host}: binding beyond this host without --api-key"):
+            check_bind(parse(["--host", host, "--model", "m"]))
+
+
 @pytest.mark.parametrize(
     "raw, problem",
     [

@@ -19,10 +19,12 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Optional
@@ -242,12 +244,21 @@ def _exit_now() -> None:
     os._exit(1)
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (127.0.0.0/8 or ::1), judged by address,
+    never by name: ``127.attacker.example`` is whatever its DNS says. A host that does not resolve is not."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    return bool(addresses) and all(a.is_loopback for a in addresses)
 
 
 def check_bind(args: argparse.Namespace) -> None:
-    """Refuse a non-loopback ``--host`` without ``--api-key`` unless ``--allow-open-bind`` says it is meant."""
-    if args.host in LOOPBACK_HOSTS or args.host.startswith("127.") or args.api_key:
+    """Refuse a non-loopback ``--host`` (``is_loopback``: by its resolved addresses) without ``--api-key``
+    unless ``--allow-open-bind`` says it is meant."""
+    if args.api_key or is_loopback(args.host):
         return
     if not args.allow_open_bind:
         raise SystemExit(

@@ -156,7 +156,7 @@ def parse_update_body(body: Any, expected: Mapping[str, tuple[int, ...]], tied: 
         if name in seen:
             raise RequestError(f"names[{i}]: {name!r} appears twice", "names")
         seen.add(name)
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:  # a list is unhashable: never a lookup
             raise RequestError(f"dtypes[{i}]: {dt!r} is not one of {sorted(DTYPES)}", "dtypes")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape

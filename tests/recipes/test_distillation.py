@@ -281,3 +281,30 @@ def test_a_teacher_equal_to_the_student_gives_zero_reward_at_the_sampling_temper
     assert len(rewards) == 64 == metrics["distill/scored_tokens"]
     assert sum(abs(r) for r in rewards) / len(rewards) < 1e-4
     assert abs(metrics["distill/reverse_kl"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_group_filter_runs_after_the_teacher_so_equal_reward_groups_still_distil(tiny_teacher_path, tmp_path):
+    """Every group of the tiny model's random answers has reward 0 (no task signal): ``has_learning_signal``
+    run before the teacher would drop them all and train nothing; run after it, it sees the teacher's per-token
+    advantages and keeps them, so the step trains on the distillation signal."""
+    from training.recipes import rl_loop
+    from training.recipes.config import Config
+    from training.utils.rl.filters import has_learning_signal
+
+    rows = [{"prompt": f"what is {i} plus {i}?", "answer": "never"} for i in range(4)]
+    cfg = Config(
+        base_model="tiny",
+        log_path=str(tmp_path / "run"),
+        completions_per_prompt=2,
+        prompt_groups_per_step=2,
+        max_steps=1,
+        max_tokens=8,
+        deployment=DeployConfig(engine_config=EngineConfig(max_model_len=128, max_batch_size=8)),
+        distillation=DistillationConfig(teacher_model=tiny_teacher_path),
+        dynamic_filter_fn=has_learning_signal,
+    )
+    out = rl_loop.main(cfg, rows=rows)
+    assert out["steps"] == 1
+    m = out["last_metrics"]
+    assert m["rollout/filtered_groups"] == 0 and m["distill/scored_tokens"] > 0 and "train/loss" in m

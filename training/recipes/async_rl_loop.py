@@ -245,9 +245,15 @@ class AsyncRLLoop:
                 self.training = True
                 self.changed.set()
                 m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
-                if ctx.teacher is not None:  # on-policy distillation: per-token advantages
+                if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                     with timer.phase("teacher"):
-                        m.update(await ctx.distill(batch))
+                        batch, distilled = await ctx.distill(batch)
+                        m.update(distilled)
+                    if not batch:
+                        logger.info("step %d: dynamic_filter_fn dropped every scored group; collecting again", step)
+                        self.assembling_step, self.training = step, False
+                        self.changed.set()
+                        continue
                 busy_train0 = self.busy.read()
                 async with ctx.colocated(timer) as colocate:
                     with timer.phase("train"):

@@ -130,7 +130,8 @@ class Config:
     """Keep a group only if ``fn(pg)`` returns True (a dropped group's row is marked done, never trained).
     ``training.utils.rl.filters.has_learning_signal`` drops the groups whose samples would all get the same advantage,
     per-call credit included; ``lambda pg: len(set(pg.rewards)) > 1`` looks only at the returns (``pg.rewards``) and
-    also drops a group whose calls differ while its returns are equal. ``pg`` also iterates as its samples."""
+    also drops a group whose calls differ while its returns are equal. ``pg`` also iterates as its samples. With
+    distillation it runs after the teacher has scored the group (``RunContext.distill``), on its per-token advantages."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1

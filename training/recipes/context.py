@@ -139,7 +139,8 @@ class RunContext:
                 model.share_cpu(budget)
 
     def accept_group(self, group: PromptGroup) -> bool:
-        """Count the group's outcomes; True if it is kept for training (advantages set)."""
+        """Count the group's outcomes; True if it is kept for training (advantages set). With a teacher the
+        ``dynamic_filter_fn`` waits for ``distill`` (the group's distillation signal is not known yet)."""
         c = self.counters
         c.add(group)
         if (
@@ -155,7 +156,7 @@ class RunContext:
         if len(group.completion_rewards) < 2:
             c.small_groups += 1
             keep = False
-        elif self.cfg.dynamic_filter_fn is not None and not self.cfg.dynamic_filter_fn(group):
+        elif self.teacher is None and self.cfg.dynamic_filter_fn is not None and not self.cfg.dynamic_filter_fn(group):
             c.filtered_groups += 1
             keep = False
         if keep:
@@ -171,10 +172,25 @@ class RunContext:
         return m
 
     # ---- train and sync ---------------------------------------------------------------
-    async def distill(self, groups: list[PromptGroup]) -> dict[str, float]:
+    async def distill(self, groups: list[PromptGroup]) -> tuple[list[PromptGroup], dict[str, float]]:
         """On-policy distillation, before ``train``: the teacher scores every sample and its advantage becomes the
-        per-token one (``teacher.py``); the ``distill/*`` metrics. {} without a teacher."""
-        return {} if self.teacher is None else await self.teacher.distill(groups)
+        per-token one (``teacher.py``); then ``dynamic_filter_fn`` runs on the scored groups, so it judges the
+        advantages the group would train with (a group of equal rewards still carries the teacher's per-token
+        signal; ``has_learning_signal`` keeps it). A dropped group's row is marked done, as in ``accept_group``.
+        Returns the kept groups (possibly none: the loop then trains no step on them) and the ``distill/*`` metrics
+        with ``rollout/filtered_groups``. ``(groups, {})`` without a teacher."""
+        if self.teacher is None:
+            return groups, {}
+        m = await self.teacher.distill(groups)
+        keep = self.cfg.dynamic_filter_fn
+        kept = groups if keep is None else [g for g in groups if keep(g)]
+        if len(kept) < len(groups):
+            kept_ids = {id(g) for g in kept}
+            for g in groups:
+                if id(g) not in kept_ids:
+                    self.cursor.mark_done(g.position)
+        m["rollout/filtered_groups"] = float(len(groups) - len(kept))
+        return kept, m
 
     async def train(self, groups: list[PromptGroup], step: int) -> dict[str, float]:
         """One PPO step on ``groups`` in the trainer's thread; returns ``train/*`` metrics. The servers' ``GET /stats``

@@ -12,6 +12,7 @@ algorithm in one screen.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Optional
 
 from training.recipes.config import Config
@@ -19,6 +20,8 @@ from training.recipes.context import RunContext
 from training.recipes.run import RolloutFnFactory, run_recipe
 from training.recipes.step_metrics import StepTimer, batch_metrics
 from training.utils.data import Rows
+
+logger = logging.getLogger("training.recipe")
 
 __all__ = ["Config", "main"]
 
@@ -57,9 +60,13 @@ class SyncRLLoop:
                 break
             m = {**batch_metrics(batch), **ctx.take_counters()}
             staleness = float(step - deployed_version)
-            if ctx.teacher is not None:  # on-policy distillation: per-token advantages
+            if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                 with timer.phase("teacher"):
-                    m.update(await ctx.distill(batch))
+                    batch, distilled = await ctx.distill(batch)
+                    m.update(distilled)
+                if not batch:
+                    logger.info("step %d: dynamic_filter_fn dropped every scored group; sampling again", step)
+                    continue
             async with ctx.colocated(timer) as colocate:
                 with timer.phase("train"):
                     m.update(await ctx.train(batch, step))

@@ -66,3 +66,21 @@ def test_a_group_with_equal_rewards_has_signal_when_a_sample_carries_token_advan
 
     assert has_learning_signal(group([0.0, 0.5, 0.0]))
     assert not has_learning_signal(group([7.0, 0.0, 0.0]))  # only off the mask: nothing trains
+
+
+def test_has_learning_signal_judges_the_advantages_a_group_already_carries():
+    """With distillation the filter runs after the teacher set per-token advantages on a group of equal rewards:
+    those are what it judges (signal where a trainable token's is nonzero), not the rewards' zero spread."""
+    from training.utils.rl.filters import has_learning_signal
+    from training.utils.rl.groups import PromptGroup
+    from training.utils.rl.rollout import RolloutSample
+
+    samples = [RolloutSample([1, 2, 3], [0.0, -1.0, -1.0], [0, 1, 1], 0.0) for _ in range(2)]
+    pg = PromptGroup(0, {}, 0, samples=samples, completion_index=[0, 1], completion_rewards={0: 0.0, 1: 0.0})
+    assert not has_learning_signal(pg)
+    pg.compute_advantages()
+    assert not has_learning_signal(pg)
+    pg.advantages = [[0.0, -0.3, 0.1], [0.0, 0.0, 0.0]]  # the teacher's A_t
+    assert has_learning_signal(pg)
+    pg.advantages = [[5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # nonzero only off the mask
+    assert not has_learning_signal(pg)

@@ -41,8 +41,13 @@ def has_learning_signal(pg: PromptGroup) -> bool:
     """True when some sample's advantage differs from another's or from 0: the group trains the policy.
 
     Use as ``Config(dynamic_filter_fn=has_learning_signal)``. Equal returns with different per-call
-    rewards count as signal; a group of identical rewards (and no per-call credit) does not."""
+    rewards count as signal; a group of identical rewards (and no per-call credit) does not. The
+    advantages judged are the group's own once they are set (``pg.advantages``, one per sample): with
+    distillation the recipe runs the filter after the teacher has scored the group, so they are the
+    per-token A_t = kl_coef·(log π_t − log π_s) + task_reward_coef·Â, and a group of equal rewards
+    whose tokens the teacher disagrees with has signal (it is kept: that is where distillation teaches)."""
     values = []
-    for sample, a in zip(pg.samples, sample_advantages(pg)):
+    set_ = len(pg.advantages) == len(pg.samples) and bool(pg.samples)
+    for sample, a in zip(pg.samples, pg.advantages if set_ else sample_advantages(pg)):
         values += [v for v, m in zip(a, sample.loss_mask) if m] if isinstance(a, list) else [a]
     return any(not math.isclose(v, 0.0, abs_tol=SIGNAL_TOLERANCE) for v in values)

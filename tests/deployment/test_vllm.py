@@ -102,6 +102,35 @@ def test_sampler_labels_versionless_answers_with_the_version_noted_before_sendin
     assert s._client.noted_weight_version == 3
 
 
+def test_an_unknown_vllm_version_is_refused_naming_it(monkeypatch):
+    from training.deployment.backends.vllm import ANY_VERSION_ENV, check_vllm_version
+
+    monkeypatch.delenv(ANY_VERSION_ENV, raising=False)
+    check_vllm_version("0.32.0+cpu")  # the CPU build the suite tests
+    check_vllm_version("0.33.1")
+    for version in ("0.9.2", "0.40.0", "1.0.0", None, "dev"):
+        with pytest.raises(DeploymentStartError, match="is not a version this adapter knows") as err:
+            check_vllm_version(version)
+        assert (version or "version unknown") in str(err.value) and ANY_VERSION_ENV in str(err.value)
+    monkeypatch.setenv(ANY_VERSION_ENV, "1")
+    check_vllm_version("0.40.0")
+
+
+def test_pushes_go_in_the_dtype_vllm_serves(tmp_path, tiny_model_path, monkeypatch):
+    """vLLM reports no dtype: the adapter says what it launched with, or the model's own for ``auto``."""
+    bf16 = VLLMDeployment(tiny_model_path, DeployConfig(engine="vllm", engine_config=EngineConfig(dtype="bfloat16")))
+    assert bf16.weight_dtype() == "bfloat16"
+    on_cpu = VLLMDeployment(tiny_model_path, DeployConfig(engine="vllm", engine_config=EngineConfig(device="cpu")))
+    assert on_cpu.weight_dtype() == "float32"  # a CPU server is launched in fp32
+    monkeypatch.setattr(VLLMDeployment, "on_gpu", property(lambda self: True))  # as placed on a GPU (faked)
+    on_gpu = VLLMDeployment(tiny_model_path, DeployConfig(engine="vllm"))
+    assert on_gpu._command()[on_gpu._command().index("--dtype") + 1] == "auto"
+    from transformers import AutoConfig
+
+    expected = str(AutoConfig.from_pretrained(tiny_model_path).dtype).removeprefix("torch.")
+    assert on_gpu.weight_dtype() == (expected if expected in ("float16", "bfloat16", "float32") else "bfloat16")
+
+
 # ----------------------------------------------------------------------- real vLLM server
 @pytest.fixture(scope="module")
 def vllm_model_path():

@@ -40,9 +40,13 @@ Weight sync, from a folder (``DeploymentGroup.push`` or ``push_weights``):
 
 Colocation (``cfg.colocate``): the server is launched with ``--enable-sleep-mode`` (and, as always,
 ``VLLM_SERVER_DEV_MODE=1``), and ``sleep`` / ``wake_up`` / ``is_sleeping`` drive vLLM's own
-``/sleep?level=N``, ``/wake_up``, ``/is_sleeping``. vLLM's level 2 discards the weights, so a push to a
-level-2 sleeper first wakes the weights alone (``/wake_up?tags=weights``); the KV cache wakes with
-``wake_up``. Not exercised by the test suite (it needs vLLM's GPU build).
+``/sleep?level=N``, ``/wake_up``, ``/is_sleeping``. Asleep, vLLM holds the weights offloaded to host memory
+(level 1) or not at all (level 2), so a push to a sleeper first wakes the weights alone
+(``/wake_up?tags=weights``: at level 1 a later full wake would otherwise copy the offloaded old weights back
+over the push); the KV cache wakes with ``wake_up``. Not exercised by the test suite (it needs vLLM's GPU build).
+
+Versions: ``start`` reads ``GET /version`` and refuses a vLLM outside ``KNOWN_VLLM_VERSIONS`` naming it (the
+routes above change between releases); pushes are written in the dtype vLLM serves (``weight_dtype``).
 
 NCCL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``) is GPU only and not
 wired here; see training/deployment/README.md for the command to try it on a GPU.
@@ -58,15 +62,40 @@ import sys
 import time
 from typing import Any, Iterable, Optional
 
-from training.deployment.backends.process import REPO_ROOT, ServerProcess
+from training.deployment.backends.process import REPO_ROOT, DeploymentStartError, ServerProcess
 from training.deployment.weights.files import WeightSyncError
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)
 
 VLLM_VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+KNOWN_VLLM_VERSIONS = ((0, 32), (0, 33))
+"""The vLLM minor releases whose routes this adapter was written against (``/pause?mode=``, ``/resume``,
+``/collective_rpc``, ``/reset_prefix_cache?reset_running_requests=``, ``/update_weight_version``, ``/weight_info``,
+``--logprobs-mode``): 0.32 is the CPU build the suite tests (``pytest -m vllm``); 0.33 is the CUDA release of the
+same API. Another version is refused at start, naming it; ``TRAINING_VLLM_ANY_VERSION=1`` lets it run anyway."""
+ANY_VERSION_ENV = "TRAINING_VLLM_ANY_VERSION"
 WORKER_EXTENSION = "training.deployment.backends.vllm_worker.WeightReloadExtension"
 RELOAD_METHOD = "reload_weights_and_refresh"
+
+
+def check_vllm_version(version: Optional[str]) -> None:
+    """Refuse, naming it, a vLLM version outside ``KNOWN_VLLM_VERSIONS`` (``DeploymentStartError``), unless
+    ``TRAINING_VLLM_ANY_VERSION=1``; a server that does not say its version is refused the same way."""
+    if os.environ.get(ANY_VERSION_ENV) == "1":
+        return
+    parts = (version or "").split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        minor = None
+    if minor not in KNOWN_VLLM_VERSIONS:
+        known = ", ".join(f"{a}.{b}" for a, b in KNOWN_VLLM_VERSIONS)
+        raise DeploymentStartError(
+            f"vLLM {version or '(version unknown: GET /version did not answer)'} is not a version this adapter knows "
+            f"(its weight-sync routes were written for vLLM {known}); install one of those, or set "
+            f"{ANY_VERSION_ENV}=1 to try it anyway"
+        )
 
 
 def default_vllm_python(on_gpu: bool) -> str:
@@ -107,13 +136,48 @@ class VLLMDeployment(ServerProcess):
         only to demonstrate the tied-embedding pitfall in tests)."""
         self.sleep_level = 0
         """The level of the last ``sleep`` this process sent (0 awake); vLLM's /is_sleeping has no level."""
+        self.weights_awake = True
+        """False from a ``sleep`` until a push wakes the weights alone (``/wake_up?tags=weights``) or ``wake_up``."""
         self.last_sync: dict[str, float] = {}
         """Timings of the last ``load_weights``: pause_s, reload_s."""
+
+    def start(self):
+        """``ServerProcess.start``, then the server's vLLM version checked against ``KNOWN_VLLM_VERSIONS``."""
+        super().start()
+        status, text = self._http("GET", "/version", timeout=30.0)
+        try:
+            version = json.loads(text).get("version") if status == 200 else None
+        except (ValueError, AttributeError):
+            version = None
+        try:
+            check_vllm_version(version)
+        except DeploymentStartError:
+            if not self.attached_url:
+                self.stop()
+            raise
+        return self
 
     def _dtype(self) -> str:
         if self.cfg.engine_config.dtype != "auto":
             return self.cfg.engine_config.dtype
         return "auto" if self.on_gpu else "float32"  # bf16 is 4-5x slower on AVX2 CPUs
+
+    def weight_dtype(self) -> Optional[str]:
+        """The dtype vLLM holds the weights in, so pushes are written in it (vLLM reports none): the launch's
+        ``--dtype``, or for ``auto`` the model's own (``config.json``'s ``dtype`` / ``torch_dtype``; float16 and
+        float32 models are served in them, any other as vLLM does: bfloat16). None when the model's config cannot be
+        read (the trainer's dtype is sent; vLLM casts)."""
+        dtype = self._dtype()
+        if dtype != "auto":
+            return dtype
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.model)
+        except Exception:
+            return None
+        name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
+        return name if name in ("float16", "bfloat16", "float32") else "bfloat16"
 
     def _device_args(self) -> list[str]:
         """CPU: ``--enforce-eager`` (no CUDA graphs there). GPU: CUDA graphs (vLLM's default), tensor
@@ -173,11 +237,12 @@ class VLLMDeployment(ServerProcess):
         A weight push while asleep at level 2 first wakes the weights alone (``/wake_up?tags=weights``)."""
         out = super().sleep(level)
         self.sleep_level = max(self.sleep_level, int(level))
+        self.weights_awake = False
         return out
 
     def wake_up(self) -> dict:
         out = super().wake_up()
-        self.sleep_level = 0
+        self.sleep_level, self.weights_awake = 0, True
         return out
 
     async def server_weight_version(self) -> Optional[str]:
@@ -209,9 +274,12 @@ class VLLMDeployment(ServerProcess):
         step. The server is resumed either way."""
         method = RELOAD_METHOD if self.refresh_tied_output else "reload_weights"
         t0 = time.perf_counter()
-        if self.sleep_level == 2:  # vLLM's level 2 discarded the weights: allocate them (KV cache stays asleep)
+        if self.sleep_level and not self.weights_awake:
+            # asleep, the weights are offloaded to host memory (level 1) or discarded (level 2): wake them alone
+            # (the KV cache stays asleep), so the reload writes the weights that serve; a wake at level 1 would
+            # otherwise copy the offloaded old ones back over the push
             self._post("/wake_up", params={"tags": "weights"})
-            self.sleep_level = 1
+            self.weights_awake = True
         self._post("/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
         t1 = time.perf_counter()
         try:

@@ -308,3 +308,20 @@ def test_the_group_filter_runs_after_the_teacher_so_equal_reward_groups_still_di
     assert out["steps"] == 1
     m = out["last_metrics"]
     assert m["rollout/filtered_groups"] == 0 and m["distill/scored_tokens"] > 0 and "train/loss" in m
+
+
+def test_an_explicit_grpo_is_kept_with_distillation_and_an_unset_loss_gets_the_distillation_default():
+    """``"grpo"`` given (either spelling) is the user's choice even though it equals LossConfig's default; only a
+    loss left unset becomes ``DISTILLATION_LOSS``."""
+    from training.recipes.config import DISTILLATION_LOSS, Config
+    from training.utils.rl.losses.config import DEFAULT_POLICY_LOSS
+
+    on = DistillationConfig(teacher_model="tiny")
+    for given in ({"policy_loss": "grpo"}, {"loss": LossConfig(policy_loss="grpo")}):
+        cfg = Config(base_model="tiny", distillation=on, **given)
+        assert cfg.loss.policy_loss == "grpo" and cfg.policy_loss == "grpo" and cfg.loss.kl_beta == 0.001, given
+        assert cfg.loss.policy_loss_given
+    assert Config(base_model="tiny", distillation=on, loss=LossConfig()).loss == DISTILLATION_LOSS
+    assert not LossConfig().policy_loss_given and LossConfig().policy_loss == "grpo" == DEFAULT_POLICY_LOSS
+    assert LossConfig() == LossConfig(policy_loss="grpo")  # equal settings: a resumed run compares as the same
+    assert json.loads(json.dumps(Config(base_model="tiny").to_dict()))["loss"]["policy_loss"] == "grpo"

@@ -39,10 +39,11 @@ RESUME_MAY_CHANGE = (
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
 is trained: how long, how it is logged and served, whether activations are recomputed)."""
 DISTILLATION_LOSS = LossConfig(policy_loss="importance_sampling", kl_beta=0.0)
-"""The loss of a distillation run whose ``loss`` (and its top-level spellings) is left at ``LossConfig()``: the
-unclipped policy gradient with the train/inference correction, no reference model (why:
-``training/utils/rl/distillation.py``). Any other ``loss`` is kept as given (``grpo`` with distillation:
-``LossConfig(policy_loss="grpo", kl_beta=0.0)``)."""
+"""The loss of a distillation run whose ``loss`` is left unset: no ``policy_loss`` given (in either spelling; an
+explicit ``"grpo"`` counts as given, ``LossConfig.policy_loss_given``) and the rest of ``loss`` at its defaults. It is
+the unclipped policy gradient with the train/inference correction, no reference model (why:
+``training/utils/rl/distillation.py``). Any other ``loss`` is kept as given (``Config(policy_loss="grpo",
+distillation=...)`` trains grpo, with ``kl_beta`` as given or its default)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -174,8 +175,8 @@ class Config:
     """TensorBoard scalars (``tensorboard.*``); off unless ``tensorboard.enabled``."""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """On-policy distillation from a teacher (``distillation.*``); off unless ``distillation.teacher_model`` or
-    ``distillation.deployment.base_url`` is set. With it on, a loss left at its defaults becomes
-    ``importance_sampling`` without a reference model (``DISTILLATION_LOSS``)."""
+    ``distillation.deployment.base_url`` is set. With it on, a loss left unset (no ``policy_loss`` given, the rest
+    of ``loss`` at its defaults) becomes ``importance_sampling`` without a reference model (``DISTILLATION_LOSS``)."""
 
     def __post_init__(self):
         def check(cond: bool, name: str, msg: str):
@@ -272,8 +273,10 @@ class Config:
             ("distillation", DistillationConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
+        if self.policy_loss is not None and not self.loss.policy_loss_given:
+            self.loss = dataclasses.replace(self.loss, policy_loss=_given(self.policy_loss))  # the alias was given
         self._resolve_aliases()
-        if self.distillation.enabled and self.loss == LossConfig():
+        if self.distillation.enabled and self.loss == LossConfig() and not self.loss.policy_loss_given:
             self.loss = DISTILLATION_LOSS
             self._resolve_aliases()
 
@@ -350,3 +353,8 @@ class Config:
 def _show(value: Any) -> str:
     """A setting's value in an error message (a callable by name)."""
     return getattr(value, "__name__", None) or repr(value) if callable(value) else repr(value)
+
+
+def _given(policy_loss):
+    """A ``policy_loss`` value as an explicit one (a plain ``str``, so ``policy_loss_given`` holds for ``"grpo"``)."""
+    return str.__str__(policy_loss) if isinstance(policy_loss, str) else policy_loss

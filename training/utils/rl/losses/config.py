@@ -11,13 +11,26 @@ AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
 TIS_LEVELS = ("token", "sequence", "off")
 
 
+class _UnsetLoss(str):
+    """``policy_loss`` when none was given: equal to ``"grpo"`` and serialised as it, but a recipe can tell it from
+    an explicit ``"grpo"`` (``LossConfig.policy_loss_given``). A dataclass default cannot otherwise tell the two
+    apart; a distillation run picks its own loss only when none was given (``training/recipes/config.py``)."""
+
+    __slots__ = ()
+
+
+DEFAULT_POLICY_LOSS = _UnsetLoss("grpo")
+"""The default of ``LossConfig.policy_loss``: ``"grpo"``, marked as not given."""
+
+
 @dataclass
 class LossConfig:
     """The policy loss. ``policy_loss`` is a built-in loss name (a module of this folder, ``registry.loss_names()``) or a callable
     with the same signature as the built-in losses (see ``training.utils.rl.losses``)."""
 
-    policy_loss: Union[str, Callable] = "grpo"
-    """A registered loss name (``grpo``, the default; every name with its formula in ``training/utils/rl/losses/README.md``) or a callable."""
+    policy_loss: Union[str, Callable] = DEFAULT_POLICY_LOSS
+    """A registered loss name (``grpo``, the default; every name with its formula in ``training/utils/rl/losses/README.md``) or a callable.
+    Left unset it is ``DEFAULT_POLICY_LOSS`` (equal to ``"grpo"``; ``policy_loss_given`` is False)."""
     kl_beta: float = 0.001
     """Coefficient of the k3 KL penalty to the reference model (grpo; 0 turns the reference off)."""
     eps_low: Optional[float] = None
@@ -36,6 +49,12 @@ class LossConfig:
     """Upper cap of gspo's per-token log ratio."""
     aggregation: str = "token_mean"
     """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
+
+    @property
+    def policy_loss_given(self) -> bool:
+        """False when ``policy_loss`` was left at its default (``DEFAULT_POLICY_LOSS``), True for any given value,
+        ``"grpo"`` included."""
+        return not isinstance(self.policy_loss, _UnsetLoss)
 
     def __post_init__(self):
         if isinstance(self.policy_loss, str) and self.policy_loss not in loss_names():

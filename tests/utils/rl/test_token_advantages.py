@@ -49,7 +49,9 @@ def test_rollout_sample_token_advantages_are_validated_and_used():
     plain = RolloutSample([1, 2, 3], [0.0, -1.0, -1.0], [0, 1, 1], 0.0)
     group = PromptGroup(0, {}, 0, samples=[dense, plain], completion_index=[0, 1], completion_rewards={0: 1.0, 1: 0.0})
     group.compute_advantages()
-    assert group.advantages[0] == [0.0, 0.3, -0.2] and group.advantages[1] == pytest.approx(-1 / math.sqrt(2))
+    assert group.advantages[0] == [0.0, 0.3, -0.2] and group.advantages[1] == pytest.approx(
+        -0.5 / (math.sqrt(0.5) + 1e-4)
+    )
 
 
 def test_a_group_with_equal_rewards_has_signal_when_a_sample_carries_token_advantages():

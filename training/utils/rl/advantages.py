@@ -1,6 +1,6 @@
 """Group-relative advantages: each sample's reward compared with its prompt group's.
 
-    A_i = (R_i - mean_G R) / (std_G R + 1e-8)      std unbiased (divides by G - 1)
+    A_i = (R_i - mean_G R) / (std_G R + 1e-4)      std unbiased (divides by G - 1)
 
 A zero-variance group (all rewards equal) gets A = 0 for every member: it carries no learning
 signal (a dynamic filter may drop it). With ``scale_by_std=False`` the advantage is mean-centred
@@ -14,7 +14,7 @@ for discounted credit: ``RolloutRun.return_weights``) and i_s = r_s - g_s·R_c i
 (intermediate) reward: tool-status penalties (AIR), rewards the agent posted. Then
 
     A_s = g_s · Â_c + (i_s - mean over the group's samples of i)
-    Â_c = (R_c - mean_G R) / (std_G R + 1e-8)       (0 for a zero-variance group)
+    Â_c = (R_c - mean_G R) / (std_G R + 1e-4)       (0 for a zero-variance group)
 
 The return term is discounted together with its baseline (g_s·(R_c - mean R)), so a call of a
 successful run never gets a negative return advantage for being early; the per-call term is
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import math
 
-STD_EPSILON = 1e-8
-"""Added to the group std before dividing."""
+STD_EPSILON = 1e-4
+"""Added to the group std before dividing (TRL's value): large enough that a group whose rewards differ only by
+float noise (a gap of 1e-7) gets advantages near 0 rather than ±1.25, small enough not to change a real spread
+(a 0/1 group's std is ≥ 0.35: its advantages move by < 3e-4 relative)."""
 
 
 def _check_group(rewards_G: list[float]) -> None:
@@ -48,7 +50,7 @@ def group_advantages(
 ) -> list[float]:
     """Advantages of one prompt group's samples, in the order of ``rewards_G``.
 
-    With ``targets``, returns ``(target - mean_G R) / (std_G R + 1e-8)`` for each target instead,
+    With ``targets``, returns ``(target - mean_G R) / (std_G R + 1e-4)`` for each target instead,
     normalised by the statistics of ``rewards_G``; a zero-variance group still gives 0.
     Raises ``ValueError`` for a group of fewer than two samples or a non-finite reward.
     """

@@ -96,6 +96,8 @@ class AsyncRLLoop:
         """``batch_window_metrics`` of the batch last taken."""
         self.failure: Optional[BaseException] = None
         """An error raised while accepting a group; the consumer re-raises it."""
+        self.finished = False
+        """The last step has trained: nothing more is submitted (its checkpoint is written off the loop meanwhile)."""
 
     @staticmethod
     def overlaps(cfg: Config) -> bool:
@@ -105,7 +107,7 @@ class AsyncRLLoop:
     # ---- producer -------------------------------------------------------------------------
     def may_submit(self) -> bool:
         cfg = self.ctx.cfg
-        if cfg.trains_synchronously and self.training:
+        if (cfg.trains_synchronously and self.training) or self.finished:
             return False
         return self.gate.can_submit(self.deployed_version, self.assembling_step, len(self.ready) + self.in_flight)
 
@@ -273,7 +275,8 @@ class AsyncRLLoop:
                 m["perf/overlap_fraction"] = min(1.0, hidden / max(busy, 1e-9))
                 m["offpolicy/weight_version"] = float(self.deployed_version)
                 ctx.log_step(step - 1, m, batch)
-                ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
+                self.finished = step >= ctx.total_steps
+                await ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
                 last = m
         finally:
             producer.cancel()

@@ -341,12 +341,16 @@ class RunContext:
         self.metrics.log(step, m)
         self.metrics.log_rollouts(step, groups)
 
-    def checkpoint_step(self, step_done: int) -> None:
+    async def checkpoint_step(self, step_done: int) -> None:
         """Write the checkpoint after ``step_done`` steps when due (after the step's log; its time is reported in the
-        next step's ``perf/checkpoint_s``)."""
+        next step's ``perf/checkpoint_s``). The run's state (cursor, RNG) is taken here, on the event loop, between
+        two steps; the DCP write runs in the trainer's thread (``_train_pool``, where every trainer collective of
+        rank 0 runs, under ``lead``: the other ranks of a torchrun follow it as before), so the loop keeps serving the
+        rollouts in flight while it writes. The caller awaits it before the next step trains."""
         if self.checkpoint_due(step_done):
             t0 = time.perf_counter()
-            self.save_checkpoint(step_done)
+            state = self.checkpoint_state(step_done)
+            await asyncio.get_running_loop().run_in_executor(self._train_pool, self.write_checkpoint, step_done, state)
             self._checkpoint_s = time.perf_counter() - t0
 
     def finish_run(self, steps_done: int) -> None:
@@ -358,9 +362,17 @@ class RunContext:
         i = self.cfg.dcp_save_interval
         return i > 0 and (step_done % i == 0 or step_done == self.total_steps)
 
+    def checkpoint_state(self, step_done: int) -> dict:
+        """The run's state saved beside the weights: step, weight version, data cursor, RNG (taken on the loop)."""
+        return {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
+
     def save_checkpoint(self, step_done: int) -> None:
-        """Write a DCP checkpoint (under torchrun: rank 0 calls this, the other ranks follow)."""
-        state = {"step": step_done, "weight_version": step_done, "cursor": self.cursor.state(), "rng": rng_state()}
+        """Write a DCP checkpoint from this thread (under torchrun: rank 0 calls this, the other ranks follow)."""
+        self.write_checkpoint(step_done, self.checkpoint_state(step_done))
+        release_openmp_threads()  # the trainer's thread computes; this one keeps no OpenMP pool
+
+    def write_checkpoint(self, step_done: int, state: dict) -> None:
+        """The DCP write of ``state`` with the trainer's model and optimizer (``lead``: the other ranks follow)."""
         with lead(Command.CHECKPOINT, step_done):
             save_checkpoint(
                 self.log_path / "checkpoints",
@@ -370,7 +382,6 @@ class RunContext:
                 state,
                 keep_last=self.cfg.keep_checkpoints,
             )
-        release_openmp_threads()  # the trainer's thread computes; this one keeps no OpenMP pool
 
     async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:
         """Wait for ``changed`` (a rollout finished); raise when nothing finished for ``stall_timeout_s``.

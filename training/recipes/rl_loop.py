@@ -87,7 +87,7 @@ class SyncRLLoop:
                 }
             )
             ctx.log_step(step - 1, m, batch)
-            ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
+            await ctx.checkpoint_step(step)  # after the log: a kill in between trains the step again
             last = m
         ctx.finish_run(step)
         return {"steps": step, "last_metrics": last}

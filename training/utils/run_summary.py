@@ -75,7 +75,35 @@ def run_summary(log_path: str | Path, result: dict[str, Any], start_step: int, w
             kept = [a for a in command.split(" ") if not a.startswith(("max_steps=", "log_path="))]
             again = " ".join([*kept, f"log_path={shlex.quote(str(log_path))}", "max_steps=<more>"])
         lines.append(f"  train longer: {again}   (resumes from the newest checkpoint)")
+        note = _schedule_note(log_path, rows)
+        if note:
+            lines.append(note)
     return "\n".join(lines)
+
+
+def _schedule_note(log_path: Path, rows: list[dict]) -> Optional[str]:
+    """What "train longer" does to a decaying learning-rate schedule (None for ``constant`` or an unknown one).
+
+    A ``linear`` / ``cosine`` schedule decays to 0 over the run's ``max_steps`` (``training/trainer/lr_schedule.py``),
+    so a resume with a larger ``max_steps`` stretches it over the new length: the learning rate jumps back up from
+    where it ended and decays again. The note says so, and how to go on at the last rate instead."""
+    import json
+
+    try:
+        trainer = json.loads((log_path / "config.json").read_text()).get("trainer") or {}
+    except (OSError, ValueError):
+        return None
+    schedule = trainer.get("lr_schedule")
+    if schedule in (None, "constant"):
+        return None
+    lrs = [r["train/learning_rate"] for r in rows if isinstance(r.get("train/learning_rate"), (int, float))]
+    last = f"{lrs[-1]:.3g}" if lrs else "<the last train/learning_rate>"
+    return (
+        f"  note: trainer.lr_schedule={schedule} decays over max_steps, so a larger max_steps restarts the decay "
+        f"over the new length: the learning rate jumps back up from {last} (the last step's) and decays again. "
+        f"To go on at {last} instead, add trainer.lr_schedule=constant trainer.learning_rate={last} "
+        "resume_with_changed_config=true"
+    )
 
 
 def log_summary(log_path: str | Path, text: str) -> None:

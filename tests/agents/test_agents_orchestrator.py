@@ -10,7 +10,7 @@ import pytest
 
 from training.agents import Orchestrator
 from training.agents.trajectory import Episode
-from training.utils.pause_gate import PauseGate
+from training.utils.aio.pause_gate import PauseGate
 from training.utils.rl.rollout import RolloutSample
 
 

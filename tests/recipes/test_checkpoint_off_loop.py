@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from training.recipes.context import RunContext
-from training.utils.loop_watch import LoopWatchdog
+from training.utils.aio.loop_watch import LoopWatchdog
 
 
 def test_a_step_checkpoint_does_not_block_the_event_loop(tiny_model_path, tmp_path):

@@ -7,9 +7,7 @@ import time
 
 import pytest
 
-from training.utils.loop_watch import LoopWatchdog, wait_for
-
-pytestmark = pytest.mark.unit
+from training.utils.aio.loop_watch import LoopWatchdog, wait_for
 
 
 def blocking_rollout_code():
@@ -37,7 +35,7 @@ async def _run(use_watchdog: bool):
 
 
 def test_a_blocked_loop_does_not_time_out_unrelated_rollouts_and_names_the_culprit(caplog):
-    caplog.set_level(logging.WARNING, logger="training.utils.loop_watch")
+    caplog.set_level(logging.WARNING, logger="training.utils.aio.loop_watch")
     result, watchdog = asyncio.run(_run(use_watchdog=True))
     assert result == "done"
     assert any("blocking_rollout_code" in r.getMessage() for r in caplog.records)
@@ -62,7 +60,7 @@ def test_unblocked_time_still_times_out():
 
 def test_a_loop_starved_while_waiting_for_io_is_not_reported_as_blocked(caplog):
     """Another thread holds the GIL in one C call: the loop sits in its selector, no rollout code is to blame."""
-    caplog.set_level(logging.INFO, logger="training.utils.loop_watch")
+    caplog.set_level(logging.INFO, logger="training.utils.aio.loop_watch")
 
     async def go():
         watchdog = LoopWatchdog(threshold_s=0.3, interval_s=0.05).start()

@@ -1,4 +1,4 @@
-"""``PauseGate`` (``training/utils/pause_gate.py``): counted pausers and the drain, alone and behind
+"""``PauseGate`` (``training/utils/aio/pause_gate.py``): counted pausers and the drain, alone and behind
 the proxy's real ``/proxy/pause`` / ``/proxy/resume`` endpoints in front of a real server (tiny model)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from tests.held_engine import HeldEngine
 from training.proxy import ProxyServer
-from training.utils.pause_gate import PauseGate
+from training.utils.aio.pause_gate import PauseGate
 
 
 async def _settle(turns: int = 20) -> None:

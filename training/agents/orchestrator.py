@@ -13,7 +13,7 @@ their group (bounds memory); at most ``max_concurrency`` episodes run at once. A
 raises, or runs past ``episode_timeout_s`` (it is cancelled), is counted in ``group.errors``
 (its group is yielded with the episodes that finished), so a hung episode never blocks its group.
 ``group.stop_reasons()`` counts why the group's episodes ended (``timeout`` / ``error`` for those).
-Every episode passes ``orch.gate`` (``training/utils/pause_gate.py``: counted pausers, drain).
+Every episode passes ``orch.gate`` (``training/utils/aio/pause_gate.py``: counted pausers, drain).
 
 With ``training.recipes.async_rl_loop`` use ``make_agent_rollout_fn`` instead: the recipe
 already fans out, groups, gates and syncs weights.
@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, Hashable, Iterable, Optional
 
 from training.agents.rollout_fn import AgentFactory, EnvFactory
 from training.agents.trajectory import Episode, TrajectoryEngine
-from training.utils.pause_gate import PauseGate
+from training.utils.aio.pause_gate import PauseGate
 
 
 @dataclass

@@ -12,7 +12,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from th
 Responses API, recorded as a chat call: ``responses.py``); ``GET [/sessions/{id}]/v1/models``;
 ``GET /health``;
 ``POST /proxy/pause`` (add a pauser: new calls wait; answers once none is in flight), ``POST /proxy/resume``
-(remove one: calls flow again when every pauser resumed; see ``training/utils/pause_gate.py``);
+(remove one: calls flow again when every pauser resumed; see ``training/utils/aio/pause_gate.py``);
 ``GET /sessions/{id}/calls`` (recorded calls and labels, for logs); ``POST /sessions/{id}/reward``
 (or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
 reward the agent posts itself to call k (default its latest call; see ``transitions.py``).
@@ -61,7 +61,7 @@ from training.proxy.streaming import (
 from training.proxy.upstream import UpstreamError, UpstreamPool
 from training.utils.http import SESSION_HEADER, close_idle_connections
 from training.openai_api.errors import error_body, error_response
-from training.utils.pause_gate import PauseGate
+from training.utils.aio.pause_gate import PauseGate
 from training.utils.http import BodyError, read_json_request
 from training.utils.rl.rollout import RolloutValidationError, as_reward
 from training.openai_api.sse import end_sse, iter_sse, open_sse, sse_event

@@ -26,7 +26,7 @@ from training.recipes.resources import CpuShare
 from training.recipes.step_metrics import StepCounters, StepTimer, server_metrics
 from training.recipes.teacher import Teacher
 from training.recipes.train_state import TrainState
-from training.utils import loop_watch
+from training.utils.aio import loop_watch
 from training.utils.checkpoint import rng_state, save_checkpoint
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger

@@ -47,12 +47,13 @@ from training.recipes.resources import (
 )
 from training.recipes.teacher import Teacher, start_teacher
 from training.recipes.train_state import TrainState, build_train_state
-from training.utils import dist, loop_watch
+from training.utils import dist
+from training.utils.aio import loop_watch
 from training.utils.checkpoint import save_checkpoint
 from training.utils.data import Rows, load_rows
 from training.utils.dist import Command
 from training.utils.rl.ppo import receive_and_train
-from training.utils.loop_runner import run_loop
+from training.utils.aio.loop_runner import run_loop
 from training.utils.rl.rollout import RolloutFn, RolloutSetup, check_rollout_fn
 from training.utils.run_record import resolve_log_path, write_config_record
 from training.utils.run_summary import log_summary, run_summary

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Union
 
-from training.utils import loop_watch
+from training.utils.aio import loop_watch
 from training.utils.rl.advantages import credited_advantages
 from training.utils.rl.failure_log import FailureLog, row_label
 from training.utils.rl.request_seeds import completion_seed_key, seed_scope

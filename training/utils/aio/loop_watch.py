@@ -123,7 +123,7 @@ running then (it swallowed ``CancelledError``) is abandoned, never awaited."""
 
 abandoned: list[asyncio.Task] = []
 """Tasks that ignored their cancellation at a deadline: left to run, referenced here so they are not
-collected mid-run; ``training.utils.loop_runner.run_loop`` names them at exit and does not wait for them."""
+collected mid-run; ``training.utils.aio.loop_runner.run_loop`` names them at exit and does not wait for them."""
 
 
 async def wait_for(aw: Awaitable[Any], timeout_s: float, watchdog: Optional[LoopWatchdog] = None) -> Any:

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Coroutine
 
-from training.utils.loop_watch import CANCEL_GRACE_S, abandoned
+from training.utils.aio.loop_watch import CANCEL_GRACE_S, abandoned
 
 logger = logging.getLogger(__name__)
 

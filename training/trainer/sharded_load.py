@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -30,6 +31,7 @@ import torch
 from training.trainer.distributed import shard_model
 from training.trainer.model import PACKED_SDPA, prepare_for_training, register_packed_sdpa
 from training.utils.dist import rank, world_size
+from training.utils.safetensors_index import read_index
 
 logger = logging.getLogger(__name__)
 
@@ -131,20 +133,6 @@ def load_sharded(
     return model
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 class SafetensorsRows:
     """Rows of the tensors of one safetensors file, read with ``pread`` (no memory map, so the pages read do not
     stay in this process's resident memory): a row range of a row-major tensor is one contiguous byte range."""
@@ -152,31 +140,29 @@ class SafetensorsRows:
     def __init__(self, path: Path):
         self.path = path
         with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(header_len))
-        self.header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
+            self.spans = read_index(f, path, os.fstat(f.fileno()).st_size)
 
-    def shape(self, name: str) -> list[int]:
-        return list(self.header[name]["shape"])
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.spans[name].shape
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of dimension 0 (a 0-d tensor: itself), as a new tensor in the file's dtype."""
-        entry = self.header[name]
-        shape = list(entry["shape"])
-        first, last = entry["data_offsets"]
-        offset, size = first, last - first
+        span = self.spans[name]
+        shape = list(span.shape)
+        offset, size = span.start, span.end - span.start
         if shape:
-            row_bytes = size // shape[0] if shape[0] else 0
-            offset, size, shape[0] = first + start * row_bytes, (stop - start) * row_bytes, stop - start
+            offset, size, shape[0] = (
+                span.start + start * span.row_bytes(),
+                (stop - start) * span.row_bytes(),
+                stop - start,
+            )
         data = bytearray(size)
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.data_start + offset)
+            f.seek(offset)
             got = f.readinto(data)
         if got != size:
             raise OSError(f"{self.path}: {name} is truncated ({got} of {size} bytes)")
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        return torch.frombuffer(data, dtype=dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=span.dtype).reshape(shape) if size else torch.empty(shape, dtype=span.dtype)
 
 
 def _read_own_shards(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype) -> None:

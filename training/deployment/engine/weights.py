@@ -7,8 +7,6 @@ update may still carry it (a trainer's ``state_dict()`` does) if it equals the e
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
 import warnings
@@ -19,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from training.deployment.engine.requests import WeightUpdateError
+from training.utils.safetensors_index import SafetensorsFileError, read_index
 
 TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -45,22 +44,7 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""The safetensors dtype names ``MappedWeights`` reads."""
-
-
-class WeightFileError(ValueError):
+class WeightFileError(SafetensorsFileError):
     """A file that is not a readable safetensors file, or that changed while it was read. The message names
     the file and what is wrong with it, never its bytes or its size (a refusal must not be a way to read
     any file the server can read, a few bytes at a time)."""
@@ -105,36 +89,14 @@ class MappedWeights(Mapping[str, torch.Tensor]):
         for f in files:
             with open(f, "rb") as fh:
                 stamp = _file_stamp(os.fstat(fh.fileno()))
-                size = stamp[1]
-                n = int.from_bytes(fh.read(8), "little")
-                if size < 8 or n > size - 8:
-                    raise WeightFileError(f"{f}: not a safetensors file (its first 8 bytes are no header length)")
                 try:
-                    header = json.loads(fh.read(n))
-                except ValueError:  # also UnicodeDecodeError; their messages quote the bytes
-                    header = None
-                if not isinstance(header, dict):
-                    raise WeightFileError(f"{f}: not a safetensors file (its header is not a JSON object)")
+                    spans = read_index(fh, f, stamp[1])
+                except SafetensorsFileError as e:
+                    raise WeightFileError(str(e)) from None
                 mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
                 self._fds.append(os.dup(fh.fileno()))  # to stamp the mapped inode itself later
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                try:
-                    dtype_name, shape, offsets = info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"])
-                    start, end = (8 + n + int(o) for o in offsets)
-                except (TypeError, KeyError, ValueError):
-                    raise WeightFileError(f"{f}: tensor {name!r} has no valid dtype, shape and offsets") from None
-                if dtype_name not in SAFETENSORS_DTYPES:
-                    raise WeightFileError(
-                        f"{f}: tensor {name!r} has dtype {dtype_name}, not one of {list(SAFETENSORS_DTYPES)}"
-                    )
-                dtype = SAFETENSORS_DTYPES[dtype_name]
-                if end > size:
-                    raise WeightFileError(f"{f}: tensor {name!r} ends at byte {end}, past the end of the file")
-                if end - start != math.prod(shape) * dtype.itemsize:
-                    raise WeightFileError(f"{f}: tensor {name!r} does not hold a {dtype_name} {shape}")
-                self._where[name] = (len(self._maps), dtype, shape, start, end)
+            for name, span in spans.items():
+                self._where[name] = (len(self._maps), span.dtype, span.shape, span.start, span.end)
             self._maps.append(mapped)
             self._stamps.append((Path(f), stamp))
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 SKILLS = ROOT / "skills"
@@ -101,12 +100,17 @@ def shell_cases() -> list:
     ]
 
 
-def snippet_cases() -> list:
+LOADS_A_MODEL = ("from_pretrained(", "ensure_tiny_model(", "resolve_model(")
+"""A snippet that names one of these loads a model: it runs with the tiny model built (``tiny_model_path``)."""
+
+
+def snippet_cases(loads_a_model: bool) -> list:
     cases = []
     for path in doc_files():
         rel = path.relative_to(ROOT)
         for i, code in enumerate(python_blocks(path.read_text()), 1):
-            cases.append(pytest.param(path, i, code, id=f"{rel}#{i}"))
+            if any(name in code for name in LOADS_A_MODEL) == loads_a_model:
+                cases.append(pytest.param(path, i, code, id=f"{rel}#{i}"))
     return cases
 
 
@@ -160,9 +164,20 @@ def test_relative_links_resolve(path: Path):
 # ---- snippets --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,index,code", snippet_cases())
+@pytest.mark.parametrize("path,index,code", snippet_cases(loads_a_model=False))
 def test_python_snippet_runs(path: Path, index: int, code: str, tmp_path, monkeypatch):
     """Exec one block in a fresh namespace, in an empty folder; ``__main__`` guards keep training from starting."""
+    run_snippet(path, index, code, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("path,index,code", snippet_cases(loads_a_model=True))
+@pytest.mark.usefixtures("tiny_model_path")
+def test_python_snippet_that_loads_a_model_runs(path: Path, index: int, code: str, tmp_path, monkeypatch):
+    """The same, for a block that loads a model."""
+    run_snippet(path, index, code, tmp_path, monkeypatch)
+
+
+def run_snippet(path: Path, index: int, code: str, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     rel = path.relative_to(ROOT)
     name = f"{rel} python block {index}"

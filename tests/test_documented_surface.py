@@ -19,12 +19,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.client import DeploymentSampler
 from training.proxy import ProxyServer
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes.single_turn import exact_match_reward, make_single_turn_rollout_fn
-from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig, WandBConfig
+from training.utils import DeployConfig, LossConfig, TrainerConfig, WandBConfig
 from training.utils.cli import apply_overrides, help_text
 from training.utils.data import RowCursor, load_rows
 from training.utils.http import AFFINITY_HEADER, SESSION_HEADER, session_headers, session_id_of
@@ -176,7 +175,6 @@ def test_documented_rl_loop_snippet_runs_with_main_cfg(tiny_model_path, tmp_path
 # ---- one setting, two spellings ------------------------------------------------------------------------------------
 
 
-@pytest.mark.unit
 def test_top_level_learning_rate_policy_loss_kl_beta_are_the_nested_settings():
     cfg = async_rl_loop.Config(base_model="tiny", learning_rate=1.7e-5, policy_loss="gspo", kl_beta=0.0)
     assert (cfg.trainer.learning_rate, cfg.loss.policy_loss, cfg.loss.kl_beta) == (1.7e-5, "gspo", 0.0)
@@ -189,7 +187,6 @@ def test_top_level_learning_rate_policy_loss_kl_beta_are_the_nested_settings():
     assert same.trainer.learning_rate == 3e-4
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, names",
     [
@@ -210,7 +207,6 @@ def test_both_spellings_with_different_values_is_an_error_naming_both(kwargs, na
     assert all(n in str(e.value) for n in names), str(e.value)
 
 
-@pytest.mark.unit
 def test_logs_and_help_show_one_value_and_overrides_take_either_spelling():
     cfg = async_rl_loop.Config(base_model="tiny", learning_rate=1.7e-5, policy_loss="dro")
     logged = cfg.to_dict()
@@ -225,7 +221,6 @@ def test_logs_and_help_show_one_value_and_overrides_take_either_spelling():
     assert a.learning_rate == 3e-4
 
 
-@pytest.mark.unit
 def test_documented_sub_config_fields_are_accepted(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     deploy = DeployConfig(deployment_id="grpo-serving", tokenizer_model="Qwen/Qwen3-8B")
@@ -241,7 +236,6 @@ def test_documented_sub_config_fields_are_accepted(monkeypatch):
         async_rl_loop.Config(base_model="tiny", output_model_id="m", export_final_model=False)
 
 
-@pytest.mark.unit
 def test_dynamic_filter_receives_a_prompt_group_with_rewards():
     def sample(reward):
         return RolloutSample(tokens=[1, 2], logprobs=[0.0, -1.0], loss_mask=[0, 1], reward=reward)
@@ -258,7 +252,6 @@ def test_dynamic_filter_receives_a_prompt_group_with_rewards():
     assert not documented(group)
 
 
-@pytest.mark.unit
 def test_rollout_contract_as_documented():
     sample = RolloutSample(tokens=[1, 2, 3], logprobs=[0.0, -0.5, -0.1], loss_mask=[0, 1, 1], reward=1.0)
     assert (sample.finish_reason, sample.text) == ("stop", "")
@@ -271,7 +264,6 @@ def test_rollout_contract_as_documented():
     assert setup.sampling_kwargs == {"max_tokens": 8, "temperature": 0.5}
 
 
-@pytest.mark.unit
 def test_rollout_failure_error_still_imports_from_its_old_path():
     """``training.recipes.common`` was its documented home before the recipes were split by what they hold."""
     from training.recipes.common import RolloutFailureError as old_path
@@ -289,7 +281,6 @@ def test_rows_carry_prompt_ids_under_both_names(tmp_path):
     assert load_rows([mine])[0] is mine  # both given: left as they are
 
 
-@pytest.mark.unit
 def test_turn_matching_lives_at_the_documented_path_and_the_proxy_uses_it():
     import training.proxy as proxy
     from training.proxy import forwarding as proxy_forwarding  # where the proxy labels each call it records
@@ -320,7 +311,6 @@ def test_turn_matching_lives_at_the_documented_path_and_the_proxy_uses_it():
     assert by_messages.kind == turn_matching.APPEND and by_messages.token_drift  # messages decide by default
 
 
-@pytest.mark.unit
 def test_session_id_comes_from_either_header_or_the_user_field():
     assert session_id_of({SESSION_HEADER: "a", AFFINITY_HEADER: "b"}, {"user": "c"}) == "a"
     assert session_id_of({AFFINITY_HEADER: "b"}, {"user": "c"}) == "b"
@@ -329,7 +319,6 @@ def test_session_id_comes_from_either_header_or_the_user_field():
     assert session_headers("s") == {SESSION_HEADER: "s", AFFINITY_HEADER: "s"} and session_headers(None) == {}
 
 
-@pytest.mark.unit
 def test_experimental_notice_is_logged_once_per_installation(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(async_rl_loop, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(async_rl_loop, "run_recipe", lambda *a, **kw: {"steps": 0})
@@ -345,7 +334,6 @@ def test_experimental_notice_is_logged_once_per_installation(monkeypatch, caplog
     assert caplog.text.count(async_rl_loop.EXPERIMENTAL_NOTICE) == 1
 
 
-@pytest.mark.unit
 def test_exact_match_reward():
     assert exact_match_reward(" 42\n", {"answer": 42}) == 1.0
     assert exact_match_reward("42.", {"answer": "42"}) == 0.0
@@ -356,11 +344,8 @@ def test_exact_match_reward():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("documented") / "server.log"
-    cfg = DeployConfig(deployment_id="grpo-serving", engine_config=EngineConfig(max_batch_size=16, max_model_len=512))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(deployment_id="grpo-serving", max_batch_size=16, max_model_len=512)
 
 
 def post(server, body, headers):
@@ -444,7 +429,6 @@ def test_builtin_rollout_reads_messages_token_ids_or_a_prompt(server, tiny_model
         asyncio.run(rollout_fn({"question": "?"}))
 
 
-@pytest.mark.unit
 def test_tokenizer_model_is_loaded_and_checked_against_the_model_vocabulary(tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 
@@ -464,7 +448,6 @@ def test_tokenizer_model_is_loaded_and_checked_against_the_model_vocabulary(tiny
         rollout_tokenizer(missing, tiny_model_path, policy, vocab_size=512)
 
 
-@pytest.mark.unit
 def test_rows_come_from_main_or_dataset_and_max_rows_caps_them(tmp_path):
     from training.recipes.resources import resolve_rows
 

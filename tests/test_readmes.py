@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit  # no model, no server: part of the sub-minute loop
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_SUFFIXES = (".py", ".c")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
 CPU = "pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"

@@ -17,9 +17,7 @@ from transformers import AutoTokenizer
 from training.agents import ToolAgent, ToolEnvironment, ToolManager, TrajectoryEngine, make_agent_rollout_fn
 from training.agents.tools import FunctionTool
 from training.deployment.client import DeploymentSampler
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
-from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutSetup, flatten_result
 
 pytestmark = pytest.mark.skipif(missing_library() is not None, reason="needs llguidance (training[constrained])")
@@ -61,10 +59,8 @@ class RecordingSampler:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("agents_constrained") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server()
 
 
 @pytest.fixture(scope="module")

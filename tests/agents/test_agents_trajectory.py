@@ -23,9 +23,7 @@ from training.agents import (
     make_agent_rollout_fn,
 )
 from training.agents.tools import FunctionTool
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.client import DeploymentSampler
-from training.utils import DeployConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutSetup, flatten_result, validate_sample
 
 
@@ -95,10 +93,8 @@ SCRIPT = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("agents") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server()
 
 
 @pytest.fixture(scope="module")

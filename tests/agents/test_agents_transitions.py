@@ -21,9 +21,7 @@ from training.agents import (
     make_agent_rollout_fn,
 )
 from training.agents.tools import FunctionTool
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.client import DeploymentSampler
-from training.utils import DeployConfig
 from training.utils.rl.credit import discounted
 from training.utils.rl.rollout import RolloutRun, RolloutSetup, flatten_result
 from training.utils.rl.run_metrics import run_metrics
@@ -81,10 +79,8 @@ def reward_fn(answer, task):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("agents_transitions") / "server.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server()
 
 
 @pytest.fixture(scope="module")

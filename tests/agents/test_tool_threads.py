@@ -5,12 +5,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from training.agents.tools import FunctionTool, ToolManager
 from training.openai_api.tool_parsers import ToolCall
-
-pytestmark = pytest.mark.unit
 
 
 def slow_lookup(key: str) -> str:

@@ -29,6 +29,7 @@ def run_benchmark(name: str, *args: str, timeout: float = 120) -> str:
 
 
 @pytest.mark.parametrize("figure", ["engine_throughput", "sampling_cost", "decode_roofline"])
+@pytest.mark.usefixtures("tiny_model_path")  # the benchmark's process runs the tiny model
 def test_quick_benchmark_prints_one_parsable_json_line_with_a_ratio(figure):
     stdout = run_benchmark(figure, "--quick")
     json_lines = [l for l in stdout.splitlines() if l.startswith("{")]
@@ -186,7 +187,7 @@ def test_trl_settings_follow_our_config_and_refuse_what_trl_cannot_mirror(tmp_pa
             trl_settings(example_config(base + [override])[0], longest_prompt=70)
 
 
-def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path, tmp_path, monkeypatch):
+def test_trl_script_prompts_and_reward_are_the_example_rollouts(embedded_server, tiny_model_path, monkeypatch):
     """The example's rollout_fn, against a real server on the tiny model: the prompt ids it sends are what
     TRL's chat-template path and the harness's evaluation make, and its reward is trl_grpo.reward of the text."""
     import asyncio
@@ -195,9 +196,7 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
 
     from benchmarks import trl_grpo
     from benchmarks.end_to_end import chat_prompts, example_config
-    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
-    from training.utils import DeployConfig, EngineConfig
     from training.utils.rl.rollout import RolloutSetup
 
     _, rollout = example_config([])
@@ -211,20 +210,18 @@ def test_trl_script_prompts_and_reward_are_the_example_rollouts(tiny_model_path,
         return await real(self, prompt_ids, n, **kw)
 
     monkeypatch.setattr(DeploymentSampler, "sample_with_prompt_tokens", recording)
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_model_len=256)), log_file=str(tmp_path / "d.log")
-    ) as dep:
+    dep = embedded_server(max_model_len=256)
 
-        async def go():
-            sampler = DeploymentSampler(dep.base_url)
-            setup = RolloutSetup(sampler=sampler, tokenizer=tok, sampling_kwargs={"max_tokens": 8, "temperature": 1.0})
-            try:
-                fn = rollout.make_rollout_fn(setup)
-                return [await fn(r) for r in rows]
-            finally:
-                await sampler.close()
+    async def go():
+        sampler = DeploymentSampler(dep.base_url)
+        setup = RolloutSetup(sampler=sampler, tokenizer=tok, sampling_kwargs={"max_tokens": 8, "temperature": 1.0})
+        try:
+            fn = rollout.make_rollout_fn(setup)
+            return [await fn(r) for r in rows]
+        finally:
+            await sampler.close()
 
-        samples = asyncio.run(go())
+    samples = asyncio.run(go())
     trl_ids = [
         tok.apply_chat_template(
             [trl_grpo.prompt_messages(r["question"])], add_generation_prompt=True, tokenize=True, return_dict=True
@@ -293,6 +290,7 @@ def test_end_to_end_refuses_an_unknown_side_and_names_the_script_a_missing_venv_
     assert {r["baseline"] for r in both} == {"TRL GRPOTrainer"}
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the benchmark's process trains the tiny model
 def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model():
     """--set reaches every run of ours, --variant only its own; the notes carry the command and the --note."""
     stdout = run_benchmark(
@@ -323,6 +321,7 @@ def test_end_to_end_quick_trains_ours_with_a_variant_and_scores_each_final_model
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.usefixtures("tiny_model_path")  # the profiler's process runs the tiny model
 def test_profile_decode_prints_where_a_step_goes(kernel):
     from tests.deployment.engine.test_engine import require_native
 

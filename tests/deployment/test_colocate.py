@@ -14,7 +14,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.models import smollm2
 from training.models.smollm2 import is_converted
 from training.recipes import async_rl_loop
@@ -67,28 +66,16 @@ def server_rss_bytes(dep) -> int:
     raise AssertionError("no VmRSS")
 
 
-def launch(model_path, tmp_path, **engine):
-    cfg = DeployConfig(
-        api_key=API_KEY,
-        startup_timeout_s=300,
-        log_file=str(tmp_path / "server.log"),
-        engine_config=EngineConfig(device="cpu", dtype="float32", **engine),
-    )
-    return EmbeddedDeployment(model_path, cfg)
-
-
 @pytest.fixture(scope="module")
-def tiny_server(tiny_model_path, tmp_path_factory):
-    with launch(tiny_model_path, tmp_path_factory.mktemp("tiny"), max_batch_size=8, max_model_len=256) as dep:
-        yield dep
+def tiny_server(embedded_server):
+    return embedded_server(fresh=True, api_key=API_KEY, max_batch_size=8, max_model_len=256)  # its tests sleep it
 
 
 @pytest.mark.skipif(not is_converted(smollm2.default_smollm2_dir()), reason="SmolLM2 not converted in the cache")
-def test_sleep_returns_the_freed_memory_and_wake_gives_identical_greedy_output(tmp_path):
+def test_sleep_returns_the_freed_memory_and_wake_gives_identical_greedy_output(embedded_server, smollm2_path):
     """Level 1 gives back at least the KV cache's resident blocks and the packed copies, level 2 the weights too
     (VmRSS of the server, 20 % slack); after each wake the greedy tokens and logprobs are those of before."""
-    model = str(smollm2.default_smollm2_dir())
-    with launch(model, tmp_path, max_batch_size=4, max_model_len=1024) as dep:
+    with embedded_server(fresh=True, model=smollm2_path, api_key=API_KEY, max_batch_size=4, max_model_len=1024) as dep:
         before = greedy(dep)
         for level in (1, 2):
             rss0 = server_rss_bytes(dep)

@@ -13,9 +13,7 @@ import pytest
 import requests
 import torch
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
-from training.utils.config import DeployConfig, EngineConfig
 
 CHAT = [{"role": "user", "content": "what is the weather in Paris"}]
 WEATHER = {
@@ -72,14 +70,8 @@ def _matches(value, schema: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("constrained") / "server.log"),
-        engine_config=EngineConfig(max_model_len=1024, max_batch_size=8, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_model_len=1024, max_batch_size=8)
 
 
 def chat(server, **body) -> dict:

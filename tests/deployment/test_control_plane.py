@@ -7,19 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from training.deployment.backends.embedded import EmbeddedDeployment
-from training.utils import DeployConfig, EngineConfig
 from training.utils.http import control_request
 
 KEY = "control-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("control") / "server.log"
-    cfg = DeployConfig(api_key=KEY, engine_config=EngineConfig(max_batch_size=4, max_model_len=128))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(fresh=True, api_key=KEY, max_batch_size=4, max_model_len=128)  # its tests load weights
 
 
 def post(server, path, body):

@@ -22,8 +22,6 @@ from urllib.parse import urlparse
 import aiohttp
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
-from training.utils import DeployConfig, EngineConfig
 
 API_KEY = "fuzz-key"
 PROMPT = [5, 17, 42, 99, 7]
@@ -363,11 +361,9 @@ async def _greedy(url: str, path: str, headers: dict) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    cfg = DeployConfig(api_key=API_KEY, engine_config=EngineConfig(max_batch_size=16, max_model_len=256))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    # fresh: the fuzz aims at every endpoint, the weight and group ones too
+    return embedded_server(fresh=True, api_key=API_KEY, max_batch_size=16, max_model_len=256)
 
 
 QUICK_PATHS = [

@@ -9,12 +9,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.recipes.test_exit_cleanup import _alive, _children
 from training.deployment.backends.process import ServerProcess
-
-pytestmark = pytest.mark.unit
 
 
 class StaticServer(ServerProcess):

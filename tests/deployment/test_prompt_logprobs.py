@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from training.deployment.client import DeploymentRequestError, DeploymentSampler
-from training.deployment.backends.embedded import EmbeddedDeployment
-from training.utils import DeployConfig, EngineConfig
+from training.utils import EngineConfig
 
 SEQUENCES = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 2], [1, 2], [300], list(range(40, 110))]
 """Token sequences to score: several lengths, one with nothing to score (a single token)."""
@@ -36,14 +35,8 @@ def hf_logprobs(model_path: str, seq: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("prompt_logprobs") / "server.log"),
-        engine_config=EngineConfig(max_model_len=128, max_batch_size=8, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_model_len=128, max_batch_size=8)
 
 
 def call(server, method: str, *args, **kw):

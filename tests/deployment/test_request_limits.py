@@ -1,13 +1,14 @@
 """The server's per-request limits, bad weight paths and group joins, the connection cap, malformed
 HTTP and SIGTERM during a join: every bad request is a 4xx naming what is wrong, nothing hangs.
 
-Real server subprocesses on the tiny model: one supervised (``EmbeddedDeployment``) for the 400s,
-one started by hand (``serve.py`` with a small ``--max-connections``) for the connection tests and
-the SIGTERM test, which stops it.
+Real server subprocesses on the tiny model: one supervised (the ``embedded_server`` fixture) for the
+400s, one started by hand (``serve.py`` with a small ``--max-connections``) for the connection tests,
+and another started by hand for the SIGTERM test, which stops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,13 +20,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.server.limits import DEFAULT_LIMITS
 from training.deployment.serve import READY_PREFIX, SHUTDOWN_DEADLINE_S
-from training.utils.config import DeployConfig, EngineConfig
 
 KEY = "limits-key"
 HANG_GUARD_S = 60.0
@@ -33,15 +33,8 @@ HANG_GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        api_key=KEY,
-        startup_timeout_s=180,
-        log_file=str(tmp_path_factory.mktemp("limits") / "server.log"),
-        engine_config=EngineConfig(max_model_len=128, max_batch_size=8, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(api_key=KEY, max_model_len=128, max_batch_size=8)
 
 
 def send(url: str, body, api_key=None, timeout: float = HANG_GUARD_S) -> tuple[int, str]:
@@ -187,16 +180,16 @@ def test_stop_strings_are_bounded_in_number_and_length(server):
 MAX_CONNECTIONS = 6
 
 
-@pytest.fixture(scope="module")
-def bare(tiny_model_path, tmp_path_factory):
-    """``serve.py`` started by hand (no supervisor that would restart it), no API key."""
-    log = open(tmp_path_factory.mktemp("bare") / "server.log", "w+")
+@contextlib.contextmanager
+def hand_started(model_path: str, log_dir: Path):
+    """``serve.py`` started by hand (no supervisor that would restart it), no API key: (process, url)."""
+    log = open(log_dir / "server.log", "w+")
     cmd = [
         sys.executable,
         "-m",
         "training.deployment.serve",
         "--model",
-        tiny_model_path,
+        model_path,
         "--port",
         "0",
         "--max-model-len",
@@ -225,6 +218,12 @@ def bare(tiny_model_path, tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_model_path, tmp_path_factory):
+    with hand_started(tiny_model_path, tmp_path_factory.mktemp("bare")) as started:
+        yield started
 
 
 def _addr(url: str) -> tuple[str, int]:
@@ -307,24 +306,24 @@ def test_pipelined_requests_are_all_answered(bare):
     assert out.count(b"HTTP/1.1 200") == 4, out
 
 
-def test_sigterm_stops_the_server_during_a_join_that_would_wait_an_hour(bare):
-    """Runs last: it stops the hand-started server."""
-    proc, url = bare
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))  # a port nothing listens on: the join retries for up to timeout_s
-    body = {**GROUP, "master_port": port.getsockname()[1], "timeout_s": DEFAULT_LIMITS.max_join_timeout_s}
-    port.close()
-    answers: list = []
+def test_sigterm_stops_the_server_during_a_join_that_would_wait_an_hour(tiny_model_path, tmp_path):
+    """On a hand-started server of its own, which it stops."""
+    with hand_started(tiny_model_path, tmp_path) as (proc, url):
+        port = socket.socket()
+        port.bind(("127.0.0.1", 0))  # a port nothing listens on: the join retries for up to timeout_s
+        body = {**GROUP, "master_port": port.getsockname()[1], "timeout_s": DEFAULT_LIMITS.max_join_timeout_s}
+        port.close()
+        answers: list = []
 
-    def join() -> None:
-        try:
-            answers.append(send(url + "/init_weight_update_group", body, timeout=120))
-        except OSError as e:  # the server went away mid-request, as it should
-            answers.append(e)
+        def join() -> None:
+            try:
+                answers.append(send(url + "/init_weight_update_group", body, timeout=120))
+            except OSError as e:  # the server went away mid-request, as it should
+                answers.append(e)
 
-    joining = threading.Thread(target=join, daemon=True)
-    joining.start()
-    time.sleep(1.0)  # let the join start (the outcome does not depend on it)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=SHUTDOWN_DEADLINE_S + 30)  # raises TimeoutExpired if SIGTERM is ignored
-    assert proc.returncode is not None
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        time.sleep(1.0)  # let the join start (the outcome does not depend on it)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=SHUTDOWN_DEADLINE_S + 30)  # raises TimeoutExpired if SIGTERM is ignored
+        assert proc.returncode is not None

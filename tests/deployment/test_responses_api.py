@@ -16,9 +16,7 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
-from training.utils import DeployConfig, EngineConfig
 from training.openai_api.responses_request import ResponsesRequestError, input_messages, parse_responses_request
 from training.openai_api.responses_store import ResponseStore
 
@@ -47,11 +45,8 @@ needs_llguidance = pytest.mark.skipif(missing_library() is not None, reason="nee
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("responses_api") / "server.log"
-    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=1024))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=8, max_model_len=1024)
 
 
 def client(server):
@@ -276,7 +271,6 @@ def test_stored_responses_are_a_bounded_pool_in_stats(server):
 # ---------------------------------------------------------------- the translation, no server
 
 
-@pytest.mark.unit
 def test_output_items_in_the_input_become_one_assistant_turn_then_tool_messages():
     items = [
         "Hi",
@@ -319,7 +313,6 @@ def test_output_items_in_the_input_become_one_assistant_turn_then_tool_messages(
     ]
 
 
-@pytest.mark.unit
 def test_the_chat_body_puts_instructions_then_the_previous_conversation_then_the_input():
     rr = parse_responses_request(
         {
@@ -347,7 +340,6 @@ def test_the_chat_body_puts_instructions_then_the_previous_conversation_then_the
     assert "parallel_tool_calls" not in body and "logprobs" not in body
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -366,7 +358,6 @@ def test_requests_it_cannot_serve_name_the_field(body, param):
     assert e.value.param == param
 
 
-@pytest.mark.unit
 def test_the_store_keeps_the_most_recently_used_within_both_bounds():
     store = ResponseStore(max_responses=2, max_chars=10_000)
     for rid in ("a", "b"):

@@ -19,15 +19,8 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        api_key=API_KEY,
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("smp") / "server.log"),
-        engine_config=EngineConfig(max_model_len=256, max_batch_size=8, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def deployment(embedded_server):
+    return embedded_server(api_key=API_KEY, max_model_len=256, max_batch_size=8)
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ import pytest
 
 from training.deployment.serve import build_parser, check_bind
 
-pytestmark = pytest.mark.unit
-
 
 def test_open_bind_without_a_key_refuses_unless_allowed(monkeypatch):
     monkeypatch.delenv("DEPLOYMENT_API_KEY", raising=False)
@@ -52,7 +50,7 @@ def test_request_bodies_are_parsed_strictly(raw, problem):
     }
 
 
-def test_connections_without_a_request_in_progress_are_closed_and_busy_ones_are_not(tiny_model_path, tmp_path):
+def test_connections_without_a_request_in_progress_are_closed_and_busy_ones_are_not(embedded_server):
     """Half-open and slow-header connections are closed after --idle-timeout-s; a body that trickles in
     for longer than that is still read and answered."""
     import json
@@ -60,31 +58,27 @@ def test_connections_without_a_request_in_progress_are_closed_and_busy_ones_are_
     import time
     import urllib.parse
 
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils import DeployConfig, EngineConfig
-
-    cfg = DeployConfig(log_file=str(tmp_path / "s.log"), engine_config=EngineConfig(max_model_len=64))
-    with EmbeddedDeployment(tiny_model_path, cfg, extra_args=["--idle-timeout-s", "1"]) as dep:
-        url = urllib.parse.urlparse(dep.base_url)
-        addr = (url.hostname, url.port)
-        silent = [socket.create_connection(addr) for _ in range(8)]
-        partial = [socket.create_connection(addr) for _ in range(8)]
-        for s in partial:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
-        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
-        slow = socket.create_connection(addr)
-        slow.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        )
-        for i in range(0, len(body), len(body) // 5 + 1):  # ~3 s of trickling, past the 1 s idle limit
-            time.sleep(0.6)
-            slow.sendall(body[i : i + len(body) // 5 + 1])
-        slow.settimeout(30)
-        reply = slow.recv(65536)
-        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-        for s in silent + partial:
-            s.settimeout(10)
-            assert s.recv(1024) == b"", "an idle connection was kept open"
-            s.close()
-        slow.close()
+    dep = embedded_server(max_model_len=64, extra_args=["--idle-timeout-s", "1"])
+    url = urllib.parse.urlparse(dep.base_url)
+    addr = (url.hostname, url.port)
+    silent = [socket.create_connection(addr) for _ in range(8)]
+    partial = [socket.create_connection(addr) for _ in range(8)]
+    for s in partial:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    slow = socket.create_connection(addr)
+    slow.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    for i in range(0, len(body), len(body) // 5 + 1):  # ~3 s of trickling, past the 1 s idle limit
+        time.sleep(0.6)
+        slow.sendall(body[i : i + len(body) // 5 + 1])
+    slow.settimeout(30)
+    reply = slow.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    for s in silent + partial:
+        s.settimeout(10)
+        assert s.recv(1024) == b"", "an idle connection was kept open"
+        s.close()
+    slow.close()

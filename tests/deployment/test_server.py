@@ -1,6 +1,5 @@
-"""The deployment server over real HTTP: one server subprocess on the tiny model per module.
-
-Tests that change the server's weights run last in this file (pytest keeps file order).
+"""The deployment server over real HTTP: one server subprocess on the tiny model for the module, and one of
+its own for the test that changes the weights (so no test depends on running before or after it).
 """
 
 from __future__ import annotations
@@ -16,28 +15,20 @@ import torch
 
 from tests.held_engine import HeldEngine
 from training.deployment.engine.requests import GenerationResult
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
 from training.deployment.server.protocol import ParsedRequest
 from training.deployment.server.bodies import build_chat_response, parse_tool_calls
 from training.deployment.weights.files import WeightSyncError, shm_dir
-from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SERVER = dict(api_key=API_KEY, served_model_name="tiny", max_model_len=MAX_MODEL_LEN, max_batch_size=16)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        api_key=API_KEY,
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("srv") / "server.log"),
-        engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch_size=16, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(fresh=True, **SERVER)  # fresh: a test pauses it
 
 
 def call(server, method, path, body=None, headers=AUTH, raw=None):
@@ -442,7 +433,7 @@ def test_pause_holds_requests_until_resume(server):
     assert held and status == 200
 
 
-# ---- weight updates: these change the server's state, so they run last ----
+# ---- weight updates: the test that changes them has a server of its own ----
 
 
 def _perturbed(model_path: str, scale: float = 2.0) -> dict[str, torch.Tensor]:
@@ -469,7 +460,8 @@ def _hf_greedy(model_path: str, tensors: dict[str, torch.Tensor], prompt: list[i
     return ids[len(prompt) :]
 
 
-def test_weight_update_changes_greedy_output_and_version(server, tiny_model_path, tmp_path):
+def test_weight_update_changes_greedy_output_and_version(embedded_server, tiny_model_path, tmp_path):
+    server = embedded_server(fresh=True, **SERVER)  # its own: the pushes change its weights and version
     before, v0 = greedy_ids(server, PROMPT)
     assert v0 == 0
     new = _perturbed(tiny_model_path)

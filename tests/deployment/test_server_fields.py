@@ -13,22 +13,14 @@ import aiohttp
 import pytest
 
 from training.deployment.server.fields import HONOURED, METADATA, UNSUPPORTED
-from training.deployment.backends.embedded import EmbeddedDeployment
-from training.utils.config import DeployConfig, EngineConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 CHAT = [{"role": "user", "content": "what is 2 + 3"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("fields") / "server.log"),
-        engine_config=EngineConfig(max_model_len=256, max_batch_size=16, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_model_len=256, max_batch_size=16)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:

@@ -9,9 +9,7 @@ import os
 import aiohttp
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.server.kernel_caches import CAPACITY_VARIABLES, KERNEL_CACHE_CAPACITY
-from training.utils.config import DeployConfig, EngineConfig
 from tests.deployment.engine.test_engine import kv_bytes
 
 API_KEY = "pools-key"
@@ -31,23 +29,17 @@ POOLS = (
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
+def server(embedded_server, tiny_model_path):
+    return embedded_server(  # fresh: the test counts the sessions and pools it leaves behind
+        fresh=True,
         api_key=API_KEY,
-        startup_timeout_s=300,
-        log_file=str(tmp_path_factory.mktemp("srv") / "server.log"),
-        engine_config=EngineConfig(
-            max_model_len=128,
-            max_batch_size=2,
-            kv_cache_memory_bytes=kv_bytes(tiny_model_path, BLOCKS),
-            kv_block_size=16,
-            max_waiting=64,
-            device="cpu",
-            dtype="float32",
-        ),
+        served_model_name="tiny",
+        max_model_len=128,
+        max_batch_size=2,
+        kv_cache_memory_bytes=kv_bytes(tiny_model_path, BLOCKS),
+        kv_block_size=16,
+        max_waiting=64,
     )
-    with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
-        yield dep
 
 
 async def _stats(s: aiohttp.ClientSession, url: str) -> dict:

@@ -16,11 +16,9 @@ from transformers import AutoTokenizer
 
 from tests.held_engine import HeldEngine
 from training.deployment.engine.requests import GenerationDelta, GenerationResult, SamplingParams
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.server.protocol import ParsedRequest
 from training.deployment.server.bodies import build_chat_response
 from training.deployment.server.streaming import ChunkStream, IncrementalText
-from training.utils.config import DeployConfig, EngineConfig
 
 openai = pytest.importorskip("openai")
 
@@ -40,18 +38,10 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("stream") / "server.log"),
-        engine_config=EngineConfig(
-            max_model_len=MAX_MODEL_LEN, max_batch_size=8, device="cpu", dtype="float32", enable_prefix_caching=False
-        ),
-    )
+def server(embedded_server):
     # no prefix caching: a reused prefix's K/V differs from a fresh prefill in the 7th digit, and these tests
     # compare a streamed request with the same request answered whole, digit for digit
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+    return embedded_server(max_model_len=MAX_MODEL_LEN, max_batch_size=8, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

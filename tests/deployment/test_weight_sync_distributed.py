@@ -1,7 +1,10 @@
 """Weight sync over a torch.distributed group (gloo, loopback): trainer = this process, rank 0;
 two real embedded servers on the tiny model = ranks 1 and 2.
 
-Tests run in file order: the "no group yet" checks come before the sender joins the servers.
+The tests "with the group" share one sender and its two servers and run in file order (each push builds on
+the versions before it). The "no group yet" checks ask a server that never joins a group, and the tests
+that leave a server in a broken group (a trainer lost half-way, a stream that breaks its spec) have a server
+of their own.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import asyncio
 import json
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -18,39 +20,18 @@ import torch
 import torch.distributed as dist
 
 from training.deployment.weights.distributed import DistributedWeightSender, accept_key, go_key, unique_weights
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import push_weights
 from training.deployment.weights.files import WeightSyncError
-from training.utils.config import DeployConfig, EngineConfig
 
 API_KEY = "dist-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+SERVER = dict(api_key=API_KEY, served_model_name="tiny", max_model_len=512, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("dist-srv")
-    deps = [
-        EmbeddedDeployment(
-            tiny_model_path,
-            DeployConfig(
-                api_key=API_KEY,
-                startup_timeout_s=120,
-                log_file=str(logs / f"server{i}.log"),
-                engine_config=EngineConfig(max_model_len=512, max_batch_size=8, device="cpu", dtype="float32"),
-            ),
-            served_model_name="tiny",
-        )
-        for i in range(2)
-    ]
-    try:
-        with ThreadPoolExecutor(2) as pool:  # start both at once
-            list(pool.map(EmbeddedDeployment.start, deps))
-        yield deps
-    finally:
-        for d in deps:
-            d.stop()
+def servers(embedded_server):
+    return embedded_server.together(SERVER, SERVER)  # fresh: the group's pushes change their weights
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +149,8 @@ def test_sender_arguments_are_checked(kwargs, field):
 # ---------------------------------------------------------------- before any group exists
 
 
-def test_update_without_group_and_bad_init_bodies_are_400(servers, tiny_model_path):
-    url = servers[0].base_url
+def test_update_without_group_and_bad_init_bodies_are_400(embedded_server, tiny_model_path):
+    url = embedded_server(**SERVER).base_url  # shared: a server no test lets join a group
     status, out = call(url, "POST", "/update_weights_from_distributed", meta_body(perturbed(tiny_model_path, 0), 1))
     assert status == 400 and "init_weight_update_group" in out["error"]["message"]
     good = {"master_addr": "127.0.0.1", "master_port": 29999, "rank": 1, "world_size": 2, "backend": "gloo"}
@@ -381,11 +362,11 @@ def test_sync_time_distributed_vs_shm(servers, sender, loop, tiny_model_path):
     )
 
 
-def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(servers, sender, tiny_model_path):
-    """Runs last: server 0 joins a second group, whose trainer vanishes after half the tensors."""
+def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(embedded_server, tiny_model_path):
+    """A server of its own joins a group whose trainer vanishes after half the tensors."""
     from training.deployment.weights.distributed import broadcast_from_trainer
 
-    url = servers[0].base_url
+    url = embedded_server(fresh=True, **SERVER).base_url
     tensors = perturbed(tiny_model_path, seed=9)
     half = list(tensors.values())[: len(tensors) // 2]
 
@@ -413,9 +394,9 @@ def test_trainer_lost_half_way_leaves_version_minus_one_until_a_full_update(serv
     assert greedy(url)[1] == 51
 
 
-def test_a_tensor_that_does_not_match_its_spec_stops_the_push(servers, tiny_model_path):
-    """Runs last, on server 1 with a group of its own: the stream yields the wrong tensor third."""
-    url = servers[1].base_url
+def test_a_tensor_that_does_not_match_its_spec_stops_the_push(embedded_server, tiny_model_path):
+    """A server of its own, in a group of its own: the stream yields the wrong tensor third."""
+    url = embedded_server(fresh=True, **SERVER).base_url
     tensors = perturbed(tiny_model_path, seed=11)
     names = list(tensors)
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]

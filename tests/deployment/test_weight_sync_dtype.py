@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -21,26 +20,15 @@ from safetensors.torch import load_file, save_file
 
 from training.deployment.weights import files as weight_sync
 from training.deployment.weights.distributed import DistributedWeightSender
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.group import DeploymentGroup
 from training.deployment.weights.buckets import plan_buckets
-from training.utils.config import DeployConfig, EngineConfig
+from training.utils.config import DeployConfig
 
 API_KEY = "dtype-key"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 
 
-def bf16_server(model_path: str, log_file: Path) -> EmbeddedDeployment:
-    return EmbeddedDeployment(
-        model_path,
-        DeployConfig(
-            api_key=API_KEY,
-            startup_timeout_s=180,
-            log_file=str(log_file),
-            engine_config=EngineConfig(max_model_len=256, max_batch_size=4, device="cpu", dtype="bfloat16"),
-        ),
-        served_model_name="tiny",
-    )
+BF16_SERVER = dict(api_key=API_KEY, served_model_name="tiny", max_model_len=256, max_batch_size=4, dtype="bfloat16")
 
 
 def perturbed(model_path: str, seed: int) -> dict[str, torch.Tensor]:
@@ -58,21 +46,13 @@ def weights(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path, weights, tmp_path_factory):
+def servers(embedded_server, tiny_model_path, weights, tmp_path_factory):
     """(live, reference): the server the pushes go to, and a fresh bf16 server started on the trained
-    fp32 weights (its own loader casts them)."""
-    root = tmp_path_factory.mktemp("dtype")
-    folder = root / "trained-model"
+    fp32 weights (its own loader casts them); both fresh, started at once."""
+    folder = tmp_path_factory.mktemp("dtype") / "trained-model"
     shutil.copytree(tiny_model_path, folder)
     save_file(weights["trained"], str(folder / "model.safetensors"))
-    deps = [bf16_server(tiny_model_path, root / "live.log"), bf16_server(str(folder), root / "reference.log")]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(EmbeddedDeployment.start, deps))
-        yield deps
-    finally:
-        for d in deps:
-            d.stop()
+    return embedded_server.together(BF16_SERVER, {**BF16_SERVER, "model": str(folder)})
 
 
 def answer(url: str) -> tuple[list[int], list[float], int]:

@@ -21,13 +21,8 @@ class RecordingSampler(DeploymentSampler):
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model_path, tmp_path_factory):
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils import DeployConfig
-
-    log = tmp_path_factory.mktemp("envs") / "d.log"
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(log)) as dep:
-        yield dep
+def deployment(embedded_server):
+    return embedded_server()
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,7 @@ def test_data_answers_match_the_tools(example):
             assert int(row["answer"]) == int(k) * tools.PRICES[item.rstrip("s")]
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the example's process trains the tiny model
 def test_example_trains_two_steps_through_async_rl_loop(tmp_path):
     log = tmp_path / "run"
     proc = subprocess.run(

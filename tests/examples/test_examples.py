@@ -38,6 +38,7 @@ def run_example(name: str, log_path: Path, *overrides: str, timeout: int = 600) 
         ),
     ],
 )
+@pytest.mark.usefixtures("tiny_model_path")  # the example's process trains the tiny model
 def test_example_pair_runs(name, extra, tmp_path):
     metrics = run_example(name, tmp_path / "run", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2", *extra)
     trained = [m for m in metrics if "train/loss" in m]
@@ -138,16 +139,14 @@ def test_tool_use_calculator_schema_and_refusals(monkeypatch):
         sys.modules.pop("rollout", None)
 
 
-def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_path, monkeypatch):
+def test_multi_turn_mask_is_exactly_the_generated_tokens(embedded_server, tiny_model_path, monkeypatch):
     """Every token with mask 1 is a token the server generated, in order; every turn's prompt is a prefix."""
     import asyncio
     import importlib
 
     from transformers import AutoTokenizer
 
-    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
-    from training.utils import DeployConfig
     from training.utils.rl.rollout import RolloutSetup, validate_sample
 
     monkeypatch.syspath_prepend(str(EXAMPLES / "multi_turn_message_in"))
@@ -164,21 +163,21 @@ def test_multi_turn_mask_is_exactly_the_generated_tokens(tiny_model_path, tmp_pa
     monkeypatch.setattr(DeploymentSampler, "sample_with_prompt_tokens", recording)
 
     row = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
-    with EmbeddedDeployment(tiny_model_path, DeployConfig(), log_file=str(tmp_path / "d.log")) as dep:
+    dep = embedded_server()
 
-        async def go():
-            sampler = DeploymentSampler(dep.base_url)
-            setup = RolloutSetup(
-                sampler=sampler,
-                tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
-                sampling_kwargs={"max_tokens": 6, "temperature": 1.0, "stop": [" ", "e"]},
-            )
-            try:
-                return [await rollout.make_rollout_fn(setup)(row) for _ in range(4)]
-            finally:
-                await sampler.close()
+    async def go():
+        sampler = DeploymentSampler(dep.base_url)
+        setup = RolloutSetup(
+            sampler=sampler,
+            tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+            sampling_kwargs={"max_tokens": 6, "temperature": 1.0, "stop": [" ", "e"]},
+        )
+        try:
+            return [await rollout.make_rollout_fn(setup)(row) for _ in range(4)]
+        finally:
+            await sampler.close()
 
-        samples = asyncio.run(go())
+    samples = asyncio.run(go())
     assert len(calls) > 4  # at least one episode took several turns
     first_prompt = calls[0][0]
     episodes = []  # calls split where an episode starts again from the row's first prompt

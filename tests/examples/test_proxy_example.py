@@ -19,6 +19,7 @@ def test_agent_file_imports_nothing_from_the_library():
     assert "openai" in modules and not any(m.split(".")[0] == "training" for m in modules if m)
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the example's process trains the tiny model
 def test_black_box_example_trains_two_steps(tmp_path):
     log = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"log_path={log}", "max_steps=2", "eval_interval=0", "prompt_groups_per_step=2"]

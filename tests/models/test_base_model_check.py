@@ -8,8 +8,6 @@ from training.models import SHORT_NAMES
 from training.models.resolve import check_base_model
 from training.utils.config import ConfigError
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(autouse=True)
 def no_offline_env(monkeypatch):

@@ -166,15 +166,11 @@ def _chat_round_trip(base_url: str, model: str, tokenizer) -> None:
     assert body["param"] == "messages" and "messages[2].tool_calls[0].function.arguments" in body["message"]
 
 
-def test_server_takes_sdk_history_on_tiny_model(tiny_model_path, tmp_path):
+def test_server_takes_sdk_history_on_tiny_model(embedded_server, tiny_model_path):
     from transformers import AutoTokenizer
 
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils import DeployConfig, EngineConfig
-
-    cfg = DeployConfig(engine_config=EngineConfig(max_model_len=512, max_batch_size=4))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(tmp_path / "server.log")) as dep:
-        _chat_round_trip(dep.base_url, tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path))
+    dep = embedded_server(max_model_len=512, max_batch_size=4)
+    _chat_round_trip(dep.base_url, tiny_model_path, AutoTokenizer.from_pretrained(tiny_model_path))
 
 
 @pytest.mark.slow

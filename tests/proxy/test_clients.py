@@ -20,10 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer
-from training.utils import DeployConfig, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
@@ -132,11 +130,8 @@ class ProxyInThread:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("clients") / "server.log"
-    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=4096))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=8, max_model_len=4096)
 
 
 def run_agent(server, framework: str, *args: str, **proxy_kwargs):

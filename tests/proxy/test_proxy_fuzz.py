@@ -18,9 +18,7 @@ import random
 
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer
-from training.utils import DeployConfig, EngineConfig
 from tests.deployment.test_fuzz import API_KEY, _body, _extreme_body, _fuzz, _greedy, _weird_values
 
 QUICK_BATCHES = 5
@@ -124,11 +122,10 @@ def _proxy_body(rng: random.Random, path: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_fuzz") / "server.log"
-    cfg = DeployConfig(api_key=API_KEY, engine_config=EngineConfig(max_batch_size=16, max_model_len=256))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(
+        api_key=API_KEY, max_batch_size=16, max_model_len=256
+    )  # the fuzz reaches it through the proxy
 
 
 def _agent_fuzz(server, batches: int, per_batch: int, seed: int) -> dict[int, int]:

@@ -12,10 +12,8 @@ import json
 import openai
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer
-from training.utils import DeployConfig, EngineConfig
 
 TOOLS = [
     {
@@ -35,11 +33,8 @@ needs_llguidance = pytest.mark.skipif(missing_library() is not None, reason="nee
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_responses") / "server.log"
-    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=1024))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=8, max_model_len=1024)
 
 
 async def direct(server, **kwargs):

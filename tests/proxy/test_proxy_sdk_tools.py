@@ -14,12 +14,10 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine.constraints import missing_library
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.records import CallRecord
 from training.proxy.sampling_policy import constraint_of, flag
-from training.utils import DeployConfig, EngineConfig
 from training.utils.rl.rollout.turn_matching import TurnLabel
 
 TOOLS = [
@@ -43,11 +41,10 @@ MESSAGES = [{"role": "system", "content": "Use tools."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_sdk_tools") / "server.log"
-    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=1024))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    # fresh: whether a forced call closes within max_tokens depends on what its unseeded requests sample, which
+    # depends on every request the server took before (it draws their seeds from one generator)
+    return embedded_server(fresh=True, max_batch_size=8, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

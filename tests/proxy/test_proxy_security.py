@@ -12,9 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, make_proxy_rollout_fn
-from training.utils import DeployConfig, EngineConfig
 from training.utils.http import auth_headers
 from training.utils.rl.rollout import RolloutSetup
 
@@ -22,12 +20,8 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_security") / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(log)
-    ) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=8)
 
 
 def proxy_for(server, **kw) -> ProxyServer:

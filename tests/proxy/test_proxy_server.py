@@ -5,22 +5,16 @@ import asyncio
 import openai
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import AGENT_HEADER, SESSION_HEADER, ProxyServer, make_proxy_rollout_fn, stitch_calls
 from training.proxy.rollout import AgentFailedError
-from training.utils import DeployConfig, EngineConfig
 from training.utils.rl.rollout import RolloutRun, RolloutSetup, validate_sample
 
 SYSTEM = {"role": "system", "content": "You add numbers."}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_server") / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
-    ) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=16)
 
 
 def client_for(proxy, sid=None, **headers):

@@ -6,20 +6,15 @@ import openai
 import pytest
 from aiohttp import ClientSession
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.proxy import ProxyServer, stitch_calls
 from training.proxy.anthropic import from_chat_response, stream_events, to_chat_request
-from training.utils import DeployConfig, EngineConfig
 
 MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("proxy_stream") / "server.log"
-    cfg = DeployConfig(engine_config=EngineConfig(max_batch_size=8, max_model_len=512))
-    with EmbeddedDeployment(tiny_model_path, cfg, log_file=str(log)) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_batch_size=8, max_model_len=512)
 
 
 async def direct(server, path, body):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from training.deployment.client import DeploymentSampler
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.utils import DeployConfig, EngineConfig, LossConfig
 from training.utils.config import ConfigError
 from training.utils.rl.distillation import DistillationConfig, DistillationStats, distillation_advantages
@@ -32,14 +31,8 @@ def hf_logprobs(model_path: str, seq: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    cfg = DeployConfig(
-        startup_timeout_s=120,
-        log_file=str(tmp_path_factory.mktemp("distill") / "server.log"),
-        engine_config=EngineConfig(max_model_len=128, max_batch_size=8, device="cpu", dtype="float32"),
-    )
-    with EmbeddedDeployment(tiny_model_path, cfg) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(max_model_len=128, max_batch_size=8)
 
 
 # ---------------------------------------------------------------- the per-token reward

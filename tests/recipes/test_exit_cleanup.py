@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from training.deployment.weights.files import SHM_PREFIX, WeightFolder, shm_dir
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "training" / "examples" / "rl" / "single_turn_token_in"
@@ -67,6 +69,7 @@ def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model
 def test_sigterm_unwinds_the_run_stopping_the_server_and_removing_shm_weights(tmp_path):
     proc, servers = _start_run(tmp_path)
     proc.send_signal(signal.SIGTERM)
@@ -75,6 +78,7 @@ def test_sigterm_unwinds_the_run_stopping_the_server_and_removing_shm_weights(tm
     assert list(shm_dir().glob(f"{SHM_PREFIX}{proc.pid}-*")) == []
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model
 def test_sigkill_takes_the_server_down_and_the_next_run_sweeps_the_shm_copy(tmp_path):
     proc, servers = _start_run(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)  # the trainer only: its server must follow by itself

@@ -40,12 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
-    ) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(fresh=True, max_batch_size=16)  # its tests push weights and kill it
 
 
 def config(tiny_model_path, server, tmp_path, **kw):

@@ -38,7 +38,6 @@ def _group(returns: list[float], call_rewards: list[list[float]]) -> PromptGroup
     return g
 
 
-@pytest.mark.unit
 def test_has_learning_signal_keeps_equal_returns_with_different_call_credit():
     # both episodes fail (return 0), but one call of the first was penalised for a tool error (AIR)
     pg = _group([0.0, 0.0], [[-0.2, 0.0], [0.0, 0.0]])
@@ -51,7 +50,6 @@ def test_has_learning_signal_keeps_equal_returns_with_different_call_credit():
     assert not has_learning_signal(_group([1.0], [[1.0]]))  # one completion: no group to compare
 
 
-@pytest.mark.unit
 def test_summary_names_what_was_trained_and_where_everything_is(tmp_path, monkeypatch):
     from training.utils.run_summary import log_summary, run_summary
 
@@ -97,6 +95,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model
 def test_a_kill_right_after_a_checkpoint_keeps_that_steps_records(tmp_path):
     """SIGKILL the real recipe (trainer and server) at the moment step 0's checkpoint is written."""
     log_path = tmp_path / "run"

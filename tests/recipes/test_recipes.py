@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 import torch
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes import context as recipes_context
 from training.recipes.context import RolloutFailureError
@@ -26,12 +25,8 @@ ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in rang
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=32)), log_file=str(log)
-    ) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(fresh=True, max_batch_size=32)  # the recipes push their weights to it
 
 
 def config(tiny_model_path, server, tmp_path, **kw):
@@ -512,14 +507,11 @@ def test_ppo_step_applies_sample_weights(tiny_model_path):
     assert zero["train/grad_norm"] == 0.0 and one["train/grad_norm"] > 0.0
 
 
-def test_distributed_weight_sync_through_the_recipe(tiny_model_path, tmp_path):
+def test_distributed_weight_sync_through_the_recipe(embedded_server, tiny_model_path, tmp_path):
     """weight_sync="distributed": the recipe streams weights over its own gloo group to an attached server."""
     import urllib.request
 
-    log = tmp_path / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(log)
-    ) as dep:
+    with embedded_server(fresh=True, max_batch_size=8) as dep:  # fresh: it joins a group and takes pushes
         recorder = Recorder()
         cfg = config(
             tiny_model_path,

@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "training" / "examples" / "rl" / "single_turn_token_in"
 
 
+@pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model
 def test_killed_run_resumes_after_its_last_checkpoint(tmp_path):
     log_path = tmp_path / "run"
     args = [

@@ -235,15 +235,8 @@ def test_two_ranks_on_nccl_broadcast_exactly_and_checkpoint_for_one(tiny_model_p
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils import DeployConfig, EngineConfig
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=16)), log_file=str(log)
-    ) as dep:
-        yield dep
+def server(embedded_server):
+    return embedded_server(fresh=True, max_batch_size=16)  # the recipes push their weights to it
 
 
 def _losses(log_path):
@@ -304,21 +297,16 @@ def test_followers_exit_cleanly_when_rank_0_fails(tiny_model_path, server, tmp_p
 
 
 @pytest.mark.slow
-def test_two_ranks_stream_weights_to_a_server_over_their_own_group(tiny_model_path, tmp_path):
+def test_two_ranks_stream_weights_to_a_server_over_their_own_group(embedded_server, tiny_model_path, tmp_path):
     """weight_sync="distributed" under torchrun: FSDP2 gathers each tensor as it is broadcast; the
     server ends on the last version with exactly the weights of the exported final model."""
     import urllib.request
 
     from transformers import AutoModelForCausalLM
 
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils import DeployConfig, EngineConfig
-
     script = tmp_path / "train.py"
     script.write_text(RECIPE_SCRIPT)
-    with EmbeddedDeployment(
-        tiny_model_path, DeployConfig(engine_config=EngineConfig(max_batch_size=8)), log_file=str(tmp_path / "srv.log")
-    ) as dep:
+    with embedded_server(fresh=True, max_batch_size=8) as dep:  # fresh: it joins a group and takes pushes
         _run(_torchrun(script, tiny_model_path, dep.base_url, tmp_path / "run", 2, tmp_path, "dist-sync"), tmp_path)
         prompt = [1, 12, 23, 201]
         body = json.dumps(

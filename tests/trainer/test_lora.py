@@ -175,17 +175,14 @@ def test_bad_lora_settings_name_the_field(tiny_model_path):
             TrainerConfig(**{field: value})
 
 
-def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support(tiny_model_path, tmp_path):
+def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support(embedded_server, tiny_model_path):
     """Pushed with the ordinary weight sync, the merged weights make the server score what the trainer scores."""
-    from training.deployment.backends.embedded import EmbeddedDeployment
     from training.deployment.client import DeploymentSampler
-    from training.utils import DeployConfig, EngineConfig
 
     trainer = _lora(tiny_model_path)
     _train(trainer, 3)
     prompt = SEQS[0][:4]
-    deploy = DeployConfig(engine_config=EngineConfig(max_batch_size=4, max_model_len=64))
-    with EmbeddedDeployment(tiny_model_path, deploy, log_file=str(tmp_path / "server.log")) as dep:
+    with embedded_server(fresh=True, max_batch_size=4, max_model_len=64) as dep:  # fresh: the test pushes weights
 
         async def sample():
             sampler = DeploymentSampler([dep.base_url])

@@ -21,7 +21,6 @@ def expected_lr(schedule: str, s: int) -> float:
     return PEAK * {"constant": 1.0, "linear": 1.0 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p))}[schedule]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_lr_factor_follows_the_formula(schedule):
     lrs = [PEAK * lr_factor(schedule, s, WARMUP, TOTAL) for s in range(TOTAL)]
@@ -31,7 +30,6 @@ def test_lr_factor_follows_the_formula(schedule):
         assert lrs[WARMUP - 1] == pytest.approx(PEAK) and all(a > b for a, b in zip(lrs[WARMUP:], lrs[WARMUP + 1 :]))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_a_decaying_schedule_without_max_steps_is_refused(schedule):
     with pytest.raises(ValueError, match="trainer.lr_schedule: .* needs max_steps"):
@@ -43,7 +41,6 @@ def test_a_decaying_schedule_without_max_steps_is_refused(schedule):
     assert Config(base_model="m", trainer=TrainerConfig(warmup_steps=5)).optimizer_steps is None  # constant: fine
 
 
-@pytest.mark.unit
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule: 'step' is not one of"):
         TrainerConfig(lr_schedule="step")

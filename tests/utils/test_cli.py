@@ -9,8 +9,6 @@ from training.recipes.async_rl_loop import Config
 from training.utils import DeployConfig, TrainerConfig
 from training.utils.cli import OverrideError, apply_overrides, help_text, parse_value
 
-pytestmark = pytest.mark.unit  # no model, no server: part of the sub-minute loop
-
 
 def cfg() -> Config:
     return Config(base_model="m")

@@ -5,8 +5,6 @@ import pytest
 from training.recipes.async_rl_loop import Config
 from training.utils import DeployConfig, EngineConfig, LossConfig, TrainerConfig, WandBConfig
 
-pytestmark = pytest.mark.unit
-
 
 def test_negative_learning_rate_fails():
     with pytest.raises(ValueError, match="learning_rate: must be > 0"):

@@ -6,8 +6,6 @@ import pytest
 
 from training.utils.data import RowCursor, load_rows
 
-pytestmark = pytest.mark.unit
-
 
 def test_load_rows_from_jsonl(tmp_path):
     p = tmp_path / "rows.jsonl"

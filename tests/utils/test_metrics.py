@@ -1,12 +1,8 @@
 """metrics.jsonl and rollouts.jsonl of a resumed run: rows of redone steps are set aside, not lost."""
 
-import pytest
-
 import json
 
 from training.utils.metrics import MetricsLogger
-
-pytestmark = pytest.mark.unit
 
 
 def write_rows(path, steps, torn_tail=False):

@@ -14,8 +14,6 @@ from training.utils.run_record import (
     write_config_record,
 )
 
-pytestmark = pytest.mark.unit
-
 
 def test_resume_with_another_loss_is_refused_naming_the_difference(tmp_path):
     old = Config(base_model="tiny", log_path=str(tmp_path), max_steps=4)

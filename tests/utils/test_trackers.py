@@ -10,9 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.recipes import rl_loop
-from training.utils import DeployConfig, EngineConfig, LossConfig, TensorBoardConfig, TrainerConfig, WandBConfig
+from training.utils import DeployConfig, LossConfig, TensorBoardConfig, TrainerConfig, WandBConfig
 from training.utils.config import ConfigError
 from training.utils.metrics import MetricsLogger, check_trackers, read_metrics, wandb_settings
 
@@ -48,7 +47,6 @@ def config(base_model, tmp_path, **kw):
     )
 
 
-@pytest.mark.unit
 def test_wandb_project_in_the_environment_alone_turns_wandb_on(monkeypatch):
     assert not WandBConfig().enabled
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
@@ -59,7 +57,6 @@ def test_wandb_project_in_the_environment_alone_turns_wandb_on(monkeypatch):
     assert not cfg.enabled and check_trackers(cfg) == []
 
 
-@pytest.mark.unit
 @pytest.mark.skipif(HAS_WANDB, reason="needs a venv without wandb")
 def test_missing_wandb_is_one_line_naming_what_set_it(monkeypatch):
     with pytest.raises(ConfigError) as e:
@@ -102,12 +99,8 @@ def tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed: pip install -e '.[tensorboard]'")
-def test_tensorboard_scalars_equal_metrics_jsonl(tiny_model_path, tmp_path):
-    with EmbeddedDeployment(
-        tiny_model_path,
-        DeployConfig(engine_config=EngineConfig(max_batch_size=8)),
-        log_file=str(tmp_path / "server.log"),
-    ) as server:
+def test_tensorboard_scalars_equal_metrics_jsonl(embedded_server, tiny_model_path, tmp_path):
+    with embedded_server(fresh=True, max_batch_size=8) as server:  # fresh: the run pushes its weights
         cfg = config(
             tiny_model_path,
             tmp_path,
@@ -126,7 +119,6 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_model_path, tmp_path):
     assert got == expected
 
 
-@pytest.mark.unit
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed: pip install -e '.[tensorboard]'")
 def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard(tmp_path):
     tb = TensorBoardConfig(enabled=True)

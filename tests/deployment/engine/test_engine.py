@@ -120,6 +120,7 @@ def hf_qwen3(tiny_model_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3-transformers-fallback"])
+@pytest.mark.usefixtures("tiny_model_path")  # getfixturevalue picks each case's model
 def test_greedy_matches_hf_generate_and_logprobs_match_forward(arch, request):
     path = request.getfixturevalue(
         {"qwen3": "tiny_model_path", "llama": "tiny_llama_path", "qwen2": "tiny_qwen2_path"}.get(

@@ -11,9 +11,7 @@ import random
 import aiohttp
 import pytest
 
-from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.engine import SamplingParams
-from training.utils.config import DeployConfig, EngineConfig
 from tests.deployment.engine.test_engine import greedy, kv_bytes, require_native, run_engine
 
 API_KEY = "blocks-key"
@@ -24,23 +22,14 @@ def blocks_of(positions: int, block_size: int = 16) -> int:
     return -(-positions // block_size)
 
 
-def launch(model_path: str, log_dir, **engine) -> EmbeddedDeployment:
-    cfg = DeployConfig(
-        api_key=API_KEY,
-        startup_timeout_s=300,
-        log_file=str(log_dir / "server.log"),
-        engine_config=EngineConfig(device="cpu", dtype="float32", kv_block_size=16, **engine),
-    )
-    return EmbeddedDeployment(model_path, cfg, served_model_name="tiny")
+SERVER = dict(api_key=API_KEY, served_model_name="tiny", kv_block_size=16)
 
 
 @pytest.fixture(scope="module")
-def big_server(tiny_model_path, tmp_path_factory):
-    """64 sequences x 4096 tokens, the default budget (which the old cache preallocated whole); 2 may wait."""
-    with launch(
-        tiny_model_path, tmp_path_factory.mktemp("big"), max_batch_size=64, max_model_len=4096, max_waiting=2
-    ) as dep:
-        yield dep
+def big_server(embedded_server):
+    """64 sequences x 4096 tokens, the default budget (which the old cache preallocated whole); 2 may wait.
+    Fresh: a test pauses it, and the tests count the blocks it holds."""
+    return embedded_server(fresh=True, **SERVER, max_batch_size=64, max_model_len=4096, max_waiting=2)
 
 
 async def _stats(s: aiohttp.ClientSession, url: str) -> dict:
@@ -114,15 +103,11 @@ def test_a_full_waiting_queue_answers_503_with_retry_after_and_loses_nothing(big
         assert status == 200 and len(out["choices"][0]["token_ids"]) == 6
 
 
-def test_a_request_that_can_never_fit_the_pool_gets_a_400_naming_the_setting(tiny_model_path, tmp_path):
+def test_a_request_that_can_never_fit_the_pool_gets_a_400_naming_the_setting(embedded_server, tiny_model_path):
     """A pool of 4 blocks of 16 tokens: 20 + 50 tokens fit (alone: preemption would make room), 20 + 60 do not, nor
     does an 80-token prompt; the answer names the field to lower and the setting to raise."""
-    with launch(
-        tiny_model_path,
-        tmp_path,
-        max_batch_size=4,
-        max_model_len=512,
-        kv_cache_memory_bytes=kv_bytes(tiny_model_path, 4),
+    with embedded_server(
+        fresh=True, **SERVER, max_batch_size=4, max_model_len=512, kv_cache_memory_bytes=kv_bytes(tiny_model_path, 4)
     ) as dep:
 
         async def go():

@@ -77,6 +77,7 @@ def kv_at(runner: LeanModelRunner, cache: str, table: list[int], position: int) 
 @pytest.mark.parametrize(
     "model, block_size", [("tiny_model_path", 16), ("tiny_qwen2_path", 32), ("odd_llama_path", 16)]
 )
+@pytest.mark.usefixtures("tiny_model_path")  # getfixturevalue picks each case's model
 def test_native_step_gives_the_torch_steps_logits_and_kv_in_any_block_order(model, block_size, request):
     """Qwen3 (q/k norms, head_dim 16), Qwen2 (qkv bias, untied head), the odd Llama (biases, head_dim 24, partial
     panels): rows whose blocks are scattered over the pool, out of order (tables of different widths, a row
@@ -153,6 +154,7 @@ def test_native_shared_prefix_segments_read_the_prefix_once_with_the_same_result
 
 
 @pytest.mark.parametrize("model", ["tiny_model_path", "odd_llama_path"])
+@pytest.mark.usefixtures("tiny_model_path")  # getfixturevalue picks each case's model
 def test_a_prefill_of_many_rows_on_torchs_gemm_gives_the_torch_runners_logits_and_kv(model, request, monkeypatch):
     """Five prompts prefilled in one call (over ``GEMM_MIN_ROWS`` rows, lowered to 256 here: the native runner's
     matmuls run torch's GEMM on its panels): the torch runner's last-position logits and K/V; and those of the same
@@ -428,6 +430,7 @@ def _step_logits(runner: LeanModelRunner, prompts: dict[int, list[int]]) -> torc
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen2_path", "odd_llama_path"])
+@pytest.mark.usefixtures("tiny_model_path")  # getfixturevalue picks each case's model
 def test_native_runner_holds_the_matmul_weights_once_and_updates_them_exactly(model, request):
     """With the native step the packed panels are the only copy of the matmul weights between updates: the
     checkpoint-layout tensors hold no memory and no oneDNN copy exists. A full update, a streamed one and a

@@ -82,6 +82,7 @@ def decode_run(r: LeanModelRunner, steps: int = 3, seed: int = 0) -> tuple[torch
 @pytest.mark.parametrize(
     "model, block_size", [("tiny_model_path", 16), ("tiny_qwen2_path", 32), ("odd_llama_path", 16)]
 )
+@pytest.mark.usefixtures("tiny_model_path")  # getfixturevalue picks each case's model
 def test_bf16_native_step_matches_the_bf16_torch_step_and_is_no_further_from_fp32(model, block_size, matmuls, request):
     """Qwen3, Qwen2 (biases, untied head), the odd Llama (head_dim 24: scalar attention; partial panels, odd widths);
     every bf16 matmul kernel (``BF16_MATMULS``; those the CPU lacks build as the widening one): logits within bf16 tolerance of the bf16 torch step, K/V written within a few roundings of it, and no
@@ -187,18 +188,9 @@ def test_bf16_engine_on_the_native_step_decodes_the_torch_steps_greedy_tokens(ti
         assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=BF16_ATOL_SCALE * BF16_U * 4)
 
 
-def test_a_bf16_server_reports_the_native_step_over_http(tiny_model_path, tmp_path):
+def test_a_bf16_server_reports_the_native_step_over_http(embedded_server):
     """``dtype=bfloat16`` with the default ``decode_kernel="auto"``: ``GET /stats`` says the native step, bfloat16, and a
     completion decodes on it."""
-    from training.deployment.backends.embedded import EmbeddedDeployment
-    from training.utils.config import DeployConfig, EngineConfig
-
-    cfg = DeployConfig(
-        api_key="k",
-        startup_timeout_s=120,
-        log_file=str(tmp_path / "server.log"),
-        engine_config=EngineConfig(max_model_len=128, max_batch_size=4, device="cpu", dtype="bfloat16"),
-    )
     headers = {"Authorization": "Bearer k"}
 
     async def go(dep):
@@ -209,8 +201,8 @@ def test_a_bf16_server_reports_the_native_step_over_http(tiny_model_path, tmp_pa
             async with s.get(dep.base_url + "/stats") as r:
                 return done, await r.json(content_type=None)
 
-    with EmbeddedDeployment(tiny_model_path, cfg, served_model_name="tiny") as dep:
-        (status, out), stats = asyncio.run(go(dep))
+    dep = embedded_server(api_key="k", served_model_name="tiny", max_model_len=128, max_batch_size=4, dtype="bfloat16")
+    (status, out), stats = asyncio.run(go(dep))
     assert status == 200 and out["usage"]["completion_tokens"] == 6, out
     assert stats["execution_path"] == "native", stats["execution_path_reason"]
     assert "bfloat16" in stats["execution_path_reason"]

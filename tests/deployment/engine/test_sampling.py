@@ -66,7 +66,6 @@ LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
         dict(top_k=4, top_p=0.8, min_p=0.1, temperature=1.3),
     ],
 )
-@pytest.mark.unit
 def test_draws_follow_the_renormalised_kept_distribution(fields):
     params = SamplingParams(**{"temperature": 1.0, **fields})
     logits, seqs = rows(LOGITS, params, 6000)
@@ -81,7 +80,6 @@ def test_draws_follow_the_renormalised_kept_distribution(fields):
     assert out.failed == [None] * len(seqs)
 
 
-@pytest.mark.unit
 def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monkeypatch):
     """Rows whose kept prefix fits in the CANDIDATES sorted by topk, and rows that spill past them
     (flat distributions), draw exactly the tokens a whole-vocabulary sort gives, in any mix."""
@@ -112,7 +110,6 @@ def test_sorting_only_the_likeliest_candidates_draws_what_a_full_sort_draws(monk
         assert sampling._sample_truncated(probs[i : i + 1], u[i : i + 1], params[i : i + 1]).item() == fast[i].item()
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("vocab", [1000, 1024])  # a partial last block, and whole blocks only
 def test_a_plain_row_draws_the_first_token_whose_cumulative_mass_exceeds_u(vocab):
     """The block-wise draw (no running sum over the whole vocabulary) picks the token a float64
@@ -143,7 +140,6 @@ def test_a_plain_row_draws_the_first_token_whose_cumulative_mass_exceeds_u(vocab
     assert edge[0] == 0 and edge[1] == int(torch.nonzero(probs[1]).max())
 
 
-@pytest.mark.unit
 def test_top_k_1_at_temperature_1_is_greedy_with_the_t1_logprob():
     logits, seqs = rows(LOGITS, SamplingParams(temperature=1.0, top_k=1), 200)
     out = sample(logits, seqs)
@@ -151,7 +147,6 @@ def test_top_k_1_at_temperature_1_is_greedy_with_the_t1_logprob():
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(LOGITS, -1)[0].item(), abs=1e-6)
 
 
-@pytest.mark.unit
 def test_penalties_bias_and_min_tokens_follow_the_formula():
     logits_V = torch.tensor([1.0, -1.0, 2.0, 0.5, -2.0, 3.0])
     params = SamplingParams(
@@ -179,7 +174,6 @@ def replace_params(seq: Sequence, **kw) -> Sequence:
     return seq
 
 
-@pytest.mark.unit
 def test_top_logprobs_are_the_k_best_of_the_reported_distribution():
     params = SamplingParams(temperature=0.8, top_logprobs=3, top_k=2, logit_bias={7: 50.0})
     logits, seqs = rows(LOGITS, params, 4)
@@ -212,7 +206,6 @@ DEGENERATE = [
 ]
 
 
-@pytest.mark.unit
 def test_degenerate_values_sample_robustly_beside_a_normal_row():
     normal = SamplingParams(temperature=1.0, seed=5)
     logits_n, [alone] = rows(LOGITS, normal, 1)
@@ -233,7 +226,6 @@ def test_degenerate_values_sample_robustly_beside_a_normal_row():
     assert -3.5e38 < out.logprobs[-2] < -1e38  # ... reported as a finite fp32 (T clamped to fp32's tiny)
 
 
-@pytest.mark.unit
 def test_a_row_with_non_finite_logits_or_nothing_to_sample_fails_alone():
     good = SamplingParams(temperature=1.0)
     logits = LOGITS.expand(3, -1).clone()
@@ -263,7 +255,6 @@ def test_a_row_with_non_finite_logits_or_nothing_to_sample_fails_alone():
         (dict(top_p=float("nan")), "top_p"),
     ],
 )
-@pytest.mark.unit
 def test_out_of_range_fields_raise_engine_error_naming_them(fields, name):
     from training.deployment.engine.requests import validate_request
 

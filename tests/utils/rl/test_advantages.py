@@ -6,8 +6,6 @@ import pytest
 
 from training.utils.rl.advantages import group_advantages
 
-pytestmark = pytest.mark.unit
-
 
 def test_group_advantages_standardise_with_unbiased_std():
     # mean 0.25; unbiased var = (0.75^2 + 3 * 0.25^2) / 3 = 0.25 -> std 0.5

@@ -6,8 +6,6 @@ import pytest
 
 from training.utils.rl.gate import OffPolicyGate
 
-pytestmark = pytest.mark.unit
-
 
 def test_strict_on_policy_serialises_at_batch_boundaries():
     gate = OffPolicyGate(max_offpolicy_versions=0, groups_per_step=4)

@@ -22,7 +22,6 @@ from training.utils.rl.losses import (
 from training.utils.rl.losses.config import AGGREGATIONS
 from training.utils.rl.losses.registry import NOT_LOSSES
 
-pytestmark = pytest.mark.unit
 
 ALL_LOSSES = sorted(LOSSES)
 """Every test over all losses reads the registry: a new loss is tested without editing a list here."""

@@ -6,8 +6,6 @@ import pytest
 
 from training.utils.rl.rollout import RolloutRun, RolloutSample, RolloutValidationError, flatten_result, validate_sample
 
-pytestmark = pytest.mark.unit
-
 
 def good(**kw):
     base = dict(tokens=[5, 6, 7, 8], logprobs=[0.0, 0.0, -0.5, -1.0], loss_mask=[0, 0, 1, 1], reward=1.0)

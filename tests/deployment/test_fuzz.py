@@ -3,7 +3,7 @@
 Each target gets malformed JSON, wrong types, extreme numbers, huge and deeply nested bodies,
 invalid UTF-8, lone surrogates, disconnects mid-body and bursts; the server also gets odd
 ``chat_template_kwargs``, odd paths for the weight endpoints, odd group joins (timeout, port,
-rank) and requests at or past its limits (``request_limits.py``). The tests assert that no answer
+rank) and requests at or past its limits (``server/limits.py``). The tests assert that no answer
 is a 5xx, that no request hangs, and that a valid greedy request (the canary) returns exactly what
 it returned before. The quick test (a few hundred requests, in batches with the canary between
 them) runs in the suite; the long one is ``slow``. The helpers here (``_fuzz``, the body makers)

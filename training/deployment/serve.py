@@ -3,7 +3,7 @@
 Engine settings are ``EngineConfig`` fields, as flags (``--max-batch-size 16``) or all at once as
 ``--engine-config JSON`` (the launcher passes the config whole this way).
 
-Loads the model into an ``AsyncEngine``, serves the OpenAI-compatible app from ``server.py``
+Loads the model into an ``AsyncEngine``, serves the OpenAI-compatible app from ``server/app.py``
 on 127.0.0.1 (default), prints one ready line once requests can be served::
 
     DEPLOYMENT READY http://127.0.0.1:8000 model=<name> weight_version=0

@@ -4,7 +4,7 @@ supervised child process of the trainer, or attached by URL.
 ``EmbeddedDeployment(model, cfg)`` launches the server on a free loopback port with
 ``cfg.engine_config`` passed whole (``--engine-config JSON``), waits for ``/health`` and exposes
 ``base_url``. The lifecycle (watchdog restart with the latest weights, SIGTERM then SIGKILL on stop,
-stop at interpreter exit) is ``ServerProcess``'s (``server_process.py``). The child also exits by
+stop at interpreter exit) is ``ServerProcess``'s (``backends/process.py``). The child also exits by
 itself when the trainer process disappears (``--exit-with-parent``).
 
 Weights load through the server's own endpoints: ``/update_weights_from_shm`` (a safetensors file

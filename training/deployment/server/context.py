@@ -1,5 +1,5 @@
 """What the embedded server's route handlers share: the app's keys and the JSON body reader
-(server.py: generation and status routes; server_weights.py: weight routes). The error envelope is
+(app.py: generation and status routes; weight_routes.py, sleep_routes.py, responses_route.py). The error envelope is
 ``training/openai_api/errors.py`` (shared with the proxy)."""
 
 from __future__ import annotations

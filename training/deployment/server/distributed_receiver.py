@@ -1,11 +1,11 @@
 """The server's end of the torch.distributed weight sync (ranks 1..k; the trainer is rank 0).
 
-``server.py`` routes ``POST /init_weight_update_group`` to :func:`parse_group_body` +
+``app.py`` routes ``POST /init_weight_update_group`` to :func:`parse_group_body` +
 :meth:`WeightUpdateGroup.join` (run in a thread, so the event loop keeps serving), and
 ``POST /update_weights_from_distributed`` to :func:`parse_update_body` (metadata checked before
 any tensor moves: 400 naming the field, old weights kept), :meth:`WeightUpdateGroup.accept_and_wait_go`
 and :meth:`WeightUpdateGroup.make_loader`, whose loader the engine thread runs at the moment a
-disk/shm update would be swapped in. The protocol is described in ``dist_weights.py``.
+disk/shm update would be swapped in. The protocol is described in ``weights/distributed.py``.
 """
 
 from __future__ import annotations

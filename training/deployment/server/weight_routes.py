@@ -1,6 +1,6 @@
 """The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weights_from_shm``
 (a safetensors file, path confined to the allowed folders), and the torch.distributed path
-``/init_weight_update_group``, ``/update_weights_from_distributed`` (see dist_weights_receiver.py).
+``/init_weight_update_group``, ``/update_weights_from_distributed`` (see server/distributed_receiver.py).
 
 Every file of a pushed folder is resolved with its symlinks and must lie under the allowed folders;
 a refusal names the client's path and the rule, never a file's bytes or size; a file whose size or

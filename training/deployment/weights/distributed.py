@@ -16,7 +16,7 @@ One update (``DistributedWeightSender.push``):
    accepts, writes ``accepted`` under the update id in the store.
 2. Once every server accepted, the trainer writes ``go`` (or ``abort`` if one refused, so the
    others drop the update untouched) and broadcasts the tensors in metadata order, flattened into
-   buckets of up to ``bucket_bytes`` (``weight_buckets.py``: one broadcast per bucket, one host
+   buckets of up to ``bucket_bytes`` (``weights/buckets.py``: one broadcast per bucket, one host
    sync per push; 0 = tensor by tensor).
 3. Each server's engine thread receives them at the moment a disk/shm update would be swapped in
    (``wait_for_inflight``: running sequences finish on the old weights first) and copies each
@@ -32,7 +32,7 @@ full update.
 Under torchrun with FSDP2, rank 0 pushes and every other trainer rank iterates the same
 ``named_weights`` at the same time (gathering a DTensor is a collective): ``PolicyTrainer.named_weights``
 announces the pass to the other ranks, which gather each tensor with rank 0 and drop it.
-The server side is ``dist_weights_receiver.py``.
+The server side is ``server/distributed_receiver.py``.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class DistributedWeightSender:
     ``master_addr`` is the trainer's address as the servers can reach it; ``master_port`` 0
     picks a free port (read it back from ``master_port`` after ``connect()``). ``bucket_bytes``:
     the size of the flat buffers tensors are broadcast in (0: tensor by tensor; see
-    ``weight_buckets.py``).
+    ``weights/buckets.py``).
     """
 
     def __init__(

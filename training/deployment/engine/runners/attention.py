@@ -2,7 +2,7 @@
 
 ``decode_attention``: plain rows, each over its own (gathered) keys. ``SharedPrefixAttention``: rows that
 share one prefix's blocks (a GRPO group, ``n > 1``) read that prefix once per group. Used by the
-lean forward's torch decode step (model_runner.py); the C step has its own (native_decode.c).
+lean forward's torch decode step (runners/lean.py); the C step has its own (native_decode.c).
 """
 
 from __future__ import annotations

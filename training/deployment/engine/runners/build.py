@@ -5,7 +5,7 @@
 | ``native`` | lean forward, CPU, fp32 or bf16, ``decode_kernel`` ``auto`` or ``native``, native_decode.c builds (one library per dtype) | the fastest CPU decode step: one call into C per step (engine/README.md, "The native decode step") |
 | ``torch`` | lean forward, and ``decode_kernel="torch"``, or fp16, or no working C compiler (``auto``), or CUDA without graph batch sizes | the lean forward's decode step in torch ops: any device and dtype |
 | ``cuda_graphs`` | lean forward on CUDA with ``cuda_graph_batch_sizes`` | the torch step replayed from CUDA graphs (cuda_graphs.py): no launch overhead per op |
-| ``hf_fallback`` | ``use_lean_forward=False``, or the model is not a local safetensors folder (a hub id not in the local cache), or its architecture is not Llama / Qwen2 / Qwen3 | transformers' forward over the same block pool (hf_runner.py): any causal LM it can load, slower |
+| ``hf_fallback`` | ``use_lean_forward=False``, or the model is not a local safetensors folder (a hub id not in the local cache), or its architecture is not Llama / Qwen2 / Qwen3 | transformers' forward over the same block pool (runners/hf.py): any causal LM it can load, slower |
 
 A hub id (``Qwen/Qwen3-0.6B``) is resolved to its cached snapshot folder by the engine first
 (``training.utils.cache.local_model_path``), so a cached model takes the lean path.

@@ -18,7 +18,7 @@ Two entry points, both return fp32 logits; a sequence's K/V lives in the blocks 
   that share prefix blocks (a GRPO group), ``SharedPrefixAttention``: the prefix read once.
 On CUDA the decode step is replayed from CUDA graphs (cuda_graphs.py).
 
-On CPU in fp32 and bf16 the decode step runs in C by default (``native``, chosen by runners.py:
+On CPU in fp32 and bf16 the decode step runs in C by default (``native``, chosen by build.py:
 ``NativeDecoder``, native.py), and in fp32 so do the prefill's norms, RoPE, K/V writes and SiLU gate
 (``native_passes``); ``decode_forward`` below is the torch step (``decode_kernel="torch"``, fp16, CUDA,
 or no C compiler).

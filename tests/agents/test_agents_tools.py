@@ -284,7 +284,12 @@ def test_template_check_flags_templates_that_strip_thinking(tiny_model_path):
 
 def test_template_check_takes_sdk_histories_and_template_kwargs(tiny_model_path, caplog):
     from training.agents.template_check import main
-    from training.openai_api.template_check import SCRIPT, TemplateCheckError, check_template_appends, run_template_check
+    from training.openai_api.template_check import (
+        SCRIPT,
+        TemplateCheckError,
+        check_template_appends,
+        run_template_check,
+    )
 
     assert SCRIPT[7]["content"] is None and SCRIPT[7]["tool_calls"]  # an SDK agent's tool-call-only turn
     tok = AutoTokenizer.from_pretrained(tiny_model_path)

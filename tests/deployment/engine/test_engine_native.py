@@ -12,7 +12,14 @@ from transformers import AutoConfig, AutoTokenizer
 from training.deployment.engine.kv_cache import KVBudget
 from training.deployment.engine.runners.lean import LeanModelRunner, PrefillItem, SharedPrefix
 from training.deployment.engine.runners.native import GEMM_MIN_ROWS
-from tests.deployment.engine.test_engine import greedy, require_native, row_tables, run_engine, save_random_model, tiny_qwen2_path  # noqa: F401
+from tests.deployment.engine.test_engine import (  # noqa: F401 (tiny_qwen2_path: a fixture)
+    greedy,
+    require_native,
+    row_tables,
+    run_engine,
+    save_random_model,
+    tiny_qwen2_path,
+)
 
 pytestmark = pytest.mark.usefixtures("native")
 

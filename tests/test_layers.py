@@ -87,7 +87,7 @@ ONLY_IMPORTS = {
     "training.agents": {"training.agents", "training.utils", "training.openai_api", "training.models"},
     "training.envs": {"training.envs", "training.agents", "training.utils", "training.openai_api", "training.models"},
 }
-"""The packages each package may import (itself included): the top README's layering sentence as data."""
+"""The packages each package may import (itself included): the top README's layering table, checked against it."""
 
 
 def test_packages_import_only_what_the_readme_says():
@@ -161,3 +161,17 @@ def test_the_server_and_the_ground_floor_load_without_higher_floors():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_readme_layering_table_is_only_imports():
+    """The top README's table of what each package may import says exactly ``ONLY_IMPORTS``."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("Imports point one way") :].split("\n\n")[1]
+    stated = {}
+    for row in table.splitlines()[2:]:
+        package, imports = (cell.strip() for cell in row.strip("|").split("|"))
+        name = re.match(r"`(\w+)`", package).group(1)
+        stated[f"training.{name}"] = {f"training.{n}" for n in re.findall(r"`(\w+)`", imports)} | {f"training.{name}"}
+    assert stated == ONLY_IMPORTS

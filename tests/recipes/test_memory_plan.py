@@ -165,3 +165,27 @@ def test_plan_run_decides_checkpointing_from_the_plan_on_cuda_and_leaves_it_off_
     monkeypatch.setattr(memory_plan, "_visible_gpus", lambda: (1, 80 * GB))
     with pytest.raises(ConfigError, match="memory plan: .*LoRA"):
         memory_plan.plan_run(cfg, folder)
+
+
+def test_a_colocated_vllm_left_at_its_default_share_gets_what_the_trainer_leaves(
+    tmp_path, tiny_model_path, monkeypatch
+):
+    """(The visible GPUs are faked: this machine has none.)"""
+    from training.recipes import memory_plan
+    from training.utils import DeployConfig
+
+    folder = _qwen3_8b_shape(tmp_path)
+    trainer = TrainerConfig(micro_batch_tokens=4096, gradient_checkpointing=True)
+    cfg = Config(base_model=folder, trainer=trainer, deployment=DeployConfig(engine="vllm", colocate=True))
+    monkeypatch.setattr(memory_plan, "_visible_gpus", lambda: (8, 80 * GB))
+    decided = memory_plan.plan_run(cfg, folder)
+    share = decided.deployment.gpu_memory_fraction
+    assert cfg.deployment.gpu_memory_fraction is None and 0.3 < share < 0.92
+    plan = plan_memory(decided, gpus_per_node=8, gpu_bytes=80 * GB, host_bytes=1000 * GB)
+    assert not plan.problems() and plan.per_gpu("trainer") <= memory_plan.HEADROOM * 80 * GB
+    given = Config(
+        base_model=folder,
+        trainer=trainer,
+        deployment=DeployConfig(engine="vllm", colocate=True, gpu_memory_fraction=0.3),
+    )
+    assert memory_plan.plan_run(given, folder).deployment.gpu_memory_fraction == 0.3  # a given share is kept

@@ -7,7 +7,8 @@ overrides as ``train.py`` would, counts the model's parameters from its config a
 ``meta`` device: nothing is downloaded beyond ``config.json``, no weights are read) and prints a table.
 Without ``--gpus-per-node`` it plans for the visible GPUs, else for this host's memory (CPU). The
 recipe calls ``plan_run`` at start: on CUDA it refuses a config that cannot fit, naming what to change,
-and turns activation checkpointing on where ``trainer.gradient_checkpointing`` is None and the run needs it.
+turns activation checkpointing on where ``trainer.gradient_checkpointing`` is None and the run needs it, and gives a
+colocated vLLM / SGLang left at its default share what the trainer leaves of each GPU.
 
 Bytes per part (N parameters, W trainer ranks, b = the compute dtype's size, per token and decoder layer
 with hidden size h, MLP size I, query width q = heads·head_dim, key / value width k = kv_heads·head_dim):
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -307,6 +309,7 @@ def plan_run(cfg: Any, model_path: str) -> Any:
     choices = [checkpointing] if checkpointing is not None else [False, True]
     for choice in choices:
         decided = replace(cfg, trainer=replace(cfg.trainer, gradient_checkpointing=choice))
+        decided = _colocated_share(decided, shape, gpus, gpu_bytes)
         plan = plan_memory(decided, shape=shape, gpus_per_node=gpus, gpu_bytes=gpu_bytes)
         if not plan.problems():
             break
@@ -316,6 +319,30 @@ def plan_run(cfg: Any, model_path: str) -> Any:
     if checkpointing is None and choice:
         logger.info("memory plan: activation checkpointing on (the run does not fit without it)")
     return decided
+
+
+def _colocated_share(cfg: Any, shape: ModelShape, gpus: int, gpu_bytes: float) -> Any:
+    """A colocated vLLM / SGLang left at its default share (``gpu_memory_fraction`` None) gets what the trainer's
+    parts leave of each GPU's usable memory (rounded down to 0.01), logged; otherwise ``cfg`` unchanged."""
+    from dataclasses import replace
+
+    deploy = cfg.deployment
+    facts = backend(deploy.engine)
+    if (
+        not deploy.colocate
+        or deploy.gpu_memory_fraction is not None
+        or "gpu_memory_fraction" not in facts.memory_settings
+    ):
+        return cfg
+    plan = plan_memory(cfg, shape=shape, gpus_per_node=gpus, gpu_bytes=gpu_bytes)
+    trainer = sum(p.gpu_bytes for p in plan.parts if p.where == "trainer")
+    share = math.floor(100 * (HEADROOM * gpu_bytes - trainer) / gpu_bytes) / 100
+    if share <= 0:
+        return cfg  # nothing is left: the plan's refusal says what to change
+    logger.info(
+        "memory plan: the colocated %s takes %.2f of each GPU (deployment.gpu_memory_fraction)", deploy.engine, share
+    )
+    return replace(cfg, deployment=replace(deploy, gpu_memory_fraction=share))
 
 
 def _model_path(model: str) -> str:

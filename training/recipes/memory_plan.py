@@ -81,6 +81,7 @@ class ModelShape:
         config = AutoConfig.from_pretrained(model)
         with torch.device("meta"):
             built = AutoModelForCausalLM.from_config(config)
+        built.tie_weights()  # transformers 5.0 leaves a tied head untied in from_config
         params = sum(p.numel() for p in built.parameters())
         layers = built.get_decoder().layers
         text = getattr(config, "text_config", None) or config

@@ -74,9 +74,11 @@ def build_on_meta(model_path: str, dtype: torch.dtype, load_kwargs: dict) -> tor
     config_kwargs = {k: v for k, v in load_kwargs.items() if k in ("revision", "trust_remote_code")}
     config = AutoConfig.from_pretrained(model_path, **config_kwargs)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=load_kwargs.get("attn_implementation", PACKED_SDPA)
         )
+    model.tie_weights()  # transformers 5.0 leaves a tied head untied in from_config
+    return model
 
 
 def rebuilt_buffers(model: torch.nn.Module) -> Optional[dict[str, torch.Tensor]]:

@@ -82,14 +82,14 @@ KILL_AFTER_CHECKPOINT = """
 import os, runpy, signal, sys
 from training.recipes import context
 
-save = context.RunContext.save_checkpoint
+write = context.RunContext.write_checkpoint  # every checkpoint's DCP write, whoever calls it
 
-def save_then_die(self, step_done):
-    save(self, step_done)
+def write_then_die(self, step_done, state):
+    write(self, step_done, state)
     if step_done == 1:  # right after step 0's checkpoint: nothing that comes later in the step runs
         os.killpg(0, signal.SIGKILL)
 
-context.RunContext.save_checkpoint = save_then_die
+context.RunContext.write_checkpoint = write_then_die
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """

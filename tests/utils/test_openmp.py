@@ -76,7 +76,9 @@ def test_release_frees_the_calling_threads_pool_and_the_next_region_builds_one()
     assert again - after  # the next parallel region built a pool again
 
 
-def test_releasing_wrapper_frees_the_pool_even_when_the_work_raises():
+def measure_wrapper() -> list[list[int]]:
+    """Thread ids before, after a wrapped parallel region, and after a wrapped one that raised."""
+
     def failing():
         parallel_sum()
         raise ValueError("bad weights")
@@ -86,11 +88,24 @@ def test_releasing_wrapper_frees_the_pool_even_when_the_work_raises():
         before = thread_ids()
         assert releasing_openmp_threads(parallel_sum)() == 4_000_000
         after_ok = thread_ids()
-        with pytest.raises(ValueError, match="bad weights"):
+        try:
             releasing_openmp_threads(failing)()
-        return before, after_ok, thread_ids()
+        except ValueError as exc:
+            assert "bad weights" in str(exc)
+        else:
+            raise AssertionError("the wrapped work's error was swallowed")
+        return [sorted(before), sorted(after_ok), sorted(thread_ids())]
 
-    before, after_ok, after_error = in_fresh_thread(work)
+    return in_fresh_thread(work)
+
+
+def test_releasing_wrapper_frees_the_pool_even_when_the_work_raises():
+    # in a fresh process, as above: a thread another test left running could start mid-measurement here
+    code = "import json; from tests.utils.test_openmp import measure_wrapper; print(json.dumps(measure_wrapper()))"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    before, after_ok, after_error = map(set, json.loads(out.stdout.strip().splitlines()[-1]))
     assert not after_ok - before  # no worker left behind
     assert not after_error - before
 

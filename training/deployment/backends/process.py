@@ -51,9 +51,11 @@ ENGINE_CHECK_EVERY = 5
 """The watchdog asks a running server's ``/health`` whether its engine died every this many rounds."""
 
 
-def engine_dead_reason(health_body: str) -> Optional[str]:
-    """The reason in a ``/health`` body of a server whose engine thread died (``{"status": "dead", "reason"}``), else
-    None."""
+def engine_dead_reason(status: Optional[int], health_body: str) -> Optional[str]:
+    """The reason in a ``/health`` answer of a server whose engine thread died (503 ``{"status": "dead", "reason"}``),
+    else None."""
+    if status != 503:
+        return None
     try:
         body = json.loads(health_body)
     except ValueError:
@@ -252,8 +254,9 @@ class ServerProcess:
             status, text = self._http("GET", self.health_path, timeout=2.0)
             if status == 200:
                 return False
-            if status == 503 and engine_dead_reason(text):  # alive but its engine is gone: restart it
-                log.warning("%s server at %s: %s; restarting it", self.engine, self.base_url, engine_dead_reason(text))
+            dead = engine_dead_reason(status, text)
+            if dead:  # alive but its engine is gone: restart it
+                log.warning("%s server at %s: %s; restarting it", self.engine, self.base_url, dead)
                 self._terminate()
                 self.ensure_alive()
                 return True
@@ -417,12 +420,13 @@ class ServerProcess:
                     + f" (its log: {self.log_path})",
                 )
             status, text = self._http("GET", self.health_path, timeout=2.0)
-            if status == 503 and engine_dead_reason(text):  # up, but its engine thread failed: it will not recover
+            dead = engine_dead_reason(status, text)
+            if dead:  # up, but its engine thread failed: it will not recover
                 self._terminate()
                 raise DeploymentStartError(
-                    f"{self.engine} server's engine died during startup: {engine_dead_reason(text)}; "
+                    f"{self.engine} server's engine died during startup: {dead}; "
                     f"log {self.log_path}:\n{self.log_tail()}",
-                    summary=f"the {self.engine} server's engine died: {engine_dead_reason(text)} (its log: {self.log_path})",
+                    summary=f"the {self.engine} server's engine died: {dead} (its log: {self.log_path})",
                 )
             if status == 200:
                 self.startup_s = time.monotonic() - t0
@@ -496,7 +500,7 @@ class ServerProcess:
             dead = None
             if not self.attached_url and rounds % ENGINE_CHECK_EVERY == 0 and self.is_alive():
                 status, text = self._http("GET", self.health_path, timeout=2.0)
-                dead = engine_dead_reason(text) if status == 503 else None
+                dead = engine_dead_reason(status, text)
             with self._lock:
                 if self._stopping.is_set() or self._failed:
                     continue

@@ -148,15 +148,15 @@ class AsyncEngine:
         queued = self._inbox.drain()  # aborts among them are moot: every sequence is ended here
         held = [c.seq for c in queued if isinstance(c, AddRequest)]
         sched = self.engine.scheduler
-        for seq in held + list(sched.waiting) + list(sched.running):
-            if error is None:
+        if error is None:
+            for seq in held + list(sched.waiting) + list(sched.running):
                 self.engine.abort(seq)
-            else:
+        else:
+            for seq in held:  # never reached the scheduler: only its caller waits
                 callback, seq.on_finish = seq.on_finish, None
-                if seq in sched.waiting or seq in sched.running:
-                    sched.finish(seq, "abort")
                 if callback is not None:
                     callback(error)
+            self._fail_all(error)
         unfinished = (
             (PendingUpdate, "the weight update was applied"),
             (SleepOrWake, "the sleep / wake was applied"),

@@ -35,7 +35,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def _start_run(tmp_path: Path, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, list[int]]:
     """A run with shm weight sync; returns once it has pushed weights (trained one step)."""
     log_path = tmp_path / "run"
     args = [
@@ -48,7 +48,7 @@ def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
         "synchronous_training=true",
         "deployment.weight_sync=shm",
     ]
-    proc = subprocess.Popen(args, cwd=EXAMPLE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(args, cwd=EXAMPLE, stdout=subprocess.DEVNULL, stderr=stderr)
     metrics = log_path / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -76,6 +76,25 @@ def test_sigterm_unwinds_the_run_stopping_the_server_and_removing_shm_weights(tm
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     assert _wait_gone(servers) == []
     assert list(shm_dir().glob(f"{SHM_PREFIX}{proc.pid}-*")) == []
+
+
+@pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model
+def test_ctrl_c_under_load_stops_at_the_first_press_with_one_line_and_no_traceback(tmp_path):
+    burners = [  # the CPU loaded beside the run: a press must not land in code that swallows it
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)
+    ]
+    try:
+        with open(tmp_path / "stderr.txt", "w") as stderr:
+            proc, servers = _start_run(tmp_path, stderr=stderr)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    finally:
+        for burner in burners:
+            burner.kill()
+    assert _wait_gone(servers) == []
+    err = (tmp_path / "stderr.txt").read_text()
+    assert "Traceback" not in err
+    assert "run stopped;" in err.splitlines()[-1]  # the last line: what a rerun does
 
 
 @pytest.mark.usefixtures("tiny_model_path")  # the run's process trains the tiny model

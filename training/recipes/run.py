@@ -49,7 +49,7 @@ from training.recipes.teacher import Teacher, start_teacher
 from training.recipes.train_state import TrainState, build_train_state
 from training.utils import dist
 from training.utils.aio import loop_watch
-from training.utils.checkpoint import save_checkpoint
+from training.utils.checkpoint import latest_checkpoint, save_checkpoint
 from training.utils.data import Rows, load_rows
 from training.utils.dist import Command
 from training.utils.rl.ppo import receive_and_train
@@ -161,6 +161,8 @@ def run_recipe(
             return _run_recipe(loop_cls, cfg, rollout_fn_factory, rows, rollout_extras)
         except DeploymentStartError as e:  # one line naming the server's log, not a traceback
             raise SystemExit(f"run stopped: {e.summary}") from None
+        except KeyboardInterrupt:  # Ctrl-C: the run said what it saved (stopped_line); no traceback
+            raise SystemExit(128 + signal.SIGINT) from None
 
 
 @contextlib.contextmanager
@@ -194,6 +196,7 @@ def _run_recipe(
         level=logging.INFO if main_rank else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     steps = 0
+    log_path = None
     try:
         check_run_inputs(cfg)  # a bad base_model or a missing tracker package fails here, in seconds
         rows = resolve_rows(cfg, rows)
@@ -246,9 +249,21 @@ def _run_recipe(
                 deployment.stop()
         finally:
             dist.stop_followers(steps)
+    except (KeyboardInterrupt, SystemExit) as e:
+        if log_path is not None and main_rank and (isinstance(e, KeyboardInterrupt) or e.code == 128 + signal.SIGTERM):
+            logger.warning(stopped_line(log_path))
+        raise
     finally:
         if started:
             dist.shutdown_distributed()
+
+
+def stopped_line(log_path: Path) -> str:
+    """What a run stopped by Ctrl-C / SIGTERM says last: the checkpoint a rerun resumes from, or that there is none."""
+    checkpoint = latest_checkpoint(log_path / "checkpoints")
+    if checkpoint is None:
+        return f"run stopped; {log_path} holds no checkpoint (dcp_save_interval), so the same command starts over"
+    return f"run stopped; the same command resumes it from {checkpoint} (if_log_path_exists=resume_or_new)"
 
 
 async def _run_loop(

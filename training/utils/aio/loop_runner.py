@@ -10,6 +10,12 @@ step, before the final export. ``run_loop`` is ``asyncio.run`` without those two
   (no queue behind hung calls), never joined at shutdown or at interpreter exit;
 - at the end, the tasks still pending are cancelled and given ``CANCEL_GRACE_S`` to finish; the ones
   still running then, and the executor calls still running, are named in one warning and abandoned.
+
+Ctrl-C and SIGTERM while the loop runs (in the main thread) never raise in the middle of whatever code
+the signal lands in (a rollout's ``except``, a transport's ``__del__`` would swallow the exception): the
+first one cancels the main coroutine from the loop, so its ``finally`` blocks run, and ``run_loop`` then
+raises ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(128 + signum)`` (SIGTERM); a second one exits the
+process at once with that status (the servers follow by their orphan guard).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Any, Callable, Coroutine
@@ -90,10 +98,14 @@ def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
     loop.set_default_executor(executor)
     asyncio.set_event_loop(loop)
     task = loop.create_task(main)
+    stop = StopOnSignal(loop, task)
     try:
-        return loop.run_until_complete(task)
+        result = loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        stop.raise_if_stopped()
+        raise
     except BaseException:
-        if not task.done():  # Ctrl-C while the loop ran: let main unwind (its finally blocks) first
+        if not task.done():  # an exception out of a callback: let main unwind (its finally blocks) first
             task.cancel()
             loop.run_until_complete(asyncio.wait({task}))
         raise
@@ -103,8 +115,49 @@ def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
             loop.run_until_complete(loop.shutdown_asyncgens())
             _report_abandoned(loop, executor)
         finally:
+            stop.restore()
             asyncio.set_event_loop(None)
             loop.close()
+    stop.raise_if_stopped()  # main swallowed the cancellation and returned: the run still stops
+    return result
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM handlers for the duration of one loop (main thread only; elsewhere a no-op).
+
+    The first signal cancels ``task`` through the loop and is remembered (``signum``); a second one
+    calls ``os._exit(128 + signum)``: a loop blocked by synchronous code still stops at the second press."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task):
+        self.signum: int | None = None
+        self._loop, self._task = loop, task
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        logger.warning("%s: stopping the run (again to force the exit)", name)
+        self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def restore(self) -> None:
+        """Put back the handlers found at start."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def raise_if_stopped(self) -> None:
+        """Raise what the signal stands for, if one came: ``KeyboardInterrupt`` or ``SystemExit(128 + signum)``."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is not None:
+            raise SystemExit(128 + self.signum)
 
 
 def _wait_leftovers(loop: asyncio.AbstractEventLoop, tasks: set) -> None:

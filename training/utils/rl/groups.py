@@ -176,8 +176,8 @@ async def run_group(
                 try:
                     with _completion_scope(seed, submit_version, position, k):
                         return k, await loop_watch.wait_for(rollout_fn(row), timeout_s)
-                except asyncio.CancelledError:
-                    raise
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    raise  # a stop, never a failed completion
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
                     if attempt == 1 or isinstance(e, asyncio.TimeoutError) or not is_retryable(e):
                         return k, e

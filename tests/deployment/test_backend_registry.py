@@ -98,7 +98,7 @@ def test_importing_the_registry_loads_no_backend():
         (dict(engine="vllm", engine_config=EngineConfig(num_threads=2)), "engine_config.num_threads"),
         (dict(engine="sglang", engine_config=EngineConfig(decode_kernel="torch")), "engine_config.decode_kernel"),
         (
-            dict(engine="vllm", base_url="http://h:1", weight_sync="distributed", weight_sync_master_addr="h"),
+            dict(engine="sglang", base_url="http://h:1", weight_sync="distributed", weight_sync_master_addr="h"),
             "weight_sync",
         ),
         (dict(engine="tgi"), "engine"),

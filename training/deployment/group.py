@@ -21,7 +21,8 @@ session affinity (``client.py``).
   meanwhile is retried once after its restart. Each replica records the folder and version, so a
   later restart comes back with them.
 - ``distributed``: tensors are broadcast to every server over a torch.distributed group
-  (``DistributedWeightSender``), in buckets of ``cfg.weight_bucket_mb``.
+  (``DistributedWeightSender``; for vLLM ``VLLMWeightSender``, the backend's ``weight_sender``), in buckets of
+  ``cfg.weight_bucket_mb``.
 
 Every path sends the servers' own dtype: the first push asks each replica (``weight_dtype``,
 ``GET /weight_version``) and, when they agree, casts each floating-point tensor just before it is
@@ -48,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
-from training.deployment.backends.registry import make_deployment, make_sampler
+from training.deployment.backends.registry import backend, load_class, make_deployment, make_sampler
 from training.deployment.placement import Placement, ReplicaPlacement, plan_placement
 from training.deployment.backends.process import ServerProcess
 from training.deployment.weights.files import WeightFolder, WeightSyncError, weights_nbytes
@@ -374,14 +375,12 @@ class DeploymentGroup:
     def _distributed_sender(self):
         """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
         if self._sender is None:
-            from training.deployment.weights.distributed import DistributedWeightSender
-
             d = self.cfg
-            self._sender = DistributedWeightSender(
-                self.base_urls,
+            self._sender = load_class(backend(d.engine).weight_sender).from_replicas(
+                self.replicas,
                 d.weight_sync_master_addr,
-                d.weight_sync_master_port,
-                d.weight_sync_backend,
+                master_port=d.weight_sync_master_port,
+                backend=d.weight_sync_backend,
                 api_key=d.api_key,
                 timeout_s=d.request_timeout_s,
                 bucket_bytes=int(d.weight_bucket_mb * 2**20),

@@ -9,6 +9,7 @@ Everything that depends on the backend reads a fact of this table, never its nam
 | --- | --- |
 | ``DeployConfig.__post_init__`` (``training/utils/config.py``: ``check_backend``) | the name; ``sleep_levels`` (``colocate``, ``sleep_level``); ``memory_settings`` (``gpu_memory_fraction``); ``engine_config_fields`` (every other ``EngineConfig`` field must stay at its default); ``distributed_weights`` (``weight_sync``) |
 | ``make_deployment`` / ``make_sampler`` (``training/deployment/backends/registry.py``) | ``deployment``, ``sampler``, ``sampler_tokenizer`` |
+| ``DeploymentGroup`` (``training/deployment/group.py``) | ``weight_sender`` (``weight_sync="distributed"``) |
 | ``plan_placement`` (``training/deployment/placement.py``) | ``multi_gpu``; ``memory_settings`` and ``default_gpu_memory_fraction`` (replicas sharing a GPU) |
 | the recipes (``resources.py``, ``teacher.py``) | ``reads("num_threads")`` (the CPU split); ``scores_prompts_alone`` (a teacher's ``max_tokens``) |
 
@@ -66,6 +67,9 @@ class Backend:
     scores_prompts_alone: bool
     """Answers a ``prompt_logprobs`` request with ``max_tokens: 0`` (nothing generated); False: one token is
     generated, so a teacher's ``max_model_len`` needs one more position."""
+    weight_sender: str = "training.deployment.weights.distributed:DistributedWeightSender"
+    """``module:Class`` of the trainer's sender for ``weight_sync="distributed"`` (read when ``distributed_weights``;
+    built by ``DeploymentGroup`` with ``from_replicas``): this package's routes, or vLLM's ``/collective_rpc``."""
 
     def reads(self, engine_config_field: str) -> bool:
         """Whether this backend reads ``EngineConfig.<engine_config_field>``."""
@@ -102,8 +106,9 @@ BACKENDS: dict[str, Backend] = {
             memory_settings=("gpu_memory_fraction",),
             default_gpu_memory_fraction=0.9,
             engine_config_fields=LAUNCH_FIELDS,
-            distributed_weights=False,
+            distributed_weights=True,  # through its worker extension (backends/vllm_weights.py)
             scores_prompts_alone=False,
+            weight_sender="training.deployment.backends.vllm_weights:VLLMWeightSender",
         ),
         Backend(
             name="sglang",

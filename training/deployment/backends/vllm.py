@@ -48,8 +48,12 @@ over the push); the KV cache wakes with ``wake_up``. Not exercised by the test s
 Versions: ``start`` reads ``GET /version`` and refuses a vLLM outside ``KNOWN_VLLM_VERSIONS`` naming it (the
 routes above change between releases); pushes are written in the dtype vLLM serves (``weight_dtype``).
 
-NCCL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``) is GPU only and not
-wired here; see training/deployment/README.md for the command to try it on a GPU.
+Distributed push (``weight_sync="distributed"``, ``backends/vllm_weights.py``): the same steps with step 3
+replaced by ``collective_rpc receive_weights``: every worker is a member of the trainer's own process group
+(joined once by ``collective_rpc join_weight_group``; gloo on CPU, NCCL with the weights on GPUs), receives the
+buckets and loads them in place through vLLM's ``reload_weights(weights_iterator=...)`` (``vllm_worker.py``).
+Tested over gloo against the CPU build 0.32; NCCL is written, untested here. vLLM's own weight-transfer engine
+(``/init_weight_transfer_engine``, ``/update_weights``) is not used.
 """
 
 from __future__ import annotations
@@ -273,6 +277,21 @@ class VLLMDeployment(ServerProcess):
         Returns ``{"pause_s", "reload_s", "refreshed"}``; raises ``WeightSyncError`` naming the failed
         step. The server is resumed either way."""
         method = RELOAD_METHOD if self.refresh_tied_output else "reload_weights"
+
+        def reload() -> Any:
+            out = self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}})
+            return out.get("results") if isinstance(out, dict) else out
+
+        try:
+            refreshed = self._synced(reload, weight_version, wait_for_inflight)
+        except WeightSyncError as e:
+            raise WeightSyncError(f"vLLM refused weights v{weight_version} from {folder}: {e}") from e
+        return {**self.last_sync, "refreshed": refreshed}
+
+    def _synced(self, step: Any, weight_version: Any, wait_for_inflight: bool) -> Any:
+        """Wake the weights of a sleeper, pause, ``step()`` (the weights change), reset the prefix cache, set the
+        version (``weight_version``, or what it returns when callable, read after ``step``), resume (always): the
+        steps every push into vLLM shares. Returns what ``step`` returned and fills ``last_sync``."""
         t0 = time.perf_counter()
         if self.sleep_level and not self.weights_awake:
             # asleep, the weights are offloaded to host memory (level 1) or discarded (level 2): wake them alone
@@ -283,18 +302,90 @@ class VLLMDeployment(ServerProcess):
         self._post("/pause", params={"mode": "wait" if wait_for_inflight else "keep"})
         t1 = time.perf_counter()
         try:
-            out = self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}})
-            refreshed = out.get("results") if isinstance(out, dict) else out
+            out = step()
             reset = self._post(
                 "/reset_prefix_cache", params={"reset_running_requests": "false" if wait_for_inflight else "true"}
             )
             if isinstance(reset, dict) and reset.get("success") is False:
                 log.warning("vLLM /reset_prefix_cache answered success=false after the reload")
-            self._post("/update_weight_version", {"new_version": str(int(weight_version))})
-        except WeightSyncError as e:
-            raise WeightSyncError(f"vLLM refused weights v{weight_version} from {folder}: {e}") from e
+            version = weight_version() if callable(weight_version) else weight_version
+            self._post("/update_weight_version", {"new_version": str(int(version))})
         finally:
             t2 = time.perf_counter()
             self._post("/resume")
         self.last_sync = {"pause_s": t1 - t0, "reload_s": t2 - t1}
-        return {**self.last_sync, "refreshed": refreshed}
+        return out
+
+    # ------------------------------------------------------------------ the distributed push (backends/vllm_weights.py)
+    def _rpc(self, method: str, rpc_timeout_s: Optional[float] = None, **kwargs: Any) -> list:
+        """``POST /collective_rpc`` of the worker extension's ``method``: one result per worker."""
+        body: dict[str, Any] = {"method": method, "kwargs": kwargs}
+        if rpc_timeout_s is not None:
+            body["timeout"] = rpc_timeout_s
+        out = self._post("/collective_rpc", body)
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results:
+            raise WeightSyncError(f"{self.base_url}/collective_rpc {method}: no results in {str(out)[:500]}")
+        return results
+
+    def weight_group_members(self) -> int:
+        """How many members of a weight-update group this server holds: one per vLLM worker."""
+        return len(self._rpc("weight_worker_rank"))
+
+    def join_weight_group(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> dict:
+        """Every worker joins the trainer's group, as members ``rank``, ``rank + 1``, ...; returns once joined."""
+        results = self._rpc(
+            "join_weight_group",
+            rpc_timeout_s=timeout_s,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        return {"ranks": [r.get("rank") if isinstance(r, dict) else r for r in results]}
+
+    def receive_weights(self, body: dict) -> dict:
+        """One distributed update (``DistributedWeightSender``'s metadata ``body``) inside the shared steps
+        (``_synced``: pause, receive and load in place, reset the prefix cache, version, resume). Returns
+        ``{"weight_version", "pause_s", "reload_s", "received_bytes", "refreshed"}``; raises ``WeightSyncError``
+        naming what vLLM refused (nothing moved) or what failed after the go (the version is then -1: the
+        weights may be a mix, as the embedded server reports)."""
+        version = int(body["weight_version"])
+        status, text = self._http("GET", "/weight_info", timeout=30.0)
+        served = json.loads(text).get("weight_version") if status == 200 else None
+        failed: list[str] = []
+        aborted: list[bool] = []
+
+        def receive() -> list:
+            results = self._rpc(
+                "receive_weights",
+                rpc_timeout_s=self.cfg.request_timeout_s,
+                **{k: body[k] for k in ("names", "dtypes", "shapes", "bucket_bytes", "update_id")},
+            )
+            failed.extend(str(r["error"]) for r in results if isinstance(r, dict) and r.get("error"))
+            aborted.extend(bool(r.get("aborted")) for r in results if isinstance(r, dict))
+            return results
+
+        def new_version() -> int:
+            if failed:
+                return -1
+            return int(served) if any(aborted) and str(served).lstrip("-").isdigit() else version
+
+        try:
+            results = self._synced(receive, new_version, body.get("wait_for_inflight", True))
+        except WeightSyncError as e:
+            raise WeightSyncError(f"vLLM refused weights v{version}: {e}") from e
+        if failed:
+            raise WeightSyncError(f"{self.base_url}: loading weights v{version} failed: {'; '.join(failed)}")
+        if any(aborted):
+            return {"weight_version": served, "aborted": True}
+        return {
+            "weight_version": version,
+            **self.last_sync,
+            "received_bytes": sum(r.get("received_bytes", 0) for r in results if isinstance(r, dict)),
+            "refreshed": [r.get("refreshed") for r in results if isinstance(r, dict)],
+        }

@@ -1,6 +1,7 @@
 """Weight sync across hosts: the trainer broadcasts tensors to the servers over torch.distributed.
 
-Group: rank 0 is the trainer, ranks 1..k are the servers. The trainer hosts a ``TCPStore`` at
+Group: rank 0 is the trainer, ranks 1..k are the servers' members (one per embedded server, one per worker of
+a vLLM server: ``server_ranks``). The trainer hosts a ``TCPStore`` at
 ``master_addr:master_port`` and every member builds a ProcessGroup directly on that store
 (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so the default group (FSDP2 under torchrun) is
 never touched. Nothing is pickled: metadata travels as JSON over HTTP, tensors as raw bytes.
@@ -32,7 +33,9 @@ full update.
 Under torchrun with FSDP2, rank 0 pushes and every other trainer rank iterates the same
 ``named_weights`` at the same time (gathering a DTensor is a collective): ``PolicyTrainer.named_weights``
 announces the pass to the other ranks, which gather each tensor with rank 0 and drop it.
-The server side is ``server/distributed_receiver.py``.
+The server side is ``server/distributed_receiver.py``. The per-server requests (count the members, join,
+update) are three methods a subclass replaces: ``backends/vllm_weights.py`` sends the same protocol through
+vLLM's ``/collective_rpc`` and its worker extension.
 """
 
 from __future__ import annotations
@@ -229,11 +232,38 @@ class DistributedWeightSender:
         self.device = torch.device(device)
         self.store: Optional[dist.TCPStore] = None
         self.pg: Any = None
+        self.server_ranks: list[int] = [1] * len(self.base_urls)
+        """Group members per server (a vLLM server with tensor parallel holds one per worker), set by ``connect``."""
         self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_replicas(cls, replicas: Sequence[Any], master_addr: str, **kwargs: Any) -> "DistributedWeightSender":
+        """A sender to the servers of ``replicas`` (``ServerProcess`` objects; this class needs only their
+        ``base_url``); how ``DeploymentGroup`` builds the sender its backend names (``Backend.weight_sender``)."""
+        return cls([r.base_url for r in replicas], master_addr, **kwargs)
 
     @property
     def world_size(self) -> int:
-        return len(self.base_urls) + 1
+        return sum(self.server_ranks) + 1
+
+    def first_rank(self, index: int) -> int:
+        """The group rank of server ``index``'s first member (its others follow it)."""
+        return 1 + sum(self.server_ranks[:index])
+
+    # ---------------------------------------------------------------- per-server requests (a subclass's protocol)
+    async def _count_ranks(self, session: aiohttp.ClientSession) -> None:
+        """Set ``server_ranks`` (group members per server) before the group forms: one each here."""
+        self.server_ranks = [1] * len(self.base_urls)
+
+    async def _join_server(self, session: aiohttp.ClientSession, index: int, body: dict) -> dict:
+        """Ask server ``index`` to join (``body``: master_addr, master_port, rank (its first), world_size,
+        backend, timeout_s); returns once it joined. Its members set ``joined_key(rank)`` before joining."""
+        return await self._post(session, f"{self.base_urls[index]}/init_weight_update_group", body)
+
+    async def _update_server(self, session: aiohttp.ClientSession, index: int, body: dict) -> dict:
+        """Send server ``index`` one update's metadata (``body``); its members set ``accept_key`` for their ranks,
+        wait for ``go_key``, receive, and the answer (once loaded) carries ``weight_version``."""
+        return await self._post(session, f"{self.base_urls[index]}/update_weights_from_distributed", body)
 
     async def __aenter__(self) -> "DistributedWeightSender":
         await self.connect()
@@ -271,35 +301,37 @@ class DistributedWeightSender:
             await asyncio.sleep(0.005)
 
     async def connect(self) -> None:
-        """Host the store, ask every server to join (``POST /init_weight_update_group``), join as rank 0."""
+        """Count each server's members, host the store, ask every server to join (``POST
+        /init_weight_update_group``), join as rank 0."""
         if self.pg is not None:
             return
-        self.store = dist.TCPStore(
-            self.master_addr,
-            self.master_port,
-            self.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
-        self.master_port = self.store.port
         async with self._session() as session:
+            await self._count_ranks(session)
+            self.store = dist.TCPStore(
+                self.master_addr,
+                self.master_port,
+                self.world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+            self.master_port = self.store.port
             tasks = [
                 asyncio.ensure_future(
-                    self._post(
+                    self._join_server(
                         session,
-                        f"{u}/init_weight_update_group",
+                        i,
                         {
                             "master_addr": self.master_addr,
                             "master_port": self.master_port,
-                            "rank": r,
+                            "rank": self.first_rank(i),
                             "world_size": self.world_size,
                             "backend": self.backend,
                             "timeout_s": self.timeout_s,
                         },
                     )
                 )
-                for r, u in enumerate(self.base_urls, start=1)
+                for i in range(len(self.base_urls))
             ]
             try:
                 await self._wait_keys([joined_key(r) for r in range(1, self.world_size)], tasks)
@@ -372,8 +404,7 @@ class DistributedWeightSender:
             }
             async with self._session() as session:
                 tasks = [
-                    asyncio.ensure_future(self._post(session, f"{u}/update_weights_from_distributed", body))
-                    for u in self.base_urls
+                    asyncio.ensure_future(self._update_server(session, i, body)) for i in range(len(self.base_urls))
                 ]
                 try:
                     await self._wait_keys([accept_key(uid, r) for r in range(1, self.world_size)], tasks)

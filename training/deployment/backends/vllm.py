@@ -330,7 +330,13 @@ class VLLMDeployment(ServerProcess):
 
     def weight_group_members(self) -> int:
         """How many members of a weight-update group this server holds: one per vLLM worker."""
-        return len(self._rpc("weight_worker_rank"))
+        try:
+            return len(self._rpc("weight_worker_rank"))
+        except WeightSyncError as e:
+            raise WeightSyncError(
+                f"{e} (a distributed push needs the server started with VLLM_SERVER_DEV_MODE=1 and "
+                f"--worker-extension-cls {WORKER_EXTENSION})"
+            ) from e
 
     def join_weight_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float

@@ -72,17 +72,18 @@ def test_weighting_and_reduction_read_one_aggregation(name, configured, monkeypa
         seen["weights"].append(aggregation)
         return normalise(weights, tokens, aggregation)
 
-    def spy_reduce(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences):
+    def spy_reduce(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences, constant=None):
         seen["reduce"].append(aggregation)
-        return reduce(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences)
+        return reduce(per_token_loss_N, inputs, aggregation, total_tokens, total_sequences, constant)
 
     monkeypatch.setattr(ppo, "normalised_weights", spy_normalise)
     monkeypatch.setattr(compute, "aggregate", spy_reduce)
-    cfg = LossConfig(policy_loss=advantage_loss if name == "callable" else name, aggregation=configured, kl_beta=0.0)
+    policy_loss = advantage_loss if name == "callable" else name
+    cfg = LossConfig(policy_loss=policy_loss, aggregation=configured, aggregation_constant=8.0, kl_beta=0.0)
     train_on_batch(PackingTrainer(), weighted_batch(), cfg)
     decided = loss_aggregation(cfg)
     assert seen == {"weights": [decided], "reduce": [decided]}
-    if name != "callable" and LOSSES[name].aggregation is not None:
-        assert decided == LOSSES[name].aggregation  # the registered loss's own (gspo: sequence_mean)
-    else:
-        assert decided == configured
+    assert decided == configured  # a given aggregation applies to every loss, gspo included
+    unset = loss_aggregation(LossConfig(policy_loss=policy_loss, kl_beta=0.0))
+    own = None if name == "callable" else LOSSES[name].aggregation
+    assert unset == (own or "token_mean")  # left unset: the registered loss's own (gspo: sequence_mean)

@@ -68,8 +68,10 @@ def per_token(name: str, inputs: LossInputs, **cfg_kwargs) -> list[float]:
 
 
 def summed_grad(name: str, inputs: LossInputs, **cfg_kwargs) -> tuple[float, list[float], dict]:
-    """Loss with ``sum`` aggregation (gspo keeps its sequence_mean), its gradient w.r.t. logprobs_N, metrics."""
-    cfg = LossConfig(policy_loss=name, aggregation="sum", **cfg_kwargs)
+    """Loss with ``sum`` aggregation (gspo, left unset, keeps its sequence_mean), its gradient w.r.t. logprobs_N,
+    metrics."""
+    own = {} if LOSSES[name].aggregation else {"aggregation": "sum"}
+    cfg = LossConfig(policy_loss=name, **own, **cfg_kwargs)
     n_tok = int(inputs.loss_mask_N.sum())
     loss, metrics = compute_policy_loss(inputs, cfg, total_tokens=n_tok, total_sequences=inputs.num_sequences)
     loss.backward()
@@ -95,12 +97,13 @@ def test_registry_holds_exactly_the_loss_modules_of_the_folder():
         assert loss.aggregation in (None, *AGGREGATIONS)
 
 
-def test_the_registry_carries_each_loss_aggregation_and_the_config_the_rest():
+def test_the_registry_carries_each_loss_aggregation_and_a_given_one_applies_to_every_loss():
     assert LOSSES["gspo"].aggregation == "sequence_mean"  # its definition: every sequence counts once
     for name in ALL_LOSSES:
+        assert loss_aggregation(LossConfig(policy_loss=name)) == (LOSSES[name].aggregation or "token_mean"), name
         for configured in AGGREGATIONS:
-            expected = LOSSES[name].aggregation or configured
-            assert loss_aggregation(LossConfig(policy_loss=name, aggregation=configured)) == expected, name
+            cfg = LossConfig(policy_loss=name, aggregation=configured, aggregation_constant=4.0)
+            assert loss_aggregation(cfg) == configured, name
     assert loss_aggregation(LossConfig(policy_loss=lambda i, c: None, aggregation="sum")) == "sum"
 
 
@@ -321,7 +324,7 @@ def test_gspo_sequence_ratio_over_trainable_tokens_only():
 
     # A = -1: unclipped, L_t = rho; sequence mean over 3 tokens, d rho_t / d l_t = rho
     loss, grad, _ = summed_grad("gspo", make_inputs(lps, [-1.0] * 4, old=old, mask=mask, seq=[0] * 4))
-    assert loss == pytest.approx(rho)  # cfg.aggregation "sum" is overridden by gspo's sequence mean
+    assert loss == pytest.approx(rho)  # aggregation left unset: gspo's own sequence mean
     assert grad == pytest.approx([0.0, rho / 3, rho / 3, rho / 3])
 
     # changing the masked position's logprob does not change s

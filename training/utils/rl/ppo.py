@@ -24,8 +24,8 @@ gradient.
 Sample weights (``RolloutSample.weight``, e.g. 1/n for the n transitions of one episode) make
 the loss a weighted mean, normalised by the weighted count for the loss's aggregation
 (``loss_aggregation(cfg)``, the one ``compute_policy_loss`` reduces with): per mini-batch each weight is
-rescaled, w'_i = w_i · sum_j T_j / sum_j w_j·T_j (``token_mean`` and ``sum``; T = trainable
-tokens) or w'_i = w_i · S / sum_j w_j (``sequence_mean``, gspo), so that
+rescaled, w'_i = w_i · sum_j T_j / sum_j w_j·T_j (``token_mean``, ``constant`` and ``sum``; T = trainable
+tokens) or w'_i = w_i · S / sum_j w_j (``sequence_mean``, gspo, and ``sequence_mean_token_sum``), so that
 ``token_mean`` = sum_i w_i·sum_t L / sum_i w_i·T_i and ``sequence_mean`` = sum_i w_i·mean_t L / sum_i w_i.
 An episode split into n transitions of weight 1/n then trains as hard as its one stitched
 sample (the same loss when episodes have equal n), and with ``sequence_mean`` every episode
@@ -45,12 +45,12 @@ from training.utils.dist import Command, broadcast_tensor, lead
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss, loss_aggregation
 from training.utils.rl.losses.common import LossInputs
-from training.utils.rl.losses.config import LossConfig
+from training.utils.rl.losses.config import SEQUENCE_AGGREGATIONS, LossConfig
 
 
 def normalised_weights(weights: list[float], trainable_tokens: list[int], aggregation: str) -> list[float]:
     """Sample weights rescaled so the aggregate is a weighted mean (module docstring); unchanged if all are 0."""
-    if aggregation == "sequence_mean":
+    if aggregation in SEQUENCE_AGGREGATIONS:
         total, weighted = float(len(weights)), sum(weights)
     else:
         total, weighted = float(sum(trainable_tokens)), sum(w * t for w, t in zip(weights, trainable_tokens))

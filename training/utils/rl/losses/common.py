@@ -13,6 +13,9 @@ sg = stop-gradient.
   ``tis_level="token"``: per token; ``"sequence"``: one weight per sequence from the
   geometric mean, exp(mean over the sequence's trainable tokens of (l_old - l_s)), capped;
   ``"off"``: w = 1.
+- Masked importance sampling (MIS, ``mis_keep``): with rho = exp(l_old - l_s) judged per token, per sequence
+  (the product) or by the sequence's geometric mean, a token whose rho lies outside [low, high] is masked out of
+  the loss (L_t · 0), where TIS only caps its weight. Off by default.
 - k3 KL to the reference: exp(l_ref - l) - (l_ref - l) - 1 (>= 0, differentiable in l).
 - Mismatch KL (sampler vs trainer-old, on the sampled tokens): the k3 form with the ratio
   pi_old / pi_s, i.e. mean over trainable tokens of exp(d) - d - 1 with d = l_old - l_s. It is
@@ -22,6 +25,7 @@ sg = stop-gradient.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -208,11 +212,19 @@ def masked_max(values_N: torch.Tensor, loss_mask_N: torch.Tensor) -> float:
 
 
 def ratio_metrics(ratio_N: torch.Tensor, clipped_N: torch.Tensor, loss_mask_N: torch.Tensor) -> dict[str, float]:
-    """``ratio_mean``, ``ratio_max`` and ``clip_fraction`` over the trainable tokens."""
+    """``ratio_mean``, ``ratio_max`` and ``clip_fraction`` over the trainable tokens, and the clip fraction per side:
+    ``clip_fraction_low`` (clipped with r < 1, the lower bound 1 - eps_low acted) and ``clip_fraction_high`` (clipped
+    with r > 1, the upper bound 1 + eps_high acted); the two sum to ``clip_fraction``."""
+    with torch.no_grad():
+        clipped_N = clipped_N.detach()
+        low_N = clipped_N & (ratio_N.detach() < 1.0)
+        high_N = clipped_N & (ratio_N.detach() > 1.0)
     return {
         "ratio_mean": masked_mean(ratio_N, loss_mask_N),
         "ratio_max": masked_max(ratio_N, loss_mask_N),
         "clip_fraction": masked_mean(clipped_N.to(ratio_N.dtype), loss_mask_N),
+        "clip_fraction_low": masked_mean(low_N.to(ratio_N.dtype), loss_mask_N),
+        "clip_fraction_high": masked_mean(high_N.to(ratio_N.dtype), loss_mask_N),
     }
 
 
@@ -240,14 +252,19 @@ def aggregate(
     aggregation: str,
     total_tokens: int,
     total_sequences: int,
+    constant: Optional[float] = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses of one micro-batch to a scalar with step-wide denominators.
+    """Reduce per-token losses of one micro-batch to a scalar with step-wide denominators (T = the step's
+    trainable tokens, S = its sequences, |y| = a sequence's trainable tokens, C = ``constant``):
 
-    ``token_mean``: sum(L·m) / total_tokens; ``sequence_mean``: sum over sequences of
-    (sum_t L·m / |y_seq|) / total_sequences, |y_seq| = the sequence's trainable tokens;
-    ``sum``: sum(L·m). Summing the results over the micro-batches of a step equals the
-    aggregate over the whole step. Masked positions never reach the result (not even NaN).
-    Reduced in at least float32 (bf16 per-token losses are upcast).
+    - ``token_mean``: sum(L·m) / T;
+    - ``sequence_mean``: sum over sequences of (sum_t L·m / |y|) / S;
+    - ``sequence_mean_token_sum``: sum over sequences of (sum_t L·m) / S;
+    - ``constant``: sum(L·m) / (S · C) (Dr. GRPO: C the completion length limit);
+    - ``sum``: sum(L·m).
+
+    Summing the results over the micro-batches of a step equals the aggregate over the whole step. Masked positions
+    never reach the result (not even NaN). Reduced in at least float32 (bf16 per-token losses are upcast).
     """
     mask_N = inputs.loss_mask_N > 0
     per_token_loss_N = per_token_loss_N.to(torch.promote_types(per_token_loss_N.dtype, torch.float32))
@@ -258,10 +275,59 @@ def aggregate(
         if total_tokens < 1:
             raise ValueError(f"total_tokens: must be >= 1 for token_mean aggregation, got {total_tokens}")
         return masked_loss_N.sum() / total_tokens
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: {aggregation!r} is not one of {AGGREGATIONS}")
+    if total_sequences < 1:
+        raise ValueError(f"total_sequences: must be >= 1 for {aggregation} aggregation, got {total_sequences}")
     if aggregation == "sequence_mean":
-        if total_sequences < 1:
-            raise ValueError(f"total_sequences: must be >= 1 for sequence_mean aggregation, got {total_sequences}")
         sums_S = sequence_sums(masked_loss_N, inputs.sequence_index_N, inputs.num_sequences)
         counts_S = sequence_sums(mask_N.to(per_token_loss_N.dtype), inputs.sequence_index_N, inputs.num_sequences)
         return (sums_S / counts_S.clamp(min=1.0)).sum() / total_sequences
-    raise ValueError(f"aggregation: {aggregation!r} is not one of {AGGREGATIONS}")
+    if aggregation == "sequence_mean_token_sum":
+        return masked_loss_N.sum() / total_sequences
+    if constant is None or not constant > 0:
+        raise ValueError(f"aggregation_constant: must be > 0 for constant aggregation, got {constant!r}")
+    return masked_loss_N.sum() / (total_sequences * constant)
+
+
+def mis_keep(inputs: LossInputs, cfg: LossConfig) -> Optional[torch.Tensor]:
+    """Masked importance sampling: a float 0/1 keep mask ``[N]`` (no gradient), or None when ``cfg.mis_level`` is
+    ``off``. With d = l_old - l_s per token and [low, high] = ``cfg.mis_bounds``:
+
+    - ``token``: keep_t = [low <= exp(d_t) <= high];
+    - ``sequence``: keep_t = [low <= exp(sum over the sequence's trainable tokens of d) <= high];
+    - ``geometric``: keep_t = [low <= exp(mean over the sequence's trainable tokens of d) <= high].
+
+    The log-ratio is compared with log(low), log(high) (no overflow for long sequences). A masked token's loss is
+    0; it still counts in the aggregation's denominators (``compute_policy_loss``)."""
+    if cfg.mis_level == "off":
+        return None
+    with torch.no_grad():
+        d_N = (inputs.old_logprobs_N.detach() - inputs.sampler_logprobs_N.detach()).to(torch.float64)
+        mask_N = inputs.loss_mask_N > 0
+        if cfg.mis_level != "token":
+            masked_d_N = torch.where(mask_N, d_N, torch.zeros_like(d_N))
+            sums_S = sequence_sums(masked_d_N, inputs.sequence_index_N, inputs.num_sequences)
+            if cfg.mis_level == "geometric":
+                counts_S = sequence_sums(mask_N.to(d_N.dtype), inputs.sequence_index_N, inputs.num_sequences)
+                sums_S = sums_S / counts_S.clamp(min=1.0)
+            elif cfg.mis_level != "sequence":
+                raise ValueError(f"mis_level: unknown level {cfg.mis_level!r}")
+            d_N = sums_S[inputs.sequence_index_N]
+        low, high = cfg.mis_bounds
+        log_low = math.log(low) if low > 0 else -math.inf
+        keep_N = (d_N >= log_low) & (d_N <= math.log(high))
+        return keep_N.to(inputs.logprobs_N.dtype)
+
+
+def mis_metrics(keep_N: torch.Tensor, inputs: LossInputs) -> dict[str, float]:
+    """``mis_masked_fraction`` (trainable tokens masked) and ``mis_masked_sequence_fraction`` (sequences with a
+    trainable token masked) of one micro-batch."""
+    with torch.no_grad():
+        mask_N = inputs.loss_mask_N > 0
+        dropped_N = (keep_N < 0.5) & mask_N
+        dropped_S = sequence_sums(dropped_N.to(torch.float64), inputs.sequence_index_N, inputs.num_sequences) > 0
+        return {
+            "mis_masked_fraction": masked_mean(dropped_N.to(torch.float64), inputs.loss_mask_N),
+            "mis_masked_sequence_fraction": float(dropped_S.to(torch.float64).mean()),
+        }

@@ -19,6 +19,8 @@ from training.utils.rl.losses.common import (
     LossOutput,
     aggregate,
     diagnostic_metrics,
+    mis_keep,
+    mis_metrics,
     validate_inputs,
 )
 from training.utils.rl.losses.config import LossConfig
@@ -64,15 +66,15 @@ def needs_reference_logprobs(cfg: LossConfig) -> bool:
 
 
 def loss_aggregation(cfg: LossConfig) -> str:
-    """The aggregation of the configured loss: the registered loss's own (gspo: ``sequence_mean``), else
-    ``cfg.aggregation`` (a user callable's aggregation is ``cfg.aggregation``).
+    """The aggregation of the configured loss: ``cfg.aggregation`` when given (for every loss), else the registered
+    loss's own (gspo: ``sequence_mean``), else the default ``token_mean`` (a user callable's is ``cfg.aggregation``).
 
     The one place it is decided: the PPO step normalises sample weights for it (``ppo.normalised_weights``) and
     ``compute_policy_loss`` reduces with it, so a sample is weighted and reduced the same way."""
     loss = registered_loss(cfg)
-    if loss is not None and loss.aggregation is not None:
+    if not cfg.aggregation_given and loss is not None and loss.aggregation is not None:
         return loss.aggregation
-    return cfg.aggregation
+    return str(cfg.aggregation)
 
 
 def compute_policy_loss(
@@ -84,16 +86,18 @@ def compute_policy_loss(
     optimizer step (all micro-batches), so summing the returned losses over the step's
     micro-batches equals the aggregate over the step:
     ``token_mean`` → sum(L·m) / total_tokens; ``sequence_mean`` → sum over sequences of
-    (sum_t L·m / |y_seq|) / total_sequences; ``sum`` → sum(L·m), with the aggregation
-    ``loss_aggregation(cfg)`` decides (a registered loss's own, e.g. gspo's ``sequence_mean``, overrides
-    ``cfg.aggregation``). ``inputs.sample_weights_N``, when
-    given, multiplies L_t first (a sample of weight w counts w times).
+    (sum_t L·m / |y_seq|) / total_sequences; ``sequence_mean_token_sum`` → sum(L·m) / total_sequences;
+    ``constant`` → sum(L·m) / (total_sequences · cfg.aggregation_constant); ``sum`` → sum(L·m), with the aggregation
+    ``loss_aggregation(cfg)`` decides (``cfg.aggregation`` when given, else the loss's own, e.g. gspo's
+    ``sequence_mean``). ``inputs.sample_weights_N``, when given, multiplies L_t first (a sample of weight w counts
+    w times); with ``cfg.mis_level`` on, the masked-IS keep mask multiplies it too (``common.mis_keep``).
 
     Metrics (unprefixed floats over this micro-batch's trainable tokens; ``*_max`` are maxima):
     the loss's own (e.g. ``clip_fraction``, ``ratio_mean``, ``ratio_max``), plus always
     ``tis_weight_mean``, ``tis_weight_max``, ``tis_clip_fraction``, ``mismatch_kl`` (k3 estimate of
-    KL(sampler || trainer-old)), ``kl_ref`` when reference logprobs are given, and ``loss`` (this
-    micro-batch's contribution to the step loss).
+    KL(sampler || trainer-old)), ``kl_ref`` when reference logprobs are given, ``mis_masked_fraction`` and
+    ``mis_masked_sequence_fraction`` when ``cfg.mis_level`` is on, and ``loss`` (this micro-batch's contribution to
+    the step loss).
     """
     validate_inputs(inputs)
     num_trainable = int((inputs.loss_mask_N > 0).sum())
@@ -118,8 +122,15 @@ def compute_policy_loss(
     per_token_loss_N = output.per_token_loss_N
     if inputs.sample_weights_N is not None:
         per_token_loss_N = per_token_loss_N * inputs.sample_weights_N
-    loss = aggregate(per_token_loss_N, inputs, loss_aggregation(cfg), total_tokens, total_sequences)
+    keep_N = mis_keep(inputs, cfg)
+    if keep_N is not None:  # masked, not multiplied: a NaN or inf loss on a masked token must not reach the sum
+        per_token_loss_N = torch.where(keep_N > 0, per_token_loss_N, torch.zeros_like(per_token_loss_N))
+    loss = aggregate(
+        per_token_loss_N, inputs, loss_aggregation(cfg), total_tokens, total_sequences, cfg.aggregation_constant
+    )
     metrics = diagnostic_metrics(inputs, cfg)
     metrics.update(output.metrics)
+    if keep_N is not None:
+        metrics.update(mis_metrics(keep_N, inputs))
     metrics["loss"] = float(loss.detach())
     return loss, metrics

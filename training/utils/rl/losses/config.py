@@ -7,20 +7,29 @@ from typing import Callable, Optional, Union
 
 from training.utils.rl.losses.registry import loss_names
 
-AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
+AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_mean_token_sum", "constant", "sum")
+"""How per-token losses become the step loss (formulas: ``common.aggregate``, ``losses/README.md``)."""
+SEQUENCE_AGGREGATIONS = ("sequence_mean", "sequence_mean_token_sum")
+"""The aggregations in which every sequence counts once (the PPO step normalises sample weights per sequence)."""
 TIS_LEVELS = ("token", "sequence", "off")
+MIS_LEVELS = ("off", "token", "sequence", "geometric")
+"""Masked importance sampling (``common.mis_keep``): which ratio of exp(l_old - l_s) decides what is masked."""
 
 
-class _UnsetLoss(str):
-    """``policy_loss`` when none was given: equal to ``"grpo"`` and serialised as it, but a recipe can tell it from
-    an explicit ``"grpo"`` (``LossConfig.policy_loss_given``). A dataclass default cannot otherwise tell the two
-    apart; a distillation run picks its own loss only when none was given (``training/recipes/config.py``)."""
+class _Unset(str):
+    """A default that was not given: equal to its string (``"grpo"`` for ``policy_loss``, ``"token_mean"`` for
+    ``aggregation``) and serialised as it, but told from an explicit one (``LossConfig.policy_loss_given``,
+    ``aggregation_given``). A dataclass default cannot otherwise tell the two apart; a distillation run picks its
+    own loss only when none was given (``training/recipes/config.py``), a loss keeps its own aggregation."""
 
     __slots__ = ()
 
 
-DEFAULT_POLICY_LOSS = _UnsetLoss("grpo")
+DEFAULT_POLICY_LOSS = _Unset("grpo")
 """The default of ``LossConfig.policy_loss``: ``"grpo"``, marked as not given."""
+DEFAULT_AGGREGATION = _Unset("token_mean")
+"""The default of ``LossConfig.aggregation``: ``"token_mean"``, marked as not given, so that a loss with an
+aggregation of its own (gspo: ``sequence_mean``) keeps it unless one is given (``LossConfig.aggregation_given``)."""
 
 
 @dataclass
@@ -47,14 +56,39 @@ class LossConfig:
     """Weight of dro's quadratic penalty."""
     gspo_log_ratio_cap: float = 10.0
     """Upper cap of gspo's per-token log ratio."""
-    aggregation: str = "token_mean"
-    """How per-token losses become the step loss: ``token_mean`` over all trainable tokens of the step, ``sequence_mean``, or ``sum``."""
+    aggregation: str = DEFAULT_AGGREGATION
+    """How per-token losses become the step loss, for every loss: ``token_mean`` (sum over the step's trainable tokens /
+    their count), ``sequence_mean`` (mean over sequences of each one's token mean), ``sequence_mean_token_sum`` (mean
+    over sequences of each one's token sum), ``constant`` (token sum / (sequences · ``aggregation_constant``), Dr.
+    GRPO's), ``sum``. Left unset, each loss's own (``token_mean``; gspo ``sequence_mean``)."""
+    aggregation_constant: Optional[float] = None
+    """The fixed per-sequence normaliser C of ``aggregation="constant"`` (Dr. GRPO uses the completion length limit,
+    e.g. ``max_tokens``); required with it, unused otherwise."""
+    mis_level: str = "off"
+    """Masked importance sampling (rollout correction beyond TIS): tokens whose train/inference ratio
+    rho = exp(l_old - l_s) lies outside [``mis_low``, ``mis_high``] are masked out of the loss. ``token`` judges each
+    token's rho, ``sequence`` the sequence's product (exp of the sum over its trainable tokens), ``geometric`` its
+    geometric mean (exp of the mean); ``off`` (the default) masks nothing."""
+    mis_low: Optional[float] = None
+    """Lower bound of the kept ratio; None = 1 / ``mis_high``."""
+    mis_high: float = 2.0
+    """Upper bound of the kept ratio (> 1)."""
 
     @property
     def policy_loss_given(self) -> bool:
         """False when ``policy_loss`` was left at its default (``DEFAULT_POLICY_LOSS``), True for any given value,
         ``"grpo"`` included."""
-        return not isinstance(self.policy_loss, _UnsetLoss)
+        return not isinstance(self.policy_loss, _Unset)
+
+    @property
+    def aggregation_given(self) -> bool:
+        """False when ``aggregation`` was left at its default (``DEFAULT_AGGREGATION``): each loss then keeps its own."""
+        return not isinstance(self.aggregation, _Unset)
+
+    @property
+    def mis_bounds(self) -> tuple[float, float]:
+        """(low, high) of the kept train/inference ratio under ``mis_level`` (``mis_low`` None = 1 / ``mis_high``)."""
+        return (1.0 / self.mis_high if self.mis_low is None else self.mis_low), self.mis_high
 
     def __post_init__(self):
         if isinstance(self.policy_loss, str) and self.policy_loss not in loss_names():
@@ -77,5 +111,18 @@ class LossConfig:
             raise ValueError(f"tis_level: {self.tis_level!r} is not one of {TIS_LEVELS}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation: {self.aggregation!r} is not one of {AGGREGATIONS}")
+        if self.aggregation == "constant" and (self.aggregation_constant is None or not self.aggregation_constant > 0):
+            raise ValueError(
+                f"aggregation_constant: aggregation='constant' divides by it, so it must be > 0 (e.g. the run's "
+                f"max_tokens), got {self.aggregation_constant!r}"
+            )
+        if self.aggregation_constant is not None and not self.aggregation_constant > 0:
+            raise ValueError(f"aggregation_constant: must be > 0 (or None), got {self.aggregation_constant!r}")
+        if self.mis_level not in MIS_LEVELS:
+            raise ValueError(f"mis_level: {self.mis_level!r} is not one of {MIS_LEVELS}")
+        if not self.mis_high > 1:
+            raise ValueError(f"mis_high: must be > 1, got {self.mis_high}")
+        if self.mis_low is not None and not 0 <= self.mis_low < 1:
+            raise ValueError(f"mis_low: must be in [0, 1) (or None = 1 / mis_high), got {self.mis_low}")
         if self.dro_beta < 0:
             raise ValueError(f"dro_beta: must be >= 0, got {self.dro_beta}")

@@ -40,6 +40,7 @@ from training.utils.cache import cache_dir
 from training.utils.data import Rows
 from training.utils.rl.gate import OffPolicyGate
 from training.utils.rl.groups import PromptGroup
+from training.utils.rl.step_advantages import set_step_advantages
 
 __all__ = ["Config", "main"]
 
@@ -247,6 +248,7 @@ class AsyncRLLoop:
                 self.training = True
                 self.changed.set()
                 m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
+                set_step_advantages(batch, ctx.cfg.advantage)  # the estimator, over the whole step
                 if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                     with timer.phase("teacher"):
                         batch, distilled = await ctx.distill(batch)

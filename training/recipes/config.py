@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from training.utils.config import ConfigError, DeployConfig, TensorBoardConfig, TrainerConfig, WandBConfig
+from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
 from training.utils.rl.distillation import DistillationConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
@@ -44,6 +45,8 @@ explicit ``"grpo"`` counts as given, ``LossConfig.policy_loss_given``) and the r
 the unclipped policy gradient with the train/inference correction, no reference model (why:
 ``training/utils/rl/distillation.py``). Any other ``loss`` is kept as given (``Config(policy_loss="grpo",
 distillation=...)`` trains grpo, with ``kl_beta`` as given or its default)."""
+RECORDED_WHEN_SET = {"aggregation_constant": None, "mis_level": "off", "mis_low": None, "mis_high": 2.0}
+"""``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -114,7 +117,12 @@ class Config:
     ppo_mini_batches: int = 1
     """Optimizer steps per pass; clipping only acts when ppo_epochs * ppo_mini_batches > 1."""
     advantage_std_scaling: bool = True
-    """Divide group-centred rewards by the group's std (False: Dr. GRPO mean-centring only)."""
+    """The older switch of ``advantage``: False is ``advantage="dr_grpo"`` (mean-centring only); kept working."""
+    advantage: Optional[str] = None
+    """The advantage estimator (``training.utils.rl.advantages.ADVANTAGE_ESTIMATORS``): ``grpo`` (std-normalised, the
+    default), ``dr_grpo`` (mean-centred), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (group-centred, divided
+    by the std over the step batch); formulas in ``training/utils/rl/advantages.py``. None = ``grpo``, or ``dr_grpo``
+    with ``advantage_std_scaling=False``; after construction it holds the resolved name."""
     max_tokens: int = 256
     """Default completion length limit passed to the sampler."""
     temperature: float = 1.0
@@ -273,6 +281,19 @@ class Config:
             ("distillation", DistillationConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
+        if self.advantage is None:
+            self.advantage = "grpo" if self.advantage_std_scaling else "dr_grpo"
+        check(
+            self.advantage in ADVANTAGE_ESTIMATORS,
+            "advantage",
+            f"{self.advantage!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}",
+        )
+        check(
+            self.advantage_std_scaling or self.advantage == "dr_grpo",
+            "advantage",
+            f"advantage={self.advantage!r} and advantage_std_scaling=False conflict (the latter is "
+            "advantage='dr_grpo'); set advantage alone",
+        )
         if self.policy_loss is not None and not self.loss.policy_loss_given:
             self.loss = dataclasses.replace(self.loss, policy_loss=_given(self.policy_loss))  # the alias was given
         self._resolve_aliases()
@@ -347,6 +368,12 @@ class Config:
         d["reward_fn"] = getattr(self.reward_fn, "__name__", None)
         if callable(self.loss.policy_loss):
             d["loss"]["policy_loss"] = getattr(self.loss.policy_loss, "__name__", "custom")
+        # settings added after runs were recorded are left out at their defaults, so such a run still resumes
+        if self.advantage == ("grpo" if self.advantage_std_scaling else "dr_grpo"):
+            del d["advantage"]
+        for name, default in RECORDED_WHEN_SET.items():
+            if d["loss"].get(name) == default:
+                del d["loss"][name]
         return d
 
 

@@ -20,6 +20,7 @@ from training.recipes.context import RunContext
 from training.recipes.run import RolloutFnFactory, run_recipe
 from training.recipes.step_metrics import StepTimer, batch_metrics
 from training.utils.data import Rows
+from training.utils.rl.step_advantages import set_step_advantages
 
 logger = logging.getLogger("training.recipe")
 
@@ -60,6 +61,7 @@ class SyncRLLoop:
                 break
             m = {**batch_metrics(batch), **ctx.take_counters()}
             staleness = float(step - deployed_version)
+            set_step_advantages(batch, ctx.cfg.advantage)  # the estimator, over the whole step
             if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                 with timer.phase("teacher"):
                     batch, distilled = await ctx.distill(batch)

@@ -6,8 +6,8 @@
 
 The value of rho_t is the sequence ratio exp(s) on every token of the sequence; its gradient
 w.r.t. l_t is rho_t, so the per-sequence mean (1/|y|) of the token losses has the GSPO gradient
-exp(s)·(1/|y|)·sum_t grad l_t. Registered with aggregation ``"sequence_mean"`` (which overrides
-``cfg.aggregation``): each sequence is averaged over its |y| trainable tokens, as the GSPO paper defines it. w_t is the TIS weight.
+exp(s)·(1/|y|)·sum_t grad l_t. Registered with aggregation ``"sequence_mean"`` (used unless
+``cfg.aggregation`` is given): each sequence is averaged over its |y| trainable tokens, as the GSPO paper defines it. w_t is the TIS weight.
 
 Defaults: eps_low = eps_high = 0.2, gspo_log_ratio_cap = 10. No KL term.
 Metrics: ``clip_fraction``, ``ratio_mean``, ``ratio_max`` (of rho, i.e. the sequence ratios).

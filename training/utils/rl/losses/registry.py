@@ -27,8 +27,8 @@ class RegisteredLoss:
     """``common.LossFn``, ``(LossInputs, LossConfig) -> LossOutput``: the per-token loss (typed loosely: this
     module imports nothing from the package)."""
     aggregation: Optional[str] = None
-    """The loss's own aggregation, which overrides ``LossConfig.aggregation`` (gspo: ``"sequence_mean"``,
-    its definition); None = the configured one."""
+    """The loss's own aggregation, used when ``LossConfig.aggregation`` is left unset (gspo: ``"sequence_mean"``,
+    its definition); None = ``token_mean``. A given aggregation applies to every loss."""
     uses_reference: bool = False
     """Whether it adds a KL penalty to the reference model (grpo), so that ``kl_beta > 0`` loads one."""
 

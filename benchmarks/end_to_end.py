@@ -170,13 +170,20 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
     """The hyperparameters ``trl_grpo.py`` needs, read from our config (one source for both sides).
 
     Refuses settings TRL's ``GRPOTrainer`` has no counterpart for here (another policy loss,
-    PPO mini-batches, another aggregation, a learning-rate schedule)."""
+    PPO mini-batches, another aggregation, another advantage estimator, masked importance sampling, a
+    learning-rate schedule)."""
     if cfg.loss.policy_loss != "grpo":
         raise ValueError(f"loss.policy_loss: the TRL baseline mirrors grpo only, got {cfg.loss.policy_loss!r}")
     if cfg.ppo_mini_batches != 1:
         raise ValueError(f"ppo_mini_batches: the TRL baseline mirrors 1 only, got {cfg.ppo_mini_batches}")
     if cfg.loss.aggregation != "token_mean":
         raise ValueError(f"loss.aggregation: TRL's dapo loss is token_mean, got {cfg.loss.aggregation!r}")
+    if cfg.advantage not in ("grpo", "dr_grpo"):
+        raise ValueError(f"advantage: the TRL baseline mirrors grpo and dr_grpo only, got {cfg.advantage!r}")
+    if cfg.loss.mis_level != "off":
+        raise ValueError(
+            f"loss.mis_level: the TRL baseline has no masked importance sampling, got {cfg.loss.mis_level!r}"
+        )
     if cfg.trainer.lr_schedule != "constant" or cfg.trainer.warmup_steps:
         raise ValueError(
             f"trainer.lr_schedule: the TRL baseline runs at a constant rate, got {cfg.trainer.lr_schedule!r} "
@@ -202,7 +209,7 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
         "ppo_epochs": cfg.ppo_epochs,
         "eps_low": 0.2 if cfg.loss.eps_low is None else cfg.loss.eps_low,
         "eps_high": 0.2 if cfg.loss.eps_high is None else cfg.loss.eps_high,
-        "advantage_std_scaling": cfg.advantage_std_scaling,
+        "advantage_std_scaling": cfg.advantage == "grpo",
     }
 
 

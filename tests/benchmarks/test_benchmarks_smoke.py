@@ -181,6 +181,8 @@ def test_trl_settings_follow_our_config_and_refuse_what_trl_cannot_mirror(tmp_pa
         ("loss.policy_loss=gspo", "loss.policy_loss"),
         ("ppo_mini_batches=2", "ppo_mini_batches"),
         ("loss.aggregation=sum", "loss.aggregation"),
+        ("advantage=rloo", "advantage"),
+        ("loss.mis_level=token", "loss.mis_level"),
         ("trainer.warmup_steps=2", "trainer.lr_schedule"),
     ]:
         with pytest.raises(ValueError, match=f"^{field}:"):

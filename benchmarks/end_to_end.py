@@ -178,8 +178,8 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
         raise ValueError(f"ppo_mini_batches: the TRL baseline mirrors 1 only, got {cfg.ppo_mini_batches}")
     if cfg.loss.aggregation != "token_mean":
         raise ValueError(f"loss.aggregation: TRL's dapo loss is token_mean, got {cfg.loss.aggregation!r}")
-    if cfg.advantage not in ("grpo", "dr_grpo"):
-        raise ValueError(f"advantage: the TRL baseline mirrors grpo and dr_grpo only, got {cfg.advantage!r}")
+    if cfg.advantage_estimator not in ("grpo", "dr_grpo"):
+        raise ValueError(f"advantage: the TRL baseline mirrors grpo and dr_grpo only, got {cfg.advantage_estimator!r}")
     if cfg.loss.mis_level != "off":
         raise ValueError(
             f"loss.mis_level: the TRL baseline has no masked importance sampling, got {cfg.loss.mis_level!r}"
@@ -209,7 +209,7 @@ def trl_settings(cfg, longest_prompt: int) -> dict:
         "ppo_epochs": cfg.ppo_epochs,
         "eps_low": 0.2 if cfg.loss.eps_low is None else cfg.loss.eps_low,
         "eps_high": 0.2 if cfg.loss.eps_high is None else cfg.loss.eps_high,
-        "advantage_std_scaling": cfg.advantage == "grpo",
+        "advantage_std_scaling": cfg.advantage_estimator == "grpo",
     }
 
 

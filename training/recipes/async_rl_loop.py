@@ -11,7 +11,7 @@ Phases of ``main`` (set-up and finish are ``run_recipe``'s, in ``run.py``):
 3. each step: collect ``prompt_groups_per_step`` finished groups, oldest-submitted first
    (``OffPolicyGate.plan_batch``: under ``stale_policy="wait"`` the trainer waits for an older
    running group when the next step would push it past the bound; under ``"drop"`` a late group
-   is dropped and its row requeued), set their advantages with ``Config.advantage`` over the whole step
+   is dropped and its row requeued), set their advantages with ``Config.advantage_estimator`` over the whole step
    (``set_step_advantages``), with a distillation teacher have it score them first
    (``RunContext.distill``: per-token advantages), train on them in the trainer's thread while the producer
    keeps sampling, push the new weights every ``weight_sync_interval`` steps (in flight when
@@ -249,7 +249,7 @@ class AsyncRLLoop:
                 self.training = True
                 self.changed.set()
                 m = {**batch_metrics(batch), **self.gate.step_metrics(), **self.window_metrics, **ctx.take_counters()}
-                set_step_advantages(batch, ctx.cfg.advantage)  # the estimator, over the whole step
+                set_step_advantages(batch, ctx.cfg.advantage_estimator)  # the estimator, over the whole step
                 if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                     with timer.phase("teacher"):
                         batch, distilled = await ctx.distill(batch)

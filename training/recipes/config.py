@@ -122,7 +122,7 @@ class Config:
     """The advantage estimator (``training.utils.rl.advantages.ADVANTAGE_ESTIMATORS``): ``grpo`` (std-normalised, the
     default), ``dr_grpo`` (mean-centred), ``rloo`` (leave-one-out baseline), ``reinforce_pp`` (group-centred, divided
     by the std over the step batch); formulas in ``training/utils/rl/advantages.py``. None = ``grpo``, or ``dr_grpo``
-    with ``advantage_std_scaling=False``; after construction it holds the resolved name."""
+    with ``advantage_std_scaling=False``; the run reads the resolved name, ``advantage_estimator``."""
     max_tokens: int = 256
     """Default completion length limit passed to the sampler."""
     temperature: float = 1.0
@@ -281,15 +281,13 @@ class Config:
             ("distillation", DistillationConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
-        if self.advantage is None:
-            self.advantage = "grpo" if self.advantage_std_scaling else "dr_grpo"
         check(
-            self.advantage in ADVANTAGE_ESTIMATORS,
+            self.advantage is None or self.advantage in ADVANTAGE_ESTIMATORS,
             "advantage",
             f"{self.advantage!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}",
         )
         check(
-            self.advantage_std_scaling or self.advantage == "dr_grpo",
+            self.advantage_std_scaling or self.advantage in (None, "dr_grpo"),
             "advantage",
             f"advantage={self.advantage!r} and advantage_std_scaling=False conflict (the latter is "
             "advantage='dr_grpo'); set advantage alone",
@@ -317,6 +315,14 @@ class Config:
                 )
             if nested != value:
                 setattr(self, sub_name, dataclasses.replace(sub, **{leaf: value}))  # a copy, validated again
+
+    @property
+    def advantage_estimator(self) -> str:
+        """The advantage estimator the run uses: ``advantage`` when given, else ``grpo`` (``dr_grpo`` with
+        ``advantage_std_scaling=False``). The one reader of the two fields."""
+        if self.advantage is not None:
+            return self.advantage
+        return "grpo" if self.advantage_std_scaling else "dr_grpo"
 
     @property
     def optimizer_steps(self) -> Optional[int]:
@@ -369,7 +375,7 @@ class Config:
         if callable(self.loss.policy_loss):
             d["loss"]["policy_loss"] = getattr(self.loss.policy_loss, "__name__", "custom")
         # settings added after runs were recorded are left out at their defaults, so such a run still resumes
-        if self.advantage == ("grpo" if self.advantage_std_scaling else "dr_grpo"):
+        if self.advantage is None:
             del d["advantage"]
         for name, default in RECORDED_WHEN_SET.items():
             if d["loss"].get(name) == default:

@@ -61,7 +61,7 @@ class SyncRLLoop:
                 break
             m = {**batch_metrics(batch), **ctx.take_counters()}
             staleness = float(step - deployed_version)
-            set_step_advantages(batch, ctx.cfg.advantage)  # the estimator, over the whole step
+            set_step_advantages(batch, ctx.cfg.advantage_estimator)  # the estimator, over the whole step
             if ctx.teacher is not None:  # on-policy distillation: per-token advantages, then the filter
                 with timer.phase("teacher"):
                     batch, distilled = await ctx.distill(batch)

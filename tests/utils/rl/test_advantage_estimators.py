@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from training.recipes.config import Config
+from training.utils.cli import apply_overrides
 from training.utils.config import ConfigError
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS, STD_EPSILON, credited_advantages, group_advantages
 from training.utils.rl.distillation import distillation_advantages
@@ -122,7 +123,7 @@ def test_the_default_step_pass_reproduces_the_groups_own_advantages():
     g = group(0, [1.0, 0.0, 0.25])
     g.compute_advantages()
     before = list(g.advantages)
-    set_step_advantages([g], Config(base_model="tiny").advantage)
+    set_step_advantages([g], Config(base_model="tiny").advantage_estimator)
     assert g.advantages == before  # nothing changes unless a user asks
 
 
@@ -135,14 +136,22 @@ def test_distillation_reads_the_estimators_task_advantage():
 
 
 def test_config_advantage_and_its_older_spelling():
-    assert Config(base_model="tiny").advantage == "grpo"
-    assert Config(base_model="tiny", advantage_std_scaling=False).advantage == "dr_grpo"
-    assert Config(base_model="tiny", advantage="dr_grpo", advantage_std_scaling=False).advantage == "dr_grpo"
-    assert Config(base_model="tiny", advantage="rloo").advantage == "rloo"
+    assert Config(base_model="tiny").advantage_estimator == "grpo"
+    assert Config(base_model="tiny", advantage_std_scaling=False).advantage_estimator == "dr_grpo"
+    assert Config(base_model="tiny", advantage="dr_grpo", advantage_std_scaling=False).advantage_estimator == "dr_grpo"
+    assert Config(base_model="tiny", advantage="rloo").advantage_estimator == "rloo"
     with pytest.raises(ConfigError, match="advantage: 'ppo' is not one of"):
         Config(base_model="tiny", advantage="ppo")
     with pytest.raises(ConfigError, match="advantage: advantage='rloo' and advantage_std_scaling=False conflict"):
         Config(base_model="tiny", advantage="rloo", advantage_std_scaling=False)
+
+
+def test_either_spelling_works_as_a_command_line_override():
+    base = Config(base_model="tiny")
+    assert apply_overrides(base, ["advantage_std_scaling=false"]).advantage_estimator == "dr_grpo"
+    assert apply_overrides(base, ["advantage=reinforce_pp"]).advantage_estimator == "reinforce_pp"
+    with pytest.raises(SystemExit, match="advantage='rloo' and advantage_std_scaling=False conflict"):
+        apply_overrides(base, ["advantage=rloo", "advantage_std_scaling=false"])
 
 
 def test_the_config_record_names_the_estimator_only_when_the_older_switch_does_not():

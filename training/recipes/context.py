@@ -152,6 +152,11 @@ class RunContext:
                 f"{c.timeouts} timed out, {c.invalid} invalid), more than max_rollout_error_fraction="
                 f"{self.cfg.max_rollout_error_fraction}; see the warnings above for the rows and errors"
             )
+        if c.attempts >= self.cfg.error_check_min_attempts and c.dropped == c.attempts:  # nothing could ever train
+            raise RolloutFailureError(
+                f"rollout_fn returned None for all {c.attempts} rollouts since the last step (None drops a "
+                "completion): return a RolloutSample or RolloutRun (a forgotten `return`?)"
+            )
         keep = True
         if len(group.completion_rewards) < 2:
             c.small_groups += 1

@@ -1,8 +1,8 @@
 """What a run takes in and hands out around its loop, resolved from ``Config``.
 
 - ``check_run_inputs``: what can be checked in seconds before anything loads: ``base_model``
-  (``training/models/resolve.py``), the distillation teacher's name, and the trackers' packages (wandb,
-  TensorBoard).
+  (``training/models/resolve.py``), the distillation teacher's name, the ``dataset`` / ``eval_rows`` files,
+  and the trackers' packages (wandb, TensorBoard).
 - ``resolve_rows``: the rows given to ``main``, else ``cfg.dataset``; the first ``cfg.max_rows``.
 - ``resolve_rollout_factory``: the user's ``make_rollout_fn``, else the built-in single-turn
   rollout scored by ``cfg.reward_fn`` (``single_turn.py``).
@@ -30,7 +30,7 @@ from training.models.resolve import check_base_model
 from training.recipes.config import Config
 from training.recipes.single_turn import make_single_turn_rollout_fn
 from training.utils import dist
-from training.utils.config import backend
+from training.utils.config import ConfigError, backend
 from training.utils.data import Rows, load_rows
 from training.utils.device import resolve_device
 from training.utils.metrics import check_trackers
@@ -39,12 +39,17 @@ logger = logging.getLogger("training.recipe")
 
 
 def check_run_inputs(cfg: Config) -> None:
-    """Fail in seconds, before rows, models or servers load, on a ``base_model`` that names nothing usable or a
-    tracker whose package is missing: one ``ConfigError`` line each. Logs what the model name is and the trackers."""
+    """Fail in seconds, before rows, models or servers load, on a ``base_model`` that names nothing usable, a
+    ``dataset`` / ``eval_rows`` file that does not exist, or a tracker whose package is missing: one ``ConfigError``
+    line each. Logs what the model name is and the trackers."""
     logger.info("base_model: %s", check_base_model(cfg.base_model))
     if cfg.distillation.teacher_model is not None:
         teacher = check_base_model(cfg.distillation.teacher_model, field="distillation.teacher_model")
         logger.info("distillation.teacher_model: %s", teacher)
+    for name in ("dataset", "eval_rows"):  # a data file that is not there, found before the model loads
+        path = getattr(cfg, name)
+        if isinstance(path, (str, Path)) and not Path(path).is_file():
+            raise ConfigError(f"{name}: no such file {path}; give the path of a .jsonl file (one JSON object per line)")
     trackers = check_trackers(cfg.wandb, cfg.tensorboard)
     logger.info("trackers: metrics.jsonl%s", "".join(f", {t}" for t in trackers))
 

@@ -33,7 +33,7 @@ from training.deployment.group import DeploymentGroup
 from training.deployment.backends.process import DeploymentStartError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, Config
-from training.recipes.context import RunContext
+from training.recipes.context import RolloutFailureError, RunContext
 from training.recipes.memory_plan import plan_run
 from training.recipes.resources import (
     CpuShare,
@@ -50,13 +50,18 @@ from training.recipes.train_state import TrainState, build_train_state
 from training.utils import dist
 from training.utils.aio import loop_watch
 from training.utils.checkpoint import latest_checkpoint, save_checkpoint
+from training.utils.config import ConfigError
+from training.utils.user_errors import mark_user_error
 from training.utils.data import Rows, load_rows
 from training.utils.dist import Command
 from training.utils.rl.ppo import receive_and_train
 from training.utils.aio.loop_runner import run_loop
-from training.utils.rl.rollout import RolloutFn, RolloutSetup, check_rollout_fn
+from training.utils.rl.rollout import RolloutFn, RolloutFnError, RolloutSetup, check_rollout_fn
 from training.utils.run_record import resolve_log_path, write_config_record
 from training.utils.run_summary import log_summary, run_summary
+
+USER_ERRORS = (ConfigError, RolloutFailureError, RolloutFnError, FileNotFoundError, ModuleNotFoundError)
+"""A newcomer's mistakes, each message naming the field and the fix (``training/utils/user_errors.py``)."""
 
 logger = logging.getLogger("training.recipe")
 
@@ -133,9 +138,14 @@ def choose_log_path(cfg: Config, main_rank: bool) -> Path:
 
     log_path = None
     if main_rank:
-        log_path = resolve()
-        log_path.mkdir(parents=True, exist_ok=True)
-        write_config_record(log_path, replace(cfg, log_path=str(log_path)).to_dict())
+        try:
+            log_path = resolve()
+            log_path.mkdir(parents=True, exist_ok=True)
+            write_config_record(log_path, replace(cfg, log_path=str(log_path)).to_dict())
+        except OSError as e:  # a read-only or impossible folder: one line naming the setting, not a raw OSError
+            raise ConfigError(
+                f"log_path: cannot write {e.filename or cfg.log_path} ({e.strerror}); set log_path=<a writable folder>"
+            ) from e
     dist.barrier()
     return log_path if log_path is not None else resolve()
 
@@ -249,6 +259,9 @@ def _run_recipe(
                 deployment.stop()
         finally:
             dist.stop_followers(steps)
+    except USER_ERRORS as e:  # a train.py command line prints it in one line; the traceback goes to error.log
+        mark_user_error(e, log_path)
+        raise
     except (KeyboardInterrupt, SystemExit) as e:
         if log_path is not None and main_rank and (isinstance(e, KeyboardInterrupt) or e.code == 128 + signal.SIGTERM):
             logger.warning(stopped_line(log_path))

@@ -29,12 +29,15 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import sys
 import textwrap
 import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
+
+from training.utils.user_errors import install_excepthook
 
 T = TypeVar("T")
 
@@ -338,11 +341,13 @@ def apply_config_file(cfg: T, path: str | Path) -> T:
 
 
 def _split_argv(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """``--config FILE`` (or ``--config=FILE``) and the ``key=value`` arguments."""
+    """``--config FILE`` (or ``--config=FILE``) and the ``key=value`` arguments; ``--debug`` sets ``TRAINING_DEBUG=1``."""
     config, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--config" or arg.startswith("--config="):
+        if arg == "--debug":  # a user error's traceback on the console (training/recipes/user_errors.py)
+            os.environ["TRAINING_DEBUG"] = "1"
+        elif arg == "--config" or arg.startswith("--config="):
             if config is not None:
                 raise SystemExit("--config given twice; merge the files or use key=value for the rest")
             if arg == "--config":
@@ -363,9 +368,10 @@ def apply_overrides(cfg: T, argv: Optional[list[str]] = None) -> T:
     ``--help`` prints the fields and exits; a bad override exits with one line naming the key.
     """
     argv = sys.argv[1:] if argv is None else argv
+    install_excepthook()  # a user error (a bad setting, a missing file) ends the run in one line
     if any(a in ("-h", "--help") for a in argv):
         print(
-            f"usage: python {sys.argv[0]} [--config FILE.yaml|FILE.json] [key=value ...]\n\n"
+            f"usage: python {sys.argv[0]} [--config FILE.yaml|FILE.json] [--debug] [key=value ...]\n\n"
             f"fields (current value, help):\n{help_text(cfg)}"
         )
         raise SystemExit(0)

@@ -25,7 +25,9 @@ def load_rows(rows: Rows) -> list[dict]:
     if isinstance(rows, (str, Path)):
         path = Path(rows)
         if not path.exists():
-            raise FileNotFoundError(f"rows: no such file {path}")
+            raise FileNotFoundError(
+                f"rows: no such file {path}; give the path of a .jsonl file (one JSON object per line)"
+            )
         out = []
         with path.open() as f:
             for i, line in enumerate(f, 1):

@@ -22,7 +22,14 @@ cfg = Config(
 
 if __name__ == "__main__":
     cfg = apply_overrides(cfg)  # first: --help and a mistyped key answer at once, before torch loads
-    from rollout import ROWS, make_rollout_fn
+    try:
+        from rollout import ROWS, make_rollout_fn
+    except ModuleNotFoundError as e:  # the one extra this example needs, in one line
+        if e.name != "verifiers":
+            raise
+        raise SystemExit(
+            'verifiers_local needs verifiers, not installed by scripts/setup.sh: pip install -e ".[verifiers]"'
+        ) from None
     from training.recipes.async_rl_loop import main
 
     main(cfg, rollout_fn_factory=make_rollout_fn, rows=ROWS)

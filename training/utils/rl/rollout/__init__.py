@@ -73,6 +73,10 @@ MAX_ABS_REWARD = 1e6
 far above any sensible reward scale, far below where the advantages' squares overflow."""
 
 
+class RolloutFnError(TypeError):
+    """``make_rollout_fn(setup)`` returned something the recipe cannot await (``check_rollout_fn``)."""
+
+
 class RolloutValidationError(ValueError):
     """A rollout result broke the contract. ``field`` names the offending field."""
 
@@ -208,7 +212,7 @@ def as_reward(value: Any, field_name: str = "reward") -> float:
 def check_rollout_fn(rollout_fn: Any) -> None:
     """Refuse at start what cannot be a rollout function: not callable, or a plain (non-``async``) function."""
     if not callable(rollout_fn):
-        raise TypeError(
+        raise RolloutFnError(
             f"make_rollout_fn(setup) returned {type(rollout_fn).__name__}, not a function: "
             "return an `async def rollout_fn(row)`"
         )
@@ -221,7 +225,7 @@ def check_rollout_fn(rollout_fn: Any) -> None:
         if not (inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target)):
             name = getattr(target, "__name__", repr(target))
             if name != "<lambda>":  # a lambda may return a coroutine: it is awaited, and checked then
-                raise TypeError(
+                raise RolloutFnError(
                     f"rollout_fn: {name} is a plain `def`; declare it `async def {name}(row)` (the recipe awaits it)"
                 )
 

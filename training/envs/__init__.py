@@ -1,7 +1,7 @@
 """Environments users already have, as rollouts: reasoning-gym datasets, verifiers environments and
 gym-style text environments, each turned into a ``make_rollout_fn(setup)`` (see README.md).
 
-The libraries are optional (``pip install 'training[envs]'``); each module imports its library when
+The libraries are optional (``pip install -e ".[envs]"``; verifiers: ``".[verifiers]"``); each module imports its library when
 it is used, so ``import training.envs`` works without them."""
 
 from training.envs.reasoning_gym_env import (

@@ -30,7 +30,7 @@ def _library():
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError("reasoning-gym is not installed: pip install 'training[envs]'") from e
+        raise ImportError('reasoning-gym is not installed: pip install -e ".[envs]"') from e
     return reasoning_gym
 
 

@@ -42,7 +42,9 @@ def _library():
     try:
         import verifiers
     except ImportError as e:
-        raise ImportError("verifiers is not installed: pip install 'verifiers>=0.2.1,<0.3'") from e
+        raise ImportError(
+            'verifiers is not installed (scripts/setup.sh leaves it out): pip install -e ".[verifiers]"'
+        ) from e
     return verifiers
 
 

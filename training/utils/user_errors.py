@@ -3,7 +3,7 @@
 ``mark_user_error(error, log_path)`` (called by ``run_recipe`` for the mistakes it knows: a bad setting, a missing
 data file, a rollout that breaks the contract) writes the traceback to the run's folder and marks the error;
 ``install_excepthook()`` (called by ``apply_overrides``, so every ``train.py`` command line has it) prints a marked
-error, a ``ConfigError`` or a ``ModuleNotFoundError`` as ``run stopped: <message>`` instead of a traceback.
+error, a ``ConfigError`` or an ``ImportError`` (a missing extra) as ``run stopped: <message>`` instead of a traceback.
 ``--debug`` on the command line (``training/utils/cli.py``), or ``TRAINING_DEBUG=1``, keeps the traceback.
 Library callers (tests, notebooks) get the exceptions unchanged.
 """
@@ -40,14 +40,15 @@ def mark_user_error(error: BaseException, log_path: Optional[Path]) -> None:
 
 
 def is_user_error(error: BaseException) -> bool:
-    return bool(getattr(error, "user_error", False)) or isinstance(error, (ConfigError, ModuleNotFoundError))
+    """Marked by ``mark_user_error``, a ``ConfigError``, or a package that is not installed (an ``ImportError``)."""
+    return bool(getattr(error, "user_error", False)) or isinstance(error, (ConfigError, ImportError))
 
 
 def one_line(error: BaseException) -> str:
     """``run stopped: <first line of the message> (where the traceback is)``."""
     text = str(error).strip()
     message = text.splitlines()[0] if text else type(error).__name__
-    if isinstance(error, ModuleNotFoundError) and "pip install" not in message:
+    if isinstance(error, ImportError) and "pip install" not in message:
         message += ': install the extra that provides it (pip install -e ".[<extra>]", see pyproject.toml)'
     log = getattr(error, "error_log", None)
     where = f"traceback in {log}; --debug shows it here" if log else "--debug shows the traceback"

@@ -49,6 +49,12 @@ def test_a_missing_data_file_and_a_log_path_that_cannot_be_made_are_one_line_eac
     assert_one_line(proc, "log_path: cannot write", "set log_path=")
 
 
+def test_a_base_model_typo_is_one_line_within_10_s_before_the_tokenizer_loads(tmp_path):
+    proc, seconds = run_example(EXAMPLE, "base_model=tinyy", f"log_path={tmp_path / 'run'}")
+    assert_one_line(proc, "base_model: 'tinyy'", "did you mean 'tiny'")
+    assert seconds < 10, f"reported after {seconds:.1f} s"
+
+
 def test_verifiers_local_without_verifiers_names_the_one_install_line():
     if importlib.util.find_spec("verifiers") is not None:
         pytest.skip("verifiers is installed: the example runs")

@@ -42,7 +42,9 @@ if __name__ == "__main__":
     from rollout import make_rollout_fn
     from training.models import resolve_model
     from training.recipes.async_rl_loop import main
+    from training.recipes.resources import check_run_inputs
 
+    check_run_inputs(cfg)  # a base_model typo or a missing data file: one line, before the tokenizer loads
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.base_model))
     cfg = dataclasses.replace(cfg, eval_rows=cfg.eval_rows or pretokenize(HERE / "eval.jsonl", tokenizer))
     main(cfg, rollout_fn_factory=make_rollout_fn, rows=pretokenize(HERE / "data.jsonl", tokenizer))

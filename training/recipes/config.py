@@ -12,6 +12,7 @@ from training.utils.rl.distillation import DistillationConfig
 from training.utils.rl.gate import STALE_POLICIES
 from training.utils.rl.losses.config import LossConfig
 from training.utils.run_record import IF_EXISTS
+from training.utils.rl.group_reward import GroupRewardFn
 from training.utils.rl.groups import PromptGroup
 
 STALL_GRACE_S = 120.0
@@ -141,6 +142,11 @@ class Config:
     per-call credit included; ``lambda pg: len(set(pg.rewards)) > 1`` looks only at the returns (``pg.rewards``) and
     also drops a group whose calls differ while its returns are equal. ``pg`` also iterates as its samples. With
     distillation it runs after the teacher has scored the group (``RunContext.distill``), on its per-token advantages."""
+    group_reward_fn: Optional[GroupRewardFn] = None
+    """``async fn(pg)``, awaited on every finished training group before it is counted and filtered: sets the rewards
+    of its completions from all of them together (a judge that ranks the group: ``training.rewards``); if it raises,
+    the group is dropped and its completions counted as failed under the error's cause
+    (``training/utils/rl/group_reward.py``). Eval rollouts keep the reward their ``rollout_fn`` returned."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1
@@ -233,6 +239,11 @@ class Config:
         check(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
         check(self.rollout_timeout_s > 0, "rollout_timeout_s", "must be > 0")
         check(0 < self.max_rollout_error_fraction <= 1, "max_rollout_error_fraction", "must be in (0, 1]")
+        check(
+            self.group_reward_fn is None or callable(self.group_reward_fn),
+            "group_reward_fn",
+            f"must be an async function of a PromptGroup, or None; got {self.group_reward_fn!r}",
+        )
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or None")
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.eval_interval >= 0, "eval_interval", "must be >= 0")
@@ -372,6 +383,8 @@ class Config:
             del d[alias]
         d["dynamic_filter_fn"] = getattr(self.dynamic_filter_fn, "__name__", None)
         d["reward_fn"] = getattr(self.reward_fn, "__name__", None)
+        if self.group_reward_fn is not None:
+            d["group_reward_fn"] = getattr(self.group_reward_fn, "__name__", type(self.group_reward_fn).__name__)
         if callable(self.loss.policy_loss):
             d["loss"]["policy_loss"] = getattr(self.loss.policy_loss, "__name__", "custom")
         # settings added after runs were recorded are left out at their defaults, so such a run still resumes

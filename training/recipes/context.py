@@ -31,6 +31,7 @@ from training.utils.checkpoint import rng_state, save_checkpoint
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
 from training.utils.openmp import release_openmp_threads
+from training.utils.rl.group_reward import apply_group_reward, group_reward_metrics
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.ppo import train_on_groups
 from training.utils.rl.failure_log import FailureLog, row_label
@@ -111,7 +112,7 @@ class RunContext:
         row = self.rows[row_index]
         self.groups_in_flight += 1
         try:
-            return await run_group(
+            group = await run_group(
                 self.rollout_fn,
                 row,
                 position,
@@ -125,6 +126,9 @@ class RunContext:
                 failure_log=self.failure_log,
                 seed=self.cfg.seed,
             )
+            if self.cfg.group_reward_fn is not None:  # a judge scores the finished group's members together
+                await apply_group_reward(self.cfg.group_reward_fn, group, self.failure_log)
+            return group
         finally:
             self.groups_in_flight -= 1
 
@@ -173,6 +177,7 @@ class RunContext:
     def take_counters(self) -> dict[str, float]:
         m = self.counters.metrics()
         m["rollout/failures_unprinted"] = float(self.failure_log.take_unprinted())
+        m.update(group_reward_metrics(self.cfg.group_reward_fn))
         self.counters = StepCounters()
         return m
 

@@ -19,6 +19,7 @@ FLOORS = {
     "training.agents": 1,
     "training.proxy": 1,
     "training.envs": 1.5,  # adapters of environment libraries, built on agents
+    "training.rewards": 1.5,  # judge and rubric rewards, built on deployment
     "training.recipes": 2,
     "training.examples": 3,
     "training.plot": 3,
@@ -86,6 +87,13 @@ ONLY_IMPORTS = {
     "training.proxy": {"training.proxy", "training.utils", "training.openai_api"},
     "training.agents": {"training.agents", "training.utils", "training.openai_api", "training.models"},
     "training.envs": {"training.envs", "training.agents", "training.utils", "training.openai_api", "training.models"},
+    "training.rewards": {
+        "training.rewards",
+        "training.deployment",
+        "training.utils",
+        "training.openai_api",
+        "training.models",
+    },
 }
 """The packages each package may import (itself included): the top README's layering table, checked against it."""
 

@@ -23,6 +23,7 @@ FLOORS = {
     "training.recipes": 2,
     "training.examples": 3,
     "training.plot": 3,
+    "training.eval": 3,  # offline evaluation, built on recipes and deployment
     "training.memory_plan": 3,
     "benchmarks": 3,
 }

@@ -100,3 +100,17 @@ def test_a_dead_endpoint_marks_the_group():
     asyncio.run(apply_group_reward(judge, group))
     assert group.failure_causes == {"judge": 2} and group.rewards == []
     assert judge.take_metrics()["judge/failed_requests"] == 1
+
+
+@needs_library
+def test_a_judge_without_base_url_launches_its_own_embedded_server(tiny_model_path, tmp_path):
+    from training.utils import DeployConfig, EngineConfig
+
+    engine = EngineConfig(max_model_len=1024, max_batch_size=4, device="cpu", dtype="float32")
+    deploy = DeployConfig(engine_config=engine, log_file=str(tmp_path / "judge.log"))
+    with GroupJudge(JudgeConfig(model=tiny_model_path, deployment=deploy, reason_max_chars=8, max_tokens=200)) as judge:
+        assert judge.client.base_url.startswith("http://127.0.0.1:")
+        group = group_of(TEXTS[:3])
+        asyncio.run(judge(group))
+        assert len(group.rewards) == 3 and judge.take_metrics()["judge/requests"] == 1
+    assert judge.client.base_url is None  # stopped

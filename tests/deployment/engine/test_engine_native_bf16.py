@@ -139,13 +139,16 @@ def test_bf16_matmul_is_the_fp32_product_of_its_bf16_inputs(m, matmuls):
 
 
 def _predefined_macros() -> str:
-    """What ``gcc -march=native`` predefines here (``__AVX512BF16__`` where the CPU has AVX-512 BF16)."""
+    """What ``gcc -march=native`` predefines here (``__AVX512BF16__`` where the CPU has AVX-512 BF16), with the
+    flags ``TRAINING_CPU_ISA`` adds (``no_amx`` / ``avx2``: the paths of the CPUs without them)."""
     import os
     import subprocess
 
+    from training.deployment.engine.runners.native import CPU_ISAS, cpu_isa
+
     cc = os.environ.get("CC") or "gcc"
     return subprocess.run(
-        [cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True
+        [cc, "-march=native", *CPU_ISAS[cpu_isa()], "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True
     ).stdout
 
 
@@ -224,3 +227,11 @@ def test_bf16_native_step_decodes_the_same_after_sleep_and_wake(tiny_model_path)
             r.load_weights(load_safetensors(tiny_model_path))
         sleep.wake()
         assert torch.equal(decode_run(r)[0], before), level
+
+
+def test_an_unknown_cpu_isa_is_refused_naming_it(monkeypatch):
+    from training.deployment.engine.runners.native import load_library
+
+    monkeypatch.setenv("TRAINING_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="TRAINING_CPU_ISA='avx9'"):
+        load_library(dtype=torch.bfloat16)

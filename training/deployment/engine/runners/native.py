@@ -51,6 +51,14 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 """gcc's: the 16-float vectors are one register on AVX-512 (two on AVX2); the loops it vectorises itself use 512 bits too."""
+CPU_ISA_ENV = "TRAINING_CPU_ISA"
+"""Environment variable naming the instruction sets the library may use (``CPU_ISAS``; default ``native``): a CPU
+with AMX builds the paths of one without it (``no_amx``: an AMD EPYC with AVX-512 BF16) or without AVX-512
+(``avx2``), so one machine tests the kernels every user's CPU runs. Pair it with ``ONEDNN_MAX_CPU_ISA`` for
+torch's own kernels (README, "Testing the other CPUs' paths")."""
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+CPU_ISAS = {"native": (), "no_amx": _NO_AMX, "avx2": (*_NO_AMX, "-mno-avx512f")}
+"""gcc flags added after ``-march=native`` per ``TRAINING_CPU_ISA`` value (``-mno-avx512f`` drops every AVX-512 subset)."""
 DTYPE_FLAGS = {torch.float32: (), torch.bfloat16: ("-DNATIVE_BF16",)}
 """The library built per engine dtype: fp32, or bf16 weights and K/V (native_decode.c's file comment)."""
 BF16_MATMULS = {"auto": ("-DNATIVE_BF16_AMX",), "widen": (), "vdpbf16ps": ("-DNATIVE_BF16_DOT",)}
@@ -117,6 +125,14 @@ def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     return cache_dir() / "native" / f"native_decode-{key.hexdigest()[:16]}.so"
 
 
+def cpu_isa() -> str:
+    """``TRAINING_CPU_ISA`` (``native`` when unset); a value not in ``CPU_ISAS`` is a ValueError naming it."""
+    isa = os.environ.get(CPU_ISA_ENV, "native")
+    if isa not in CPU_ISAS:
+        raise ValueError(f"{CPU_ISA_ENV}={isa!r} is not one of {tuple(CPU_ISAS)}")
+    return isa
+
+
 def load_library(profile: bool = False, dtype: torch.dtype = torch.float32, matmuls: str = BF16_MATMUL) -> ctypes.CDLL:
     """The compiled library for ``dtype`` (fp32 or bf16; built on first use, then cached on disk); raises
     NativeUnavailable.
@@ -131,7 +147,7 @@ def load_library(profile: bool = False, dtype: torch.dtype = torch.float32, matm
     if matmuls not in BF16_MATMULS:
         raise ValueError(f"matmuls={matmuls!r} is not one of {tuple(BF16_MATMULS)}")
     kernel = matmuls if dtype == torch.bfloat16 else BF16_MATMUL
-    built = _build_and_load(profile, str(dtype).removeprefix("torch."), kernel)
+    built = _build_and_load(profile, str(dtype).removeprefix("torch."), kernel, cpu_isa())
     if isinstance(built, NativeUnavailable):
         raise built
     return built
@@ -142,11 +158,13 @@ PHASES = ("embedding and norms", "layer matmuls", "RoPE and K/V writes", "attent
 
 
 @functools.lru_cache(maxsize=8)
-def _build_and_load(profile: bool, dtype_name: str, matmuls: str) -> ctypes.CDLL | NativeUnavailable:
+def _build_and_load(profile: bool, dtype_name: str, matmuls: str, isa: str) -> ctypes.CDLL | NativeUnavailable:
     compiler = os.environ.get("CC") or "gcc"
     if shutil.which(compiler) is None:
         return NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
-    flags = CFLAGS + DTYPE_FLAGS[getattr(torch, dtype_name)] + (("-DNATIVE_PROFILE",) if profile else ())
+    flags = (
+        CFLAGS + CPU_ISAS[isa] + DTYPE_FLAGS[getattr(torch, dtype_name)] + (("-DNATIVE_PROFILE",) if profile else ())
+    )
     flags += BF16_MATMULS[matmuls] if dtype_name == "bfloat16" else ()
     try:
         path = _library_path(compiler, flags)

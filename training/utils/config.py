@@ -428,8 +428,9 @@ class DeployConfig:
             _check(
                 self.base_url is not None and facts.distributed_weights,
                 "weight_sync",
-                "'distributed' needs servers of this package attached by base_url (same-host embedded "
-                "servers use shm; vLLM / SGLang sync through their own endpoints)",
+                "'distributed' needs servers attached by base_url whose backend takes a distributed push (the "
+                "embedded engine, or vLLM started with the worker extension; same-host launched servers use shm; "
+                "SGLang syncs through its own endpoints)",
             )
             _check(
                 bool(self.weight_sync_master_addr),

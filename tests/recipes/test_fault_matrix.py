@@ -30,6 +30,7 @@ import pytest
 from tests.recipes.test_recipes import ROWS
 from tests.recipes.test_recipes import config as recipes_config
 from training.deployment.backends.embedded import EmbeddedDeployment
+from training.deployment.backends.process import TEST_SLOW_START_ENV
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig, EngineConfig
 from training.utils.metrics import read_metrics
@@ -339,3 +340,70 @@ def test_a_misbehaving_rollout_loses_no_row_and_leaves_nothing_behind(
         assert set(hung) == {"timeout", "error"} and hung.count("timeout") == 4  # its own bound, then refused
         assert sorted(trained) == sorted(list(range(6)) * 3)
     assert not list(shm_dir().glob(f"{SHM_PREFIX}{run.pid}-*"))
+
+
+def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path, tmp_path, monkeypatch):
+    """Issue #45, item 1: the run's server is SIGKILLed while step 1 samples and its restart takes longer than the
+    sampler's and the group's retries together (retries 0.05 + 0.1 s, twice). The restart is slowed by a FAKE: the
+    test-only ``TRAINING_TEST_SLOW_START_S`` makes the launcher sleep 4 s before it execs the server (the real slow
+    start, SmolLM2's ~30 s, is the slow test). The in-flight requests wait for the restart, are resent with the same
+    seeds and counted (``rollout/restart_retries``); every row is trained exactly once, none requeued or lost."""
+    launched, kills = [], []
+    real_start = EmbeddedDeployment.start
+
+    def start(self):
+        launched.append(self)
+        return real_start(self)
+
+    monkeypatch.setattr(EmbeddedDeployment, "start", start)
+
+    def factory(setup):
+        async def before(row):
+            if row["id"] == 2 and not kills:
+                kills.append(row["id"])
+                monkeypatch.setenv(TEST_SLOW_START_ENV, "4")  # the fake slow start, for the restart only
+                os.kill(launched[0].pid, signal.SIGKILL)
+
+        return sampling_rollout(setup, before)
+
+    own = DeployConfig(
+        engine_config=EngineConfig(max_batch_size=16), max_restarts=2, max_retries=1, retry_backoff_s=0.05
+    )
+    cfg = config(tiny_model_path, None, tmp_path, max_steps=3, synchronous_training=True, deployment=own)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert out["steps"] == 3 and kills == [2]
+    (dep,) = launched
+    assert len(dep.restarts) == 1 and dep.restarts[0]["ok"] and dep.startup_s >= 4.0  # the fake really slowed it
+    assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # each row's 2 completions, once
+    m = read_metrics(cfg.log_path)
+    assert sum(r.get("rollout/restart_retries", 0) for r in m) >= 1
+    assert sum(r.get("rollout/requeued_groups", 0) for r in m) == 0
+    assert sum(r.get("rollout/errors", 0) for r in m) == 0
+
+
+def test_a_group_failed_by_the_deployment_is_requeued_and_trained_once(tiny_model_path, server, tmp_path):
+    """Row 1's first three calls get a 503 (both completions and one retry: a FAKE deployment failure, raised
+    by the rollout, since a real server answering 503 on cue cannot be arranged here). Before, the group trained
+    on its one survivor or, under 2, was marked done untrained; now the row is requeued, rolled out again, and
+    trained exactly once with both completions."""
+    from training.deployment.client import DeploymentRequestError
+
+    failed = []
+
+    def factory(setup):
+        good = sampling_rollout(setup)
+
+        async def rollout_fn(row):
+            if row["id"] == 1 and len(failed) < 3:
+                failed.append(row["id"])
+                raise DeploymentRequestError("engine overloaded", status=503)
+            return await good(row)
+
+        return rollout_fn
+
+    cfg = config(tiny_model_path, server, tmp_path, max_steps=3, synchronous_training=True)
+    out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert out["steps"] == 3 and failed == [1, 1, 1]
+    assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # row 1 too, once, both completions
+    m = read_metrics(cfg.log_path)
+    assert sum(r.get("rollout/requeued_groups", 0) for r in m) == 1

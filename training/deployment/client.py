@@ -10,6 +10,15 @@ Failure policy: connection errors and 5xx answers are retried (``max_retries`` t
 answer raises ``DeploymentRequestError`` at once with the server's message and field; a request
 that exceeds ``timeout_s`` raises ``DeploymentRequestError`` (not retried: the server is busy).
 
+Restarts: a sampler that knows who supervises its servers (``set_readiness``: ``DeploymentGroup`` of
+launched servers gives it each replica's ``ReplicaStatus``) never sends to a replica that is
+restarting; it waits for the restart to end, the latest weights loaded again, up to the replica's
+``budget_s`` (derived from its measured start-up). A request that failed because its server died is
+resent once the server is ready, with the same body (the same ``seed``), without spending a retry;
+``restart_retries`` counts those. A replica that cannot come back (its restarts spent, a restart
+failed, or not back within the budget) raises ``DeploymentLostError`` with the reason. Attached
+servers have no supervisor here: the plain retries apply.
+
 Replica failover: a replica that refuses connections is marked down for ``down_s`` seconds and
 skipped by ``pick_replica``; the failed request is retried at once on a live replica (sessions
 pinned to the dead one are re-mapped over the live ones). When every replica is down, or there
@@ -26,7 +35,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import aiohttp
 
@@ -37,7 +46,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Completion",
+    "DeploymentLostError",
     "DeploymentRequestError",
+    "ReplicaStatus",
     "DeploymentSampler",
     "SESSION_HEADER",
     "ScoredTokens",
@@ -53,6 +64,33 @@ class DeploymentRequestError(RuntimeError):
         self.status = status
         self.param = param
         self.server_message = message
+
+
+class DeploymentLostError(DeploymentRequestError):
+    """A launched server died and cannot come back (its restarts spent, a restart failed, or it was not ready within
+    its restart budget). Not a failed completion: the run stops with ``reason``."""
+
+    failure_cause = "deployment_lost"
+
+    def __init__(self, reason: str, *, url: str = ""):
+        super().__init__(reason, url=url)
+        self.reason = reason
+
+
+READY_POLL_S = 0.1
+"""How often a request waiting for a restarting replica asks its supervisor again."""
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What the supervisor of a launched replica knows of it (``ServerProcess.status``)."""
+
+    state: str
+    """``ready`` (serving), ``restarting`` (dead or coming back: requests wait) or ``failed`` (it cannot come back)."""
+    budget_s: float = 0.0
+    """How long a request waits for a ``restarting`` replica before it gives up (derived from the measured start-up)."""
+    reason: str = ""
+    """``failed``: why, in one line; ``restarting``: which restart and where its log is."""
 
 
 @dataclass
@@ -127,6 +165,12 @@ class _HttpClient:
         """The newest weight version known to be served everywhere (``note_weight_version``)."""
         self.down_until: dict[str, float] = {}
         """Replica URL -> monotonic time until which it is skipped (it refused a connection)."""
+        self.readiness: Optional[Callable[[str], Optional[ReplicaStatus]]] = None
+        """Replica URL -> its supervisor's ``ReplicaStatus`` (None: no supervisor; ``set_readiness``)."""
+        self.restart_retries = 0
+        """Requests resent because their server died under them and came back (``DeploymentSampler.restart_retries``)."""
+        self.waiting_on: set[str] = set()
+        """Replicas some request is waiting for (their wait is logged once per restart)."""
 
     def _drop_dead(self) -> None:
         for loop in [lp for lp in self._sessions if lp.is_closed()]:
@@ -243,13 +287,33 @@ class DeploymentSampler:
         """
         self._client.noted_weight_version = int(version)
 
+    def set_readiness(self, readiness: Optional[Callable[[str], Optional[ReplicaStatus]]]) -> None:
+        """Give the sampler (and every sampler made by ``with_defaults``) each replica's supervisor: ``readiness(url)``
+        says whether it is ready, restarting or lost (see the module docstring). Must not block: it is called on the
+        event loop before every request."""
+        self._client.readiness = readiness
+
+    @property
+    def restart_retries(self) -> int:
+        """Requests resent so far because their server died under them and came back (shared by ``with_defaults``)."""
+        return self._client.restart_retries
+
+    def replica_status(self, url: str) -> Optional[ReplicaStatus]:
+        """The supervisor's ``ReplicaStatus`` of ``url``; None without a supervisor (attached servers)."""
+        readiness = self._client.readiness
+        return readiness(url) if readiness is not None else None
+
     def _headers(self, session_id: Optional[str]) -> dict[str, str]:
         return auth_headers(self.api_key, session_headers(session_id))
 
     def live_replicas(self) -> list[str]:
-        """Replicas not marked down (every replica when all are down: someone has to be tried)."""
+        """Replicas not marked down and not restarting (every replica when none is: someone has to be tried)."""
         now = time.monotonic()
-        live = [u for u in self.base_urls if self._client.down_until.get(u, 0.0) <= now]
+        live = [
+            u
+            for u in self.base_urls
+            if self._client.down_until.get(u, 0.0) <= now and _is_ready(self.replica_status(u))
+        ]
         return live or list(self.base_urls)
 
     def mark_down(self, url: str) -> None:
@@ -289,10 +353,13 @@ class DeploymentSampler:
         in_flight = self._client.in_flight
         last: Optional[BaseException] = None
         failed: Optional[str] = None
-        for attempt in range(self.max_retries + 1):
+        attempt, resent = 0, False
+        while True:
             base = base_url or self.pick_replica(session_id)
-            if attempt and base == failed:  # no other replica to go to: back off
+            if attempt and base == failed and not resent:  # no other replica to go to: back off
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            resent = False
+            await self.wait_ready(base)
             in_flight[base] = in_flight.get(base, 0) + 1
             try:
                 return await self._attempt(method, base + path, body, session_id)
@@ -306,12 +373,49 @@ class DeploymentSampler:
             finally:
                 in_flight[base] -= 1
             failed = base
-            log.warning("deployment %s%s attempt %d/%d failed: %s", base, path, attempt + 1, self.max_retries + 1, last)
+            if not _is_ready(self.replica_status(base)):  # its server died under it: resend once it is back
+                self._client.restart_retries += 1
+                resent = True
+                log.warning("deployment %s%s failed as its server died (%s); resent once it is back", base, path, last)
+                continue
+            attempt += 1
+            log.warning("deployment %s%s attempt %d/%d failed: %s", base, path, attempt, self.max_retries + 1, last)
+            if attempt > self.max_retries:
+                break
         raise DeploymentRequestError(
             f"gave up after {self.max_retries + 1} attempts: {last}",
             url=failed or "",
             status=getattr(last, "status", None),
         ) from last
+
+    async def wait_ready(self, url: str) -> None:
+        """Return once ``url``'s supervisor says it is ready (at once without a supervisor or when it is); raise
+        ``DeploymentLostError`` when it cannot come back or is not back within its ``budget_s``."""
+        status = self.replica_status(url)
+        if _is_ready(status):
+            return
+        t0 = time.monotonic()
+        budget = status.budget_s
+        waiting = self._client.waiting_on
+        if url not in waiting:
+            waiting.add(url)
+            log.warning("%s is restarting (%s): requests wait up to %.0f s for it", url, status.reason, budget)
+        while not _is_ready(status):
+            if status.state == "failed":
+                waiting.discard(url)
+                raise DeploymentLostError(status.reason, url=url)
+            if time.monotonic() - t0 > budget:
+                waiting.discard(url)
+                raise DeploymentLostError(
+                    f"not ready after {budget:.0f} s of waiting for its restart (the budget derived from its "
+                    f"start-up time): {status.reason}",
+                    url=url,
+                )
+            await asyncio.sleep(READY_POLL_S)
+            status = self.replica_status(url)
+        if url in waiting:
+            waiting.discard(url)
+            log.info("%s is ready again after %.1f s of waiting", url, time.monotonic() - t0)
 
     async def _attempt(self, method: str, url: str, body: Optional[dict], session_id: Optional[str]) -> dict:
         """One HTTP exchange: the JSON answer, or ``DeploymentRequestError`` with the status (connection errors pass)."""
@@ -433,6 +537,11 @@ class DeploymentSampler:
         """The weight version served now (the oldest one when replicas differ)."""
         versions = await asyncio.gather(*(self.request("GET", "/weight_version", base_url=u) for u in self.base_urls))
         return min(int(v["weight_version"]) for v in versions)
+
+
+def _is_ready(status: Optional[ReplicaStatus]) -> bool:
+    """True without a supervisor's word (None) or when it says ``ready``."""
+    return status is None or status.state == "ready"
 
 
 def _error_message(text: str) -> tuple[str, Optional[str]]:

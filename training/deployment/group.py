@@ -10,7 +10,8 @@ Replicas: with ``cfg.base_url`` None the group launches ``cfg.num_replicas`` ser
 at construction when the placement cannot work; logged once) (each supervised: a dead one is restarted with the latest weights; each locked with
 ``cfg.api_key``, a random one when none is given); with URLs it
 attaches one server-process object per URL. The sampler balances requests over them with
-session affinity (``client.py``).
+session affinity (``client.py``); for launched replicas it asks ``replica_status`` before each
+request, so requests wait for a restarting replica and resume once it is back (``client.py``, "Restarts").
 
 ``push`` is the whole weight sync, for every engine:
 
@@ -52,6 +53,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 from training.deployment.backends.registry import backend, load_class, make_deployment, make_sampler
 from training.deployment.placement import Placement, ReplicaPlacement, plan_placement
 from training.deployment.backends.process import ServerProcess
+from training.deployment.client import ReplicaStatus
 from training.deployment.weights.files import WeightFolder, WeightSyncError, weights_nbytes
 from training.utils.config import DeployConfig, TrainerConfig
 
@@ -180,7 +182,21 @@ class DeploymentGroup:
             self.stop()
             raise
         self.sampler = make_sampler(self.base_urls, self.cfg, tokenizer=tokenizer)
+        if self.launched:  # requests wait for a restarting replica instead of spending their retries
+            self.sampler.set_readiness(self.replica_status)
         return self
+
+    def replica_status(self, url: str) -> Optional[ReplicaStatus]:
+        """The ``ReplicaStatus`` of the replica at ``url`` (``ServerProcess.status``; None when attached or unknown)."""
+        for r in self.replicas:
+            if r.base_url == url:
+                return r.status()
+        return None
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts of every replica so far (``ServerProcess.restarts``)."""
+        return sum(r.restart_count for r in self.replicas)
 
     def __enter__(self) -> "DeploymentGroup":
         return self.start()

@@ -20,7 +20,8 @@ import aiohttp
 import torch
 
 from training.deployment.group import DeploymentGroup
-from training.deployment.client import DeploymentRequestError
+from training.deployment.backends.process import DeploymentStartError
+from training.deployment.client import DeploymentLostError, DeploymentRequestError
 from training.recipes.config import WAIT_POLL_S, Config
 from training.recipes.resources import CpuShare
 from training.recipes.step_metrics import StepCounters, StepTimer, server_metrics
@@ -44,8 +45,19 @@ class RolloutFailureError(RuntimeError):
     """Too many rollouts of a step failed: the run stops instead of training on what is left."""
 
 
+MAX_GROUP_REQUEUES = 3
+"""A row whose group failed for a deployment reason this many times in a row stops the run (``accept_group``)."""
+
+
+def is_fatal(error: BaseException) -> bool:
+    """A launched server that cannot come back (``DeploymentLostError``): the run stops with the reason."""
+    return isinstance(error, DeploymentLostError)
+
+
 def is_retryable(error: BaseException) -> bool:
     """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
+    if is_fatal(error):
+        return False
     if isinstance(error, DeploymentRequestError):
         return error.status is None or error.status >= 500
     return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))
@@ -105,6 +117,9 @@ class RunContext:
         self.failure_log = FailureLog("rollout")
         """Training rollouts' failures: the first of each kind printed with its traceback, the rest counted."""
         self.eval_failure_log = FailureLog("eval rollout")
+        self.requeues: dict[int, int] = {}
+        """Row position -> times in a row its group was requeued for a deployment failure (``requeue``)."""
+        self._restart_retries_seen = 0
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
@@ -125,10 +140,13 @@ class RunContext:
                 row_index=row_index,
                 failure_log=self.failure_log,
                 seed=self.cfg.seed,
+                is_fatal=is_fatal,
             )
             if self.cfg.group_reward_fn is not None:  # a judge scores the finished group's members together
                 await apply_group_reward(self.cfg.group_reward_fn, group, self.failure_log)
             return group
+        except DeploymentLostError as e:  # one "run stopped:" line naming the server and its log (run.py)
+            raise DeploymentStartError(str(e), summary=e.reason) from e
         finally:
             self.groups_in_flight -= 1
 
@@ -146,6 +164,9 @@ class RunContext:
         """Count the group's outcomes; True if it is kept for training (advantages set). With a teacher the
         ``dynamic_filter_fn`` waits for ``distill`` (the group's distillation signal is not known yet)."""
         c = self.counters
+        if group.deployment_failures:
+            return self.requeue(group)
+        self.requeues.pop(group.position, None)
         c.add(group)
         if (
             c.attempts >= self.cfg.error_check_min_attempts
@@ -174,8 +195,35 @@ class RunContext:
             self.cursor.mark_done(group.position)
         return keep
 
+    def requeue(self, group: PromptGroup) -> bool:
+        """A group some completion of which failed for a deployment reason (after its retry): its row is requeued,
+        rolled out again later, never marked done untrained, and nothing of it trains (a crash never leaves a
+        group of only the completions that finished before it). Counted in ``rollout/requeued_groups``, not in
+        ``max_rollout_error_fraction``; the ``MAX_GROUP_REQUEUES``-th requeue of one row in a row stops the run.
+        Returns False (not kept)."""
+        n = self.requeues[group.position] = self.requeues.get(group.position, 0) + 1
+        label = row_label(group.row, group.row_index, group.position)
+        if n >= MAX_GROUP_REQUEUES:
+            raise RolloutFailureError(
+                f"the group of {label} failed for a deployment reason {n} times in a row "
+                f"({group.failure_causes}); is the deployment serving? see deployment.log"
+            )
+        logger.warning(
+            "%d of %d completions of %s failed for a deployment reason (%s): the row is rolled out again later",
+            group.deployment_failures,
+            group.attempts,
+            label,
+            group.failure_causes,
+        )
+        self.counters.requeued_groups += 1
+        self.cursor.requeue(group.position)
+        return False
+
     def take_counters(self) -> dict[str, float]:
         m = self.counters.metrics()
+        retries = self.deployment.sampler.restart_retries if self.deployment.sampler is not None else 0
+        m["rollout/restart_retries"] = float(retries - self._restart_retries_seen)
+        self._restart_retries_seen = retries
         m["rollout/failures_unprinted"] = float(self.failure_log.take_unprinted())
         m.update(group_reward_metrics(self.cfg.group_reward_fn))
         self.counters = StepCounters()

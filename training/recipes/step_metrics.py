@@ -21,7 +21,7 @@ class StepCounters:
 
     def __init__(self):
         self.attempts = self.failures = self.errors = self.timeouts = self.invalid = self.dropped = 0
-        self.groups_done = self.filtered_groups = self.small_groups = 0
+        self.groups_done = self.filtered_groups = self.small_groups = self.requeued_groups = 0
         self.generated_tokens = 0
         self.run_metadata: list[dict] = []
         self.failure_causes: dict[str, int] = {}
@@ -48,6 +48,7 @@ class StepCounters:
             "rollout/returned_none": float(self.dropped),
             "rollout/filtered_groups": float(self.filtered_groups),
             "rollout/too_small_groups": float(self.small_groups),
+            "rollout/requeued_groups": float(self.requeued_groups),
             "rollout/generated_tokens": float(self.generated_tokens),
             **run_metrics(self.run_metadata, self.failure_causes),
         }

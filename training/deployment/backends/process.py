@@ -11,6 +11,16 @@ is recorded in ``restarts``. ``stop()`` (also on leaving the ``with`` block, exc
 included, and at interpreter exit) sends SIGTERM to the process group, then SIGKILL after
 ``stop_grace_s``.
 
+Readiness (``status()``, what the sampler asks before every request: ``client.ReplicaStatus``): ``ready``,
+``restarting`` from the moment the child is seen dead until a restart has loaded the latest weights again, or
+``failed`` once it cannot come back (with the reason). Clients wait for a restarting server up to
+``restart_wait_s``: ``RESTART_WAIT_FACTOR`` × the slowest start-up measured + ``RESTART_WAIT_SLACK_S``, logged
+when the server is first ready.
+
+``TEST_SLOW_START_ENV`` is a test-only fake: set (in this process's environment or ``cfg.engine_env``) to a number
+of seconds, the launched child sleeps that long before it execs the server command, so a restart is slow without
+a slow model. Never set it in a real run.
+
 Attach (``base_url`` given): health is checked at ``start()``; nothing is started, restarted or
 stopped, and ``ensure_alive()`` raises when the server stopped answering.
 
@@ -35,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from training.deployment.client import ReplicaStatus
 from training.deployment.placement import ReplicaPlacement, parse_replica_device, server_env
 from training.deployment.weights.files import WeightFolder
 from training.utils.config import DeployConfig
@@ -49,6 +60,13 @@ HEALTH_POLL_S = 0.2
 """How often a starting server's health endpoint is polled."""
 ENGINE_CHECK_EVERY = 5
 """The watchdog asks a running server's ``/health`` whether its engine died every this many rounds."""
+RESTART_WAIT_FACTOR = 3.0
+RESTART_WAIT_SLACK_S = 30.0
+"""Clients wait for a restarting server ``RESTART_WAIT_FACTOR`` × its slowest measured start-up + this long: a restart
+also reloads the weights and runs on a machine busy training."""
+TEST_SLOW_START_ENV = "TRAINING_TEST_SLOW_START_S"
+"""Test-only fake slow start: the launched child sleeps this many seconds before it execs the server (module doc)."""
+SLOW_START_SHIM = "import os, sys, time; time.sleep(float(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])"
 
 
 def engine_dead_reason(status: Optional[int], health_body: str) -> Optional[str]:
@@ -136,6 +154,11 @@ class ServerProcess:
         """The last weights loaded: ``{"folder", "weight_version", "mode"}``; loaded again after a restart."""
         self.startup_s: Optional[float] = None
         """Seconds from the last launch to a healthy server (None when attached)."""
+        self.slowest_startup_s: Optional[float] = None
+        """The longest ``startup_s`` measured so far: what ``restart_wait_s`` is derived from."""
+        self._restarting = threading.Event()
+        """Set while ``_restart`` runs (spawn, health, weights reloaded)."""
+        self._failed_summary: Optional[str] = None
         self._proc: Optional[subprocess.Popen] = None
         self._log_fh = None
         self._lock = threading.RLock()
@@ -159,6 +182,38 @@ class ServerProcess:
     @property
     def restart_count(self) -> int:
         return len(self.restarts)
+
+    @property
+    def restart_wait_s(self) -> float:
+        """How long clients wait for this server to come back: ``RESTART_WAIT_FACTOR`` × the slowest measured start-up
+        + ``RESTART_WAIT_SLACK_S`` (``cfg.startup_timeout_s`` + the slack before any start-up was measured)."""
+        measured = self.slowest_startup_s
+        if measured is None:
+            return self.cfg.startup_timeout_s + RESTART_WAIT_SLACK_S
+        return RESTART_WAIT_FACTOR * measured + RESTART_WAIT_SLACK_S
+
+    def status(self) -> Optional[ReplicaStatus]:
+        """Whether a launched server is ``ready``, ``restarting`` or ``failed`` (for the sampler; never blocks: no
+        lock, no HTTP). None when attached: nobody here knows whether it restarts."""
+        if self.attached_url:
+            return None
+        if self._failed:
+            return ReplicaStatus("failed", reason=self._failed_summary or self._failed.splitlines()[0])
+        if self._stopping.is_set():
+            return ReplicaStatus("failed", reason=f"the {self.engine} server at {self.base_url} was stopped")
+        proc = self._proc
+        dead = proc is None or proc.poll() is not None
+        if not (self._restarting.is_set() or dead):
+            return ReplicaStatus("ready")
+        if dead and not self._restarting.is_set() and len(self.restarts) >= self.cfg.max_restarts:
+            return ReplicaStatus("failed", reason=self._spent_summary())
+        return ReplicaStatus(
+            "restarting",
+            budget_s=self.restart_wait_s,
+            reason=f"{self.engine} server, restart {len(self.restarts) + (not self._restarting.is_set())}/"
+            f"{self.cfg.max_restarts}; "
+            f"its log: {self.log_path}",
+        )
 
     def is_alive(self) -> bool:
         if self.attached_url:
@@ -394,6 +449,10 @@ class ServerProcess:
         if self._log_fh is None:
             self._log_fh = open(self.log_path, "ab", buffering=0)
         cmd = self._command()
+        env = self._env()
+        slow = env.pop(TEST_SLOW_START_ENV, None)
+        if slow:  # the test-only fake slow start (module docstring)
+            cmd = [sys.executable, "-c", SLOW_START_SHIM, str(float(slow)), *cmd]
         if self.guard_parent:
             cmd = [sys.executable, str(ORPHAN_GUARD), str(os.getpid()), "--", *cmd]
         self._log_fh.write(f"=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
@@ -403,7 +462,7 @@ class ServerProcess:
             stdout=self._log_fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self._env(),
+            env=env,
             start_new_session=True,
             cwd=str(self.log_path.parent),
         )
@@ -430,7 +489,18 @@ class ServerProcess:
                 )
             if status == 200:
                 self.startup_s = time.monotonic() - t0
-                log.info("%s server ready at %s after %.1f s", self.engine, self.base_url, self.startup_s)
+                self.slowest_startup_s = max(self.startup_s, self.slowest_startup_s or 0.0)
+                log.info(
+                    "%s server ready at %s after %.1f s; if it dies, requests wait up to %.0f s for its restart "
+                    "(%.0f x the slowest start-up, %.1f s, + %.0f s)",
+                    self.engine,
+                    self.base_url,
+                    self.startup_s,
+                    self.restart_wait_s,
+                    RESTART_WAIT_FACTOR,
+                    self.slowest_startup_s,
+                    RESTART_WAIT_SLACK_S,
+                )
                 return
             if self._stopping.is_set():
                 raise DeploymentStartError(f"the {self.engine} server was stopped during startup")
@@ -459,20 +529,38 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
+    def _spent_summary(self) -> str:
+        """One line: the server died with its restarts spent, the last error its log or a restart names, the log."""
+        last_error = next((r["error"] for r in reversed(self.restarts) if r["error"]), None)
+        cause = last_error_line(self.log_tail()) or (last_error or "").split("\n")[0]
+        return (
+            f"the {self.engine} server at {self.base_url} died and max_restarts={self.cfg.max_restarts} is spent"
+            + (f" (last error: {cause[:300]})" if cause else "")
+            + f"; its log: {self.log_path}"
+        )
+
     def _restart(self) -> None:
         if self._failed:
             raise DeploymentStartError(self._failed)
         if len(self.restarts) >= self.cfg.max_restarts:
+            self._failed_summary = self._spent_summary()
             self._failed = (
                 f"{self.engine} server died and max_restarts={self.cfg.max_restarts} is spent; "
                 f"log {self.log_path}:\n{self.log_tail()}"
             )
-            raise DeploymentStartError(self._failed)
+            raise DeploymentStartError(self._failed, summary=self._failed_summary)
         code = self._proc.poll() if self._proc else None
         entry: dict[str, Any] = {"time": time.time(), "exit_code": code, "ok": False, "error": None}
+        self._restarting.set()  # before the entry: ``status`` never reads the new count as a spent budget
         self.restarts.append(entry)
         log.warning(
-            "%s server died (exit code %s); restart %d/%d", self.engine, code, len(self.restarts), self.cfg.max_restarts
+            "%s server died (exit code %s); restart %d/%d (requests to %s wait up to %.0f s for it)",
+            self.engine,
+            code,
+            len(self.restarts),
+            self.cfg.max_restarts,
+            self.base_url,
+            self.restart_wait_s,
         )
         try:
             self._proc = None
@@ -490,6 +578,8 @@ class ServerProcess:
         except DeploymentStartError as e:
             entry["error"] = str(e)[:2000]
             raise
+        finally:
+            self._restarting.clear()
 
     def _watch(self) -> None:
         """Restart the child when it has exited, or when its ``/health`` says its engine died (asked every

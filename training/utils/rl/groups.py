@@ -5,6 +5,10 @@ malformed result and a ``None`` are each counted on the group, every failure als
 cause (``failure_cause``: ``timeout``, ``upstream_5xx``, ``agent``, ``invalid_loss_mask``...);
 the surviving completions form the group. Failures are reported through a ``FailureLog`` (the
 first of each kind with its traceback, the rest counted), naming the data row (``row_label``).
+A failure of the deployment rather than of the rollout (``is_retryable``) is also counted in
+``deployment_failures``: the recipe requeues such a group's row instead of training what is left.
+One for which ``is_fatal`` is true (a server that cannot come back) is no failed completion: it
+is raised, once every completion of the group has ended, and stops the run.
 Segments of a ``RolloutRun`` share their run's reward and advantage, unless the run credits each
 segment (``segment_rewards``: see ``advantages.py``). A sample with ``token_advantages`` trains with
 that per-token list instead of its scalar advantage.
@@ -62,6 +66,8 @@ class PromptGroup:
     """Completions for which ``rollout_fn`` returned None."""
     failure_causes: dict[str, int] = field(default_factory=dict)
     """Failed completions (errors, timeouts, invalid results) counted by ``failure_cause``."""
+    deployment_failures: int = 0
+    """Failed completions whose error was the deployment's (``is_retryable``), after their retry: the row is requeued."""
     rollout_seconds: float = 0.0
     row_index: Optional[int] = None
     """The row's index in the user's rows (``RowCursor.row_index(position)``), when known."""
@@ -156,12 +162,15 @@ async def run_group(
     row_index: Optional[int] = None,
     failure_log: Optional[FailureLog] = None,
     seed: Optional[int] = None,
+    is_fatal: Callable[[BaseException], bool] = lambda e: False,
 ) -> PromptGroup:
     """Run ``n`` completions of ``row`` concurrently (each under ``semaphore``) into a group.
 
     An exception for which ``is_retryable`` is true (a deployment that went away or answered
-    5xx past the sampler's own retries) is retried once; every other failure costs that completion
-    and is reported to ``failure_log`` (a fresh one when not given), naming ``row_index``.
+    5xx past the sampler's own retries) is retried once, and if it fails again counted in
+    ``deployment_failures``; every failure costs that completion and is reported to ``failure_log``
+    (a fresh one when not given), naming ``row_index``. An exception for which ``is_fatal`` is true is
+    raised once every completion has ended (the first one, in completion order).
     ``seed`` (the run's): completion ``k`` runs in ``seed_scope(seed, submit_version, position, k)``, so
     its requests sample the same tokens after a server restart (``request_seeds.py``).
     """
@@ -179,11 +188,17 @@ async def run_group(
                 except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                     raise  # a stop, never a failed completion
                 except BaseException as e:  # noqa: BLE001 - every failure is counted, none kills the run
+                    if is_fatal(e):
+                        raise
                     if attempt == 1 or isinstance(e, asyncio.TimeoutError) or not is_retryable(e):
                         return k, e
                     logger.warning("rollout of %s hit %r; retrying once", label, e)
 
-    for k, result in await asyncio.gather(*(one(k) for k in range(n))):
+    outcomes = await asyncio.gather(*(one(k) for k in range(n)), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):  # a stop or a fatal error, raised once no completion runs
+            raise outcome
+    for k, result in outcomes:
         if isinstance(result, asyncio.TimeoutError):
             group.timeouts += 1
             group.count_failure("timeout")
@@ -194,6 +209,8 @@ async def run_group(
         if isinstance(result, BaseException):
             group.errors += 1
             group.count_failure(failure_cause(result))
+            if is_retryable(result):
+                group.deployment_failures += 1
             failures.exception(label, result)
             continue
         try:

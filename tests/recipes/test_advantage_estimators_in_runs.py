@@ -10,9 +10,10 @@ import pytest
 
 from training.recipes import async_rl_loop, rl_loop
 from training.recipes import context as recipes_context
-from training.utils import DeployConfig, LossConfig, TrainerConfig
+from training.utils import LossConfig
 from training.utils.metrics import read_metrics
 from training.utils.rl.advantages import STD_EPSILON
+from tests.recipes.test_recipes import config as recipes_config
 from training.utils.rl.rollout import RolloutSample
 
 ROWS = [{"id": i, "prompt_ids": [1, 10 + i % 50, 20 + i % 7, 201]} for i in range(16)]
@@ -75,21 +76,16 @@ def test_a_run_trains_the_estimators_advantages_and_logs_the_masks(
     tiny_model_path, server, tmp_path, monkeypatch, recipe, estimator, aggregation
 ):
     steps = spy_advantages(monkeypatch)
-    cfg = recipe.Config(
-        base_model=tiny_model_path,
-        log_path=str(tmp_path / "run"),
+    cfg = recipes_config(  # one Config class serves both recipes
+        tiny_model_path,
+        server,
+        tmp_path,
         completions_per_prompt=3,
-        prompt_groups_per_step=2,
-        max_tokens=4,
-        max_steps=2,
-        export_final_model=False,
         advantage=estimator,
-        trainer=TrainerConfig(learning_rate=1e-3),
         loss=LossConfig(
             kl_beta=0.0, aggregation=aggregation, aggregation_constant=4.0, mis_level="geometric", mis_high=1.5
         ),
         ppo_mini_batches=2,
-        deployment=DeployConfig(base_url=server.base_url),
     )
     out = recipe.main(cfg, rollout_fn_factory=make_rollout_fn, rows=ROWS)
     assert out["steps"] == 2 and len(steps) == 2

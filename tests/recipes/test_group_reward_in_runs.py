@@ -9,8 +9,9 @@ import requests
 from training.deployment.engine.constraints import missing_library
 from training.recipes import rl_loop
 from training.rewards import GroupJudge, JudgeConfig
-from training.utils import DeployConfig, LossConfig, TrainerConfig
+from training.utils import DeployConfig
 from training.utils.metrics import read_metrics
+from tests.recipes.test_recipes import config as recipes_config
 from training.utils.rl.rollout import RolloutSample
 
 ROWS = [{"prompt": f"say {i}", "prompt_ids": [1, 10 + i, 201]} for i in range(8)]
@@ -47,16 +48,11 @@ def make_rollout_fn(setup):
 def test_rl_loop_trains_on_judge_rewards_and_logs_the_judgements(tiny_model_path, policy, judge_server, tmp_path):
     name = requests.get(judge_server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     judge = GroupJudge(JudgeConfig(model=name, base_url=judge_server.base_url, reason_max_chars=8, max_tokens=200))
-    cfg = rl_loop.Config(
-        base_model=tiny_model_path,
-        log_path=str(tmp_path / "run"),
+    cfg = recipes_config(
+        tiny_model_path,
+        None,
+        tmp_path,
         completions_per_prompt=3,
-        prompt_groups_per_step=2,
-        max_tokens=4,
-        max_steps=2,
-        export_final_model=False,
-        trainer=TrainerConfig(learning_rate=1e-3),
-        loss=LossConfig(kl_beta=0.0),
         deployment=DeployConfig(base_url=policy.base_url),
         group_reward_fn=judge,
     )

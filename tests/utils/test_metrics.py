@@ -53,3 +53,53 @@ def test_wandb_environment_wins_over_the_config_defaults(monkeypatch):
     assert not cfg.enabled
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert cfg.enabled
+
+
+def test_progress_line_shows_tokens_per_second_and_an_eta_from_recent_steps(tmp_path):
+    log = MetricsLogger(tmp_path, total_steps=10, console=False)
+    first = log.progress_line(0, {"perf/step_time_s": 2.0, "perf/generated_tokens_per_s": 850.4})
+    assert "850 tok/s" in first and "ETA 18s" in first  # 9 steps left at 2 s
+    second = log.progress_line(1, {"perf/step_time_s": 4.0})
+    assert "ETA 24s" in second  # mean of 2 s and 4 s, 8 steps left
+    assert "ETA" not in log.progress_line(9, {"perf/step_time_s": 4.0})  # the last step: nothing left
+
+
+def test_format_duration():
+    from training.utils.metrics import format_duration
+
+    assert [format_duration(s) for s in (0.4, 45, 750, 11100)] == ["0s", "45s", "12m30s", "3h05m"]
+
+
+def test_a_sampled_completion_is_printed_every_sample_every_steps(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    def group(rewards):
+        samples = [
+            SimpleNamespace(
+                reward=r,
+                text=f"answer {r}",
+                finish_reason="stop",
+                tokens=[1, 2],
+                loss_mask=[0, 1],
+                num_trainable_tokens=1,
+            )
+            for r in rewards
+        ]
+        return SimpleNamespace(
+            samples=samples,
+            completion_index=list(range(len(samples))),
+            advantages=[0.0] * len(samples),
+            position=0,
+            row={"prompt": "What is 2+2?"},
+            submit_version=0,
+            metadata={},
+        )
+
+    log = MetricsLogger(tmp_path, total_steps=6, sample_every=2)
+    for step in range(4):
+        log.log_rollouts(step, [group([0.0, 1.0, 0.5])])
+    printed = capsys.readouterr().err
+    assert printed.count("--- sample at step") == 2 and "sample at step 2" in printed
+    assert "reward 1.0 (best of 3" in printed and "completion: answer 1.0" in printed and "What is 2+2?" in printed
+    MetricsLogger(tmp_path / "off", total_steps=6).log_rollouts(0, [group([1.0])])
+    assert "sample at step" not in capsys.readouterr().err  # sample_every=0: never

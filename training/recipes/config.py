@@ -25,6 +25,7 @@ RESUME_MAY_CHANGE = (
     "max_steps",
     "epochs",
     "eval_interval",
+    "sample_print_interval",
     "dcp_save_interval",
     "keep_checkpoints",
     "export_final_model",
@@ -158,6 +159,9 @@ class Config:
     eval_interval: int = 0
     """Evaluate before training, every this many steps and at the end (0 = never), on the weights of that step (they
     are pushed first)."""
+    sample_print_interval: int = 10
+    """Print one sampled completion with its reward and prompt to the console every this many steps, from step 0
+    (0 = never); ``rollouts.jsonl`` has every sample either way."""
     dcp_save_interval: int = 0
     """Write a DCP checkpoint every this many steps (0 = off; a final one is written when > 0)."""
     keep_checkpoints: int = 2
@@ -253,6 +257,11 @@ class Config:
             f"{self.if_log_path_exists!r} is not one of {IF_EXISTS}",
         )
         check(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0")
+        check(
+            isinstance(self.sample_print_interval, int) and self.sample_print_interval >= 0,
+            "sample_print_interval",
+            f"must be an int >= 0 (0 = never), got {self.sample_print_interval!r}",
+        )
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.max_rows is None or self.max_rows >= 1, "max_rows", f"must be >= 1 or None, got {self.max_rows}")
         check(

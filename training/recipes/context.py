@@ -104,6 +104,7 @@ class RunContext:
             cfg.to_dict(),
             resume_step=self.start_step,
             tensorboard_cfg=cfg.tensorboard,
+            sample_every=cfg.sample_print_interval,
         )
         self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         """The trainer's own thread: training never waits behind user code in asyncio's default pool."""

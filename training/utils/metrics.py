@@ -1,4 +1,5 @@
-"""Metrics: one ``metrics.jsonl`` per run, a console progress line, and wandb when configured.
+"""Metrics: one ``metrics.jsonl`` per run, a console progress line (with an ETA and tokens/s, and every
+``sample_every`` steps one sampled completion with its reward), and wandb / TensorBoard when configured.
 
 Names are grouped by prefix: ``rollout/*``, ``train/*``, ``offpolicy/*``, ``perf/*``, ``eval/*``.
 """
@@ -107,6 +108,41 @@ def prompt_ref(row: dict) -> dict:
     return {}
 
 
+ETA_WINDOW = 10
+"""The ETA is the mean ``perf/step_time_s`` of the last this many steps times the steps left."""
+SAMPLE_CHARS = 400
+"""How much of a sampled completion (and of its prompt) the console shows every ``sample_every`` steps."""
+
+
+def format_duration(seconds: float) -> str:
+    """``3h05m``, ``12m30s`` or ``45s``: a duration as the progress line shows it."""
+    seconds = int(round(max(seconds, 0.0)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def sample_block(step: int, group) -> Optional[str]:
+    """One completion of ``group`` for the console: its prompt's start, the completion's text and its reward.
+    The group's best-rewarded sample is shown (the first on a tie), so a run that starts learning shows it."""
+    samples = list(getattr(group, "samples", None) or [])
+    if not samples:
+        return None
+    best = max(
+        range(len(samples)), key=lambda i: (samples[i].reward if samples[i].reward is not None else -math.inf, -i)
+    )
+    sample = samples[best]
+    prompt = prompt_ref(group.row).get("prompt", "")
+    text = (sample.text or "").strip()
+    lines = [f"--- sample at step {step}: reward {sample.reward} (best of {len(samples)} in its group)"]
+    if prompt:
+        lines.append(f"prompt: {prompt[:SAMPLE_CHARS]}")
+    lines.append(f"completion: {text[:SAMPLE_CHARS]}" + (" ..." if len(text) > SAMPLE_CHARS else ""))
+    return "\n".join(lines)
+
+
 def _mean_advantage(advantage, loss_mask: list[int]) -> float:
     """A sample's advantage for ``rollouts.jsonl``: the scalar, or a per-token advantage's mean over its trainable tokens."""
     if not isinstance(advantage, list):
@@ -122,7 +158,8 @@ class MetricsLogger:
     ``step`` (``tracker_scalars``). ``resume_step > 0`` (a run resumed at that step): rows of steps >=
     ``resume_step`` that a killed run had already written to ``metrics.jsonl`` and ``rollouts.jsonl`` are
     moved to ``*.replaced.jsonl``, since those steps are trained again; TensorBoard drops its own
-    (``purge_step``).
+    (``purge_step``). ``sample_every > 0`` prints one sampled completion with its reward to the console every
+    that many steps (``sample_block``).
     """
 
     def __init__(
@@ -134,6 +171,7 @@ class MetricsLogger:
         console: bool = True,
         resume_step: int = 0,
         tensorboard_cfg: Optional[TensorBoardConfig] = None,
+        sample_every: int = 0,
     ):
         self.path = Path(log_path) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +188,9 @@ class MetricsLogger:
                     )
         self.total_steps = total_steps
         self.console = console
+        self.sample_every = sample_every
+        self._step_times: list[float] = []
+        """The last ``ETA_WINDOW`` steps' ``perf/step_time_s``, for the ETA."""
         self.t0 = time.perf_counter()
         self._wandb = None
         self._tensorboard = None
@@ -184,7 +225,12 @@ class MetricsLogger:
             print(self.progress_line(step, metrics), file=sys.stderr, flush=True)
 
     def log_rollouts(self, step: int, groups: list) -> None:
-        """Append one line per trained sample to ``rollouts.jsonl``: what was trained, and why."""
+        """Append one line per trained sample to ``rollouts.jsonl``: what was trained, and why. Every
+        ``sample_every`` steps the console shows one of them (``sample_block``)."""
+        if self.console and self.sample_every > 0 and step % self.sample_every == 0 and groups:
+            block = sample_block(step, groups[0])
+            if block:
+                print(block, file=sys.stderr, flush=True)
         with (self.path.parent / "rollouts.jsonl").open("a") as f:
             for g in groups:
                 for sample, completion, advantage in zip(g.samples, g.completion_index, g.advantages):
@@ -211,6 +257,11 @@ class MetricsLogger:
                     )
 
     def progress_line(self, step: int, m: dict[str, float]) -> str:
+        """``step 3 | [###...] 4/20 | reward 0.250 | ... | 2.1 s/step | 850 tok/s | ETA 34s``: the tokens/s are
+        the step's generated tokens over its wall time (``perf/generated_tokens_per_s``), the ETA the mean step
+        time of the last ``ETA_WINDOW`` steps times the steps left."""
+        if m.get("perf/step_time_s") is not None:
+            self._step_times = (self._step_times + [m["perf/step_time_s"]])[-ETA_WINDOW:]
         total = self.total_steps
         done = step + 1
         bar = ""
@@ -223,6 +274,7 @@ class MetricsLogger:
             ("eval/reward_mean", "eval {:.3f}"),
             ("train/loss", "loss {:.4f}"),
             ("perf/step_time_s", "{:.1f} s/step"),
+            ("perf/generated_tokens_per_s", "{:.0f} tok/s"),
             ("offpolicy/staleness_mean", "stale {:.2f}"),
         ):
             if key in m and m[key] is not None:
@@ -231,6 +283,8 @@ class MetricsLogger:
         if failed:
             unprinted = m.get("rollout/failures_unprinted") or 0
             parts.append(f"{failed:.0f} rollouts failed" + (f" ({unprinted:.0f} not printed)" if unprinted else ""))
+        if total and done < total and self._step_times:
+            parts.append("ETA " + format_duration(sum(self._step_times) / len(self._step_times) * (total - done)))
         return " | ".join(p for p in parts if p)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""A rollout that blocks the event loop is reported with its stack and does not time out the others."""
+"""A rollout that blocks the event loop is named (file, line, whose code) and does not time out the others."""
 
 import asyncio
 import logging
@@ -89,3 +89,31 @@ def test_a_loop_starved_while_waiting_for_io_is_not_reported_as_blocked(caplog):
     assert watchdog.stalls, "the stall is still recorded (deadlines do not count it)"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "nothing blocked the loop's own code"
     assert any("stood still" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_the_culprit_is_the_first_frame_outside_the_standard_library_and_says_whose_code_it_is():
+    import json
+    import sys
+
+    from training.utils.aio.loop_runner import run_loop
+    from training.utils.aio.loop_watch import describe_culprit
+
+    seen = {}
+
+    def hook(obj):  # called by the json module: the frame above is the standard library's decoder
+        seen["stdlib"] = sys._getframe(1)
+        return obj
+
+    json.loads('{"a": 1}', object_hook=hook)
+    named = describe_culprit(seen["stdlib"])
+    assert "in test_the_culprit_is_the_first_frame" in named and "your code" in named
+
+    async def inside_the_library_loop():
+        frame = sys._getframe()
+        while frame is not None and "asyncio" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        seen["asyncio"] = frame  # asyncio's own frames, under training's run_loop
+
+    run_loop(inside_the_library_loop())
+    named = describe_culprit(seen["asyncio"])
+    assert "loop_runner.py" in named and "this library's code" in named and "your code" not in named

@@ -3,8 +3,9 @@
 A rollout function that calls blocking code (``time.sleep``, a sync HTTP client, a long CPU
 loop) on the event loop stalls every other rollout with it. ``LoopWatchdog`` notices: a
 heartbeat task stamps the time every ``interval_s``; a daemon thread that sees no stamp for
-``threshold_s`` logs a warning with the stack of the loop's thread (the culprit), once per stall,
-and records how long the loop stood still. A loop that stood still while it was waiting for I/O (its
+``threshold_s`` logs a warning naming the culprit, once per stall (the innermost frame of the loop's
+thread outside the standard library and installed packages: ``file:line in function``, and whether it is this
+library's code or the user's; the whole stack at DEBUG), and records how long the loop stood still. A loop that stood still while it was waiting for I/O (its
 thread inside the selector: the process got no CPU, or another thread held the GIL) blocked nobody's
 code: that stall is recorded the same way but logged at INFO, without a stack.
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 import weakref
+from pathlib import Path
 from typing import Any, Awaitable, Optional
 
 log = logging.getLogger(__name__)
@@ -95,13 +98,13 @@ class LoopWatchdog:
                 if frame is not None and _waiting_for_io(frame):
                     continue
                 self._culprit_beats.add(beat)
-                stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
                 log.warning(
-                    "the event loop has been blocked for %.1f s by code that does not await; every "
-                    "rollout waits meanwhile (run blocking calls with asyncio.to_thread). Where it is:\n%s",
+                    "the event loop has been blocked for %.1f s by %s; every rollout waits meanwhile",
                     time.monotonic() - beat,
-                    stack,
+                    describe_culprit(frame),
                 )
+                if frame is not None:
+                    log.debug("the blocked loop's stack:\n%s", "".join(traceback.format_stack(frame)))
 
     def blocked_s_since(self, since: float) -> float:
         """Seconds after ``since`` (monotonic) during which the loop stood still, ongoing stall included."""
@@ -110,6 +113,37 @@ class LoopWatchdog:
         if ongoing > self.threshold_s:
             total += ongoing - max(0.0, since - self._beat)
         return total
+
+
+_LIBRARY = str(Path(__file__).resolve().parents[2])
+"""This package's folder (``training/``): frames under it are the library's own code."""
+_THIRD_PARTY = tuple(
+    str(Path(p).resolve())
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+)
+"""The standard library and installed packages: the culprit is the first frame outside them, seen from inside."""
+
+
+def describe_culprit(frame) -> str:
+    """Who blocked the loop, from the innermost frame of its thread: the first frame (innermost first) that is
+    neither the standard library nor an installed package (a sync HTTP client's frames lead to the user's line that
+    called it). ``code that does not await at rollout.py:12 in score (your code: run the blocking call with
+    asyncio.to_thread)``, or ``...(this library's code: please report it)``."""
+    innermost = None
+    while frame is not None:
+        path = str(Path(frame.f_code.co_filename).resolve())
+        innermost = innermost or frame
+        if not path.startswith(_THIRD_PARTY) or path.startswith(_LIBRARY):
+            break
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return "code that does not await (no stack)"
+    path = str(Path(frame.f_code.co_filename).resolve())
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    if path.startswith(_LIBRARY):
+        return f"code that does not await at {where} (this library's code, not yours: please report it)"
+    return f"code that does not await at {where} (your code: run the blocking call with asyncio.to_thread)"
 
 
 def _waiting_for_io(frame) -> bool:

@@ -143,6 +143,28 @@ def test_a_checkpoint_write_cut_short_resumes_from_the_previous_one(tiny_model_p
     assert state["step"] == 2 and state["cursor"]["done_floor"] == 4  # rows 0-3, each trained once
 
 
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tiny_model_path, server, tmp_path, caplog):
+    """Checkpoint 2 of a finished run is zeroed on disk (same size): the rerun warns, resumes at step 1 and writes a
+    good step 2 over the damaged one."""
+    import logging
+
+    cfg = config(tiny_model_path, server, tmp_path, max_steps=2, dcp_save_interval=1, synchronous_training=True)
+    async_rl_loop.main(cfg, rollout_fn_factory=sampling_rollout, rows=ROWS)
+    ckpts = tmp_path / "run" / "checkpoints"
+    damaged = next((ckpts / "step_000002").glob("*.distcp"))
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    caplog.set_level(logging.WARNING, logger="training.utils.checkpoint")
+    longer = config(tiny_model_path, server, tmp_path, max_steps=3, dcp_save_interval=1, synchronous_training=True)
+    out = async_rl_loop.main(longer, rollout_fn_factory=sampling_rollout, rows=ROWS)
+    assert out["steps"] == 3
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "training.utils.checkpoint"]
+    assert "skipped step_000002" in warning and "resuming from step_000001" in warning
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert steps == [0, 1, 2]  # step 1 redone from checkpoint 1; its first rows were set aside
+    state = json.loads((ckpts / "step_000003" / "recipe_state.json").read_text())
+    assert state["step"] == 3 and state["cursor"]["done_floor"] == 6  # rows 0-5, each trained once
+
+
 HUNG_TOOL_RUN = """
 import json, sys
 from tests.recipes.test_fault_matrix import config, sampling_rollout

@@ -56,6 +56,7 @@ def test_summary_names_what_was_trained_and_where_everything_is(tmp_path, monkey
     run = tmp_path / "runs" / "r"
     (run / "checkpoints" / "step_000003").mkdir(parents=True)
     (run / "checkpoints" / "step_000003" / "recipe_state.json").write_text("{}")
+    (run / "checkpoints" / "step_000003" / ".metadata").write_bytes(b"dcp")  # a checkpoint from before manifests
     (run / "checkpoints" / "latest").write_text("step_000003")
     rows = [{"step": 0, "eval/reward_mean": 0.25}] + [{"step": k, "rollout/reward_mean": 0.1 * k} for k in range(3)]
     rows.append({"step": 3, "eval/reward_mean": 0.5})

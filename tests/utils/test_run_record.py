@@ -49,6 +49,7 @@ def _fake_run(folder, cfg: Config, checkpoint: bool) -> None:
     if checkpoint:
         (folder / "checkpoints" / "step_000001").mkdir(parents=True)
         (folder / "checkpoints" / "step_000001" / "recipe_state.json").write_text("{}")
+        (folder / "checkpoints" / "step_000001" / ".metadata").write_bytes(b"dcp")  # a checkpoint from before manifests
         (folder / "checkpoints" / "latest").write_text("step_000001")
 
 

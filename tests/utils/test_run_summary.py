@@ -12,6 +12,7 @@ def _run(tmp_path, schedule: str):
     run = tmp_path / "r"
     (run / "checkpoints" / "step_000004").mkdir(parents=True)
     (run / "checkpoints" / "step_000004" / "recipe_state.json").write_text("{}")
+    (run / "checkpoints" / "step_000004" / ".metadata").write_bytes(b"dcp")  # a checkpoint from before manifests
     (run / "checkpoints" / "latest").write_text("step_000004")
     rows = [{"step": k, "train/learning_rate": lr} for k, lr in enumerate([5e-4, 4.3e-4, 2.5e-4, 3.8e-5])]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from training.recipes.config import Config
-from training.utils.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
+from training.utils.checkpoint import load_latest_checkpoint, set_rng_state
 from training.utils.data import RowCursor
 from training.utils.rl.losses import needs_reference_logprobs
 
@@ -46,7 +46,8 @@ class TrainState:
 
 
 def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Path) -> TrainState:
-    """Load the policy (and the frozen reference when the loss needs it), resume if a checkpoint exists."""
+    """Load the policy (and the frozen reference when the loss needs it), resume from the newest checkpoint that
+    loads (``load_latest_checkpoint``: a damaged newer one is skipped with a warning)."""
     from training.trainer import PolicyTrainer, ReferenceModel
 
     random.seed(cfg.seed)
@@ -57,9 +58,9 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
     if needs_reference_logprobs(cfg.loss):  # with LoRA: the policy's own base weights, adapters off
         reference = trainer.base_reference() if trainer.lora else ReferenceModel(model_path, cfg.trainer)
     start_step = 0
-    ckpt = latest_checkpoint(log_path / "checkpoints")
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+    resumed = load_latest_checkpoint(log_path / "checkpoints", trainer.model, trainer.optimizer)  # newest that loads
+    if resumed is not None:
+        ckpt, state = resumed
         start_step = int(state["step"])
         cursor.load_state(state["cursor"])
         set_rng_state(state["rng"])

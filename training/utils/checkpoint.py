@@ -2,11 +2,21 @@
 
 Layout under ``<log_path>/checkpoints``::
 
-    step_000010/   .metadata, *.distcp (DCP), recipe_state.json
+    step_000010/   .metadata, *.distcp (DCP), recipe_state.json, manifest.json (written last)
     latest         the name of the newest complete checkpoint folder
 
-A checkpoint is written into ``step_XXXXXX.tmp`` and renamed once complete, and ``latest`` is
-replaced atomically after that, so a crash mid-write leaves the previous checkpoint usable.
+A checkpoint is written into ``step_XXXXXX.tmp``, verified against its manifest and renamed once
+complete, and ``latest`` is replaced atomically after that, so a crash mid-write leaves the
+previous checkpoint usable; old ones are pruned only then (the newest ``keep_last`` that verify
+stay). A disk that fills during the write removes the partial folder and raises
+``CheckpointNoSpace`` (ENOSPC, the bytes needed and free); the previous checkpoint and ``latest``
+are untouched.
+
+Resume takes the newest checkpoint that verifies (``checkpoint_files.verify_checkpoint``: sizes,
+checksums, a parsable ``recipe_state.json``) and loads; a bad or missing newer one, or a garbage
+``latest``, is skipped with one warning naming it and the folder used instead, and ``latest`` is
+rewritten. When folders exist but none loads, ``NoUsableCheckpoint`` names each and why: a run
+never starts over from step 0 silently.
 
 Under ``torchrun`` both functions are collectives (every rank calls them with the same path):
 ``get_state_dict`` gives each rank its FSDP2 shards and DCP writes one ``.distcp`` file per
@@ -21,7 +31,9 @@ resume), with the optimizer state of each.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -30,11 +42,23 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from training.utils.checkpoint_files import (
+    LATEST,
+    RECIPE_STATE,
+    checkpoint_folders,
+    pointer_problem,
+    scan_checkpoints,
+    unusable_message,
+    verify_checkpoint,
+    write_manifest,
+)
 from training.utils.dist import barrier, is_main_rank
+from training.utils.run_record import NoUsableCheckpoint
 
-RECIPE_STATE = "recipe_state.json"
+log = logging.getLogger(__name__)
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 """What a checkpoint holds of the model: the parameters that train (frozen ones are reloaded from the base model)."""
 _LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -55,6 +79,47 @@ def _trainable_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
+class CheckpointNoSpace(OSError):
+    """The disk filled while a checkpoint was written (ENOSPC): one line naming the folder, the bytes it needs and
+    the bytes free. The partial folder is removed; the previous checkpoint and ``latest`` are untouched."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether ``error`` is (or wraps: DCP gathers each rank's failure into a ``CheckpointException``) an ENOSPC."""
+    seen = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def _tensor_bytes(tree) -> int:
+    """The bytes of every tensor in a (nested) state dict: this rank's shards of a sharded one."""
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _folder_bytes(folder: Optional[Path]) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder is not None else 0
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -63,9 +128,11 @@ def save_checkpoint(
     recipe_state: Optional[dict],
     keep_last: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep_last``.
+    """Write checkpoint ``step`` (its manifest last), verify it, point ``latest`` at it; then keep the newest
+    ``keep_last`` checkpoints that verify (older folders are deleted; the new one always counts).
 
-    ``recipe_state`` is required on rank 0 and ignored on the other ranks.
+    ``recipe_state`` is required on rank 0 and ignored on the other ranks. Raises ``CheckpointNoSpace`` when the
+    disk fills (the partial folder removed, the previous checkpoint and ``latest`` unchanged).
     """
     main = is_main_rank()
     if main and recipe_state is None:
@@ -81,29 +148,117 @@ def save_checkpoint(
     ctx = _quiet()
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if main:
+            (tmp / RECIPE_STATE).write_text(json.dumps(recipe_state))
+            write_manifest(tmp)
+    except (OSError, CheckpointException) as e:
+        if not _no_space(e):
+            raise
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = next((f for f in checkpoint_folders(root) if f != final), None)
+        needed = max(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd), _folder_bytes(previous))
+        free = shutil.disk_usage(root).free
+        raise CheckpointNoSpace(
+            errno.ENOSPC,
+            f"no space left on device (ENOSPC) writing checkpoint {tmp}: it needs about {needed:,} bytes, "
+            f"{free:,} are free on that disk; the partial folder was removed and "
+            f"{previous.name if previous else 'no earlier checkpoint'} is unchanged; free space or use another "
+            "log_path",
+        ) from None
     finally:
         ctx.__exit__(None, None, None)
     if not main:
         return final  # dcp.save returns on every rank once the metadata is written
-    (tmp / RECIPE_STATE).write_text(json.dumps(recipe_state))
+    reason = verify_checkpoint(tmp)
+    if reason is not None:
+        raise RuntimeError(f"checkpoint {tmp} fails its own check right after the write: {reason}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest_tmp = root / "latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    _point_latest(root, final)
+    _prune(root, keep_last)
     return final
 
 
+def _point_latest(root: Path, folder: Path) -> None:
+    """Replace ``root/latest`` atomically with ``folder``'s name (rank 0)."""
+    latest_tmp = root / f"{LATEST}.tmp"
+    latest_tmp.write_text(folder.name)
+    os.replace(latest_tmp, root / LATEST)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Delete every checkpoint folder older than the newest ``keep_last`` that verify (a bad one never counts)."""
+    kept = 0
+    for folder in checkpoint_folders(root):
+        if kept >= keep_last:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif verify_checkpoint(folder) is None:
+            kept += 1
+
+
+def _settle(root: Path, chosen: Path, skipped: list[tuple[Path, str]]) -> None:
+    """After choosing ``chosen``: one warning when newer folders or ``latest`` were unusable; ``latest`` rewritten."""
+    problems = [f"skipped {folder.name} ({why})" for folder, why in skipped]
+    pointer = pointer_problem(root)
+    if pointer is not None:
+        problems.append(pointer)
+    if problems:
+        log.warning("checkpoints in %s: %s; resuming from %s instead", root, "; ".join(problems), chosen.name)
+    try:
+        current = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current != chosen.name and is_main_rank():
+        _point_latest(root, chosen)
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The newest complete checkpoint folder, or None."""
-    pointer = Path(root) / "latest"
-    if not pointer.exists():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / RECIPE_STATE).exists() else None
+    """The newest checkpoint folder under ``root`` that verifies (``verify_checkpoint``), or None.
+
+    ``latest`` is a hint: when it is missing, garbage or names a missing or bad folder, the ``step_*`` folders are
+    scanned newest first; each bad one is skipped, the skips named in one warning with the folder chosen, and
+    ``latest`` is rewritten to it."""
+    root = Path(root)
+    skipped = []
+    for folder, reason in scan_checkpoints(root):
+        if reason is None:
+            _settle(root, folder, skipped)
+            return folder
+        skipped.append((folder, reason))
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def load_latest_checkpoint(
+    root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Optional[tuple[Path, dict]]:
+    """Resume: load the newest checkpoint under ``root`` that verifies and loads; return it and its recipe state.
+
+    A folder that fails ``verify_checkpoint`` or the DCP load is skipped for the next older one (one warning names
+    the skipped folders and the one used; ``latest`` is rewritten). None when ``root`` holds no checkpoint folder;
+    ``NoUsableCheckpoint`` (one line: each folder and why, and the fix) when it holds some but none loads."""
+    root = Path(root)
+    skipped = []
+    for folder, reason in scan_checkpoints(root):
+        if reason is None:
+            try:
+                state = load_checkpoint(folder, model, optimizer)
+            except (Exception, CheckpointException) as e:
+                reason = f"does not load: {_one_line(e)}"
+            else:
+                _settle(root, folder, skipped)
+                return folder, state
+        skipped.append((folder, reason))
+    if skipped:
+        raise NoUsableCheckpoint(unusable_message(root, skipped))
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

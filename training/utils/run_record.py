@@ -13,6 +13,10 @@
   rewritten); a ``log_path`` that holds a run without a checkpoint is refused.
 - A refusal is a ``LogPathInUse``: a ``SystemExit`` with a one-line message, so a script that runs
   into it prints that line and exits, without a traceback.
+- A checkpoint counts when it verifies (``checkpoint_files.verify_checkpoint``, the same test the resume
+  uses): a damaged newest one does not hide an intact older one. A ``log_path`` whose checkpoint folders
+  all fail is refused under ``resume`` / ``resume_or_new`` (``NoUsableCheckpoint``, each folder and why)
+  instead of starting over.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ import logging
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
+
+from training.utils.checkpoint_files import (
+    checkpoint_folders,
+    has_usable_checkpoint,
+    scan_checkpoints,
+    unusable_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +51,11 @@ class LogPathInUse(SystemExit):
 
     def __str__(self) -> str:
         return str(self.code)
+
+
+class NoUsableCheckpoint(LogPathInUse):
+    """``log_path`` holds checkpoint folders but none verifies or loads: the message names each and why, and the fix
+    (delete the checkpoints folder or use another ``log_path``); the run never starts over from step 0 silently."""
 
 
 def config_differences(old: Any, new: Any, prefix: str = "", ignore: Iterable[str] = ()) -> list[str]:
@@ -101,16 +117,28 @@ def write_config_record(log_path: str | Path, config: dict) -> Path:
 
 
 def has_checkpoint(log_path: str | Path) -> bool:
-    """Whether ``log_path`` has a complete checkpoint to resume from: the test of
-    ``training.utils.checkpoint.latest_checkpoint``, without importing torch (``Config`` imports this module)."""
-    pointer = Path(log_path) / "checkpoints" / "latest"
-    return pointer.exists() and (pointer.parent / pointer.read_text().strip() / "recipe_state.json").exists()
+    """Whether ``log_path`` has a checkpoint to resume from: any ``checkpoints/step_*`` folder that verifies, the
+    test of ``training.utils.checkpoint.latest_checkpoint``, without importing torch (``Config`` imports this
+    module)."""
+    return has_usable_checkpoint(Path(log_path) / "checkpoints")
+
+
+def refuse_unusable_checkpoints(log_path: str | Path) -> None:
+    """Raise ``NoUsableCheckpoint`` when ``log_path`` holds checkpoint folders and none of them verifies."""
+    root = Path(log_path) / "checkpoints"
+    problems = []
+    for folder, why in scan_checkpoints(root):
+        if why is None:
+            return
+        problems.append((folder, why))
+    if problems:
+        raise NoUsableCheckpoint(unusable_message(root, problems))
 
 
 def holds_run(log_path: str | Path) -> bool:
-    """Whether ``log_path`` holds a run: a checkpoint, or rows in ``metrics.jsonl``."""
+    """Whether ``log_path`` holds a run: a checkpoint folder (usable or not), or rows in ``metrics.jsonl``."""
     metrics = Path(log_path) / "metrics.jsonl"
-    return has_checkpoint(log_path) or (metrics.exists() and metrics.stat().st_size > 0)
+    return bool(checkpoint_folders(Path(log_path) / "checkpoints")) or (metrics.exists() and metrics.stat().st_size > 0)
 
 
 def _resumable(log_path: Path, config: dict, ignore: Iterable[str], resume_anyway: bool) -> bool:
@@ -147,6 +175,8 @@ def resolve_log_path(
         raise ValueError(f"if_log_path_exists: {policy!r} is not one of {IF_EXISTS}")
     log_path = Path(log_path)
     ignore = tuple(ignore)
+    if policy in ("resume", "resume_or_new"):
+        refuse_unusable_checkpoints(log_path)
     if policy == "resume":
         check_log_path(
             log_path,

@@ -15,6 +15,9 @@ Rows added for issue #29, each a whole run in its own process (it must also exit
 10. a rollout that swallows its cancellation at the deadline;
 11. one sync tool hung in every rollout while another stays healthy (the thread bound is per tool);
 12. a finite but huge reward (1e200): refused at the contract, never reaching the advantages.
+
+Issue #45 item 3: a damaged newest checkpoint resumes from the one before (here, a whole rerun; every kind of
+damage, all checkpoints bad and a full disk during a save: tests/utils/test_checkpoint_fallback.py).
 """
 
 import json

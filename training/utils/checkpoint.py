@@ -18,9 +18,10 @@ checksums, a parsable ``recipe_state.json``) and loads; a bad or missing newer o
 rewritten. When folders exist but none loads, ``NoUsableCheckpoint`` names each and why: a run
 never starts over from step 0 silently.
 
-Under ``torchrun`` both functions are collectives (every rank calls them with the same path):
+Under ``torchrun`` saving and loading are collectives (every rank calls them with the same path):
 ``get_state_dict`` gives each rank its FSDP2 shards and DCP writes one ``.distcp`` file per
-rank; rank 0 alone writes ``recipe_state.json``, renames folders and prunes old ones. DCP
+rank; rank 0 alone writes ``recipe_state.json`` and ``manifest.json``, renames folders, rewrites
+``latest`` and prunes old ones. DCP
 reshards on load, so a checkpoint written by N ranks loads into M ranks, or into a plain
 single-process model (and the other way round).
 

@@ -27,16 +27,16 @@ from training.recipes.resources import CpuShare
 from training.recipes.step_metrics import StepCounters, StepTimer, server_metrics
 from training.recipes.teacher import Teacher
 from training.recipes.train_state import TrainState
-from training.utils.aio import loop_watch
 from training.utils.checkpoint import rng_state, save_checkpoint
 from training.utils.dist import Command, lead
 from training.utils.metrics import MetricsLogger
 from training.utils.openmp import release_openmp_threads
 from training.utils.rl.group_reward import apply_group_reward, group_reward_metrics
+from training.utils.rl.eval_rollouts import score_rows
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.ppo import train_on_groups
 from training.utils.rl.failure_log import FailureLog, row_label
-from training.utils.rl.rollout import RolloutFn, RolloutSetup, RolloutValidationError, result_reward
+from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
 logger = logging.getLogger("training.recipe")
 
@@ -327,36 +327,18 @@ class RunContext:
 
         A failed eval rollout (it raised, timed out, or returned no RolloutSample / RolloutRun / None or a
         reward the contract refuses: ``result_reward``) scores 0 and is reported like a training failure,
-        naming the row; ``eval/failed`` counts them."""
-        failed = []
-
-        async def one(index: int, row: dict) -> float:
-            label = row_label(row, index)
-            async with self.semaphore:
-                try:
-                    result = await loop_watch.wait_for(self.rollout_fn(row), self.cfg.rollout_timeout_s)
-                    reward = result_reward(result)
-                except RolloutValidationError as e:
-                    self.eval_failure_log.problem(label, "invalid_" + e.field, f"returned an invalid result: {e}")
-                except asyncio.TimeoutError:
-                    self.eval_failure_log.problem(label, "timeout", "timed out (rollout_timeout_s); it scores 0")
-                except Exception as e:  # noqa: BLE001 - an eval failure scores 0, never stops the run
-                    self.eval_failure_log.exception(label, e)
-                else:
-                    return 0.0 if reward is None else reward  # None: the rollout dropped the row
-            failed.append(index)
-            return 0.0
-
-        rewards = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.eval_rows)))
-        if failed:
-            logger.warning(
-                "eval: %d of %d rollouts failed and scored 0 (eval rows %s); see the first of each kind above",
-                len(failed),
-                len(rewards),
-                sorted(failed)[:10],
-            )
+        naming the row; ``eval/failed`` counts them. The scoring is ``score_rows`` (``training/utils/rl/eval_rollouts.py``),
+        which ``python -m training.eval`` shares."""
+        scores = await score_rows(
+            self.rollout_fn,
+            self.eval_rows,
+            semaphore=self.semaphore,
+            timeout_s=self.cfg.rollout_timeout_s,
+            failure_log=self.eval_failure_log,
+        )
+        rewards = scores.flat_rewards
         return {
-            "eval/failed": float(len(failed)),
+            "eval/failed": float(len(scores.failed)),
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/pass_rate": sum(1.0 for r in rewards if r > 0) / len(rewards),
         }

@@ -126,3 +126,15 @@ def test_a_bad_argument_is_one_line_and_exit_code_2(tiny_model_path, task, args,
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("python -m training.eval: ") and says in lines[0]
+
+
+def test_a_reasoning_gym_task_is_scored_by_the_library(tiny_model_path, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    done = run_eval(
+        tiny_model_path, "--reasoning-gym", "chain_sum", "--size", "2", "--n", "2", "--max-tokens", "8",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["task"]["kind"] == "reasoning_gym" and report["summary"]["samples"] == 4
+    assert report["summary"]["failed"] == 0

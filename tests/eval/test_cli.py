@@ -117,6 +117,7 @@ def test_a_checkpoint_step_serves_the_weights_it_holds(tiny_model_path, tiny_tea
         (["{model}", "--data", "{data}", "--reward", "score"], "--reward: give module:function or path.py:function"),
         (["{model}", "--data", "{data}", "--n", "2", "--k", "4"], "--k: each k must be in [1, n=2]"),
         (["{model}", "--run", "{model}", "--data", "{data}"], "MODEL, --run: give one"),
+        (["{model}", "--data", "{data}", "--n", "abc"], "argument --n: invalid int value"),
     ],
 )
 def test_a_bad_argument_is_one_line_and_exit_code_2(tiny_model_path, task, args, says):

@@ -26,8 +26,15 @@ from training.eval.tasks import EvalArgumentError
 PROG = "python -m training.eval"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """argparse's own refusals (an unknown option, ``--n abc``) as one line too, exit code 2."""
+        print(f"{PROG}: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Evaluate a model on a task: pass@k and mean reward.")
+    p = _Parser(prog=PROG, description="Evaluate a model on a task: pass@k and mean reward.")
     p.add_argument(
         "model",
         nargs="?",

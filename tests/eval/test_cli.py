@@ -120,13 +120,28 @@ def test_a_checkpoint_step_serves_the_weights_it_holds(tiny_model_path, tiny_tea
         (["{model}", "--data", "{data}", "--n", "abc"], "argument --n: invalid int value"),
     ],
 )
-def test_a_bad_argument_is_one_line_and_exit_code_2(tiny_model_path, task, args, says):
+def test_a_bad_argument_is_one_line_and_exit_code_2(tiny_model_path, task, args, says, capsys):
+    """In this process (each refusal comes before any model loads); the subprocess test below checks the exit."""
+    from training.eval.cli import main
+
     fill = {"model": tiny_model_path, "data": task["data"], "reward_file": task["reward"].rpartition(":")[0]}
-    done = run_eval(*[a.format(**fill) for a in args], timeout=60)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    try:
+        code = main([a.format(**fill) for a in args])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("python -m training.eval: ") and says in lines[0]
+
+
+def test_a_missing_file_ends_the_process_with_one_line_and_exit_code_2(tiny_model_path, task):
+    done = run_eval(tiny_model_path, "--data", "/no/such.jsonl", "--reward", task["reward"], timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "python -m training.eval: --data: no such file /no/such.jsonl; give a .jsonl file (one JSON object per line)"
+    ]
 
 
 def test_a_reasoning_gym_task_is_scored_by_the_library(tiny_model_path, tmp_path):

@@ -46,6 +46,11 @@ def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, line):
     assert debug.returncode == 1 and "Traceback" in debug.stderr and line not in debug.stderr
 
 
-def test_a_bug_keeps_its_traceback():
-    proc = run('ValueError("a bug in the library")')
+@pytest.mark.parametrize(
+    "error",
+    ['ValueError("a bug in the library")', "ImportError(\"cannot import name 'x'\", name='training.utils.run_record')"],
+)
+def test_a_bug_keeps_its_traceback(error):
+    """A name missing from the library's own module is a bug or a broken install, not an extra to install."""
+    proc = run(error)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "run stopped" not in proc.stderr

@@ -40,7 +40,11 @@ def mark_user_error(error: BaseException, log_path: Optional[Path]) -> None:
 
 
 def is_user_error(error: BaseException) -> bool:
-    """Marked by ``mark_user_error``, a ``ConfigError``, or a package that is not installed (an ``ImportError``)."""
+    """Marked by ``mark_user_error``, a ``ConfigError``, or a package that is not installed (an ``ImportError``).
+    A name missing from this library's own modules (``training.*``) is a bug or a broken install, not a missing
+    extra: it keeps its traceback."""
+    if isinstance(error, ImportError) and (error.name or "").split(".")[0] == "training":
+        return False
     return bool(getattr(error, "user_error", False)) or isinstance(error, (ConfigError, ImportError))
 
 

@@ -169,6 +169,8 @@ class _HttpClient:
         """Replica URL -> its supervisor's ``ReplicaStatus`` (None: no supervisor; ``set_readiness``)."""
         self.restart_retries = 0
         """Requests resent because their server died under them and came back (``DeploymentSampler.restart_retries``)."""
+        self.restart_waits = 0
+        """Requests that waited for a restarting server before they were sent (``DeploymentSampler.restart_waits``)."""
         self.waiting_on: set[str] = set()
         """Replicas some request is waiting for (their wait is logged once per restart)."""
 
@@ -298,6 +300,11 @@ class DeploymentSampler:
         """Requests resent so far because their server died under them and came back (shared by ``with_defaults``)."""
         return self._client.restart_retries
 
+    @property
+    def restart_waits(self) -> int:
+        """Requests so far that waited for a restarting server before they were sent (shared by ``with_defaults``)."""
+        return self._client.restart_waits
+
     def replica_status(self, url: str) -> Optional[ReplicaStatus]:
         """The supervisor's ``ReplicaStatus`` of ``url``; None without a supervisor (attached servers)."""
         readiness = self._client.readiness
@@ -396,6 +403,7 @@ class DeploymentSampler:
             return
         t0 = time.monotonic()
         budget = status.budget_s
+        self._client.restart_waits += 1
         waiting = self._client.waiting_on
         if url not in waiting:
             waiting.add(url)

@@ -112,15 +112,16 @@ class RunContext:
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""
         self._checkpoint_s = 0.0
+        """Seconds the last checkpoint took, reported with the next step."""
         self._server_stats: Optional[asyncio.Future] = None
         """The servers' ``GET /stats``, read while the trainer trains; ``finish_step`` reports it."""
-        """Seconds the last checkpoint took, reported with the next step."""
         self.failure_log = FailureLog("rollout")
         """Training rollouts' failures: the first of each kind printed with its traceback, the rest counted."""
         self.eval_failure_log = FailureLog("eval rollout")
         self.requeues: dict[int, int] = {}
         """Row position -> times in a row its group was requeued for a deployment failure (``requeue``)."""
-        self._restart_retries_seen = 0
+        self._sampler_seen: dict[str, int] = {}
+        """The sampler's ``restart_retries`` / ``restart_waits`` totals at the previous step."""
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
@@ -222,9 +223,11 @@ class RunContext:
 
     def take_counters(self) -> dict[str, float]:
         m = self.counters.metrics()
-        retries = self.deployment.sampler.restart_retries if self.deployment.sampler is not None else 0
-        m["rollout/restart_retries"] = float(retries - self._restart_retries_seen)
-        self._restart_retries_seen = retries
+        sampler = self.deployment.sampler
+        for name in ("restart_retries", "restart_waits"):  # the sampler's running totals, as per-step counts
+            total = getattr(sampler, name) if sampler is not None else 0
+            m[f"rollout/{name}"] = float(total - self._sampler_seen.get(name, 0))
+            self._sampler_seen[name] = total
         m["rollout/failures_unprinted"] = float(self.failure_log.take_unprinted())
         m.update(group_reward_metrics(self.cfg.group_reward_fn))
         self.counters = StepCounters()

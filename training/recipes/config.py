@@ -14,6 +14,7 @@ from training.utils.rl.losses.config import LossConfig
 from training.utils.run_record import IF_EXISTS
 from training.utils.rl.group_reward import GroupRewardFn
 from training.utils.rl.groups import PromptGroup
+from training.utils.rl.overlong import OverlongConfig
 
 STALL_GRACE_S = 120.0
 """A waiting trainer stops the run when no rollout finished for ``rollout_timeout_s`` plus this long
@@ -148,6 +149,10 @@ class Config:
     of its completions from all of them together (a judge that ranks the group: ``training.rewards``); if it raises,
     the group is dropped and its completions counted as failed under the error's cause
     (``training/utils/rl/group_reward.py``). Eval rollouts keep the reward their ``rollout_fn`` returned."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's overlong shaping (``overlong.*``): a soft length penalty up to ``overlong.max_tokens`` over a window of
+    ``overlong.buffer_tokens``, and ``overlong.filter_truncated`` to keep cut-off completions out of training; off
+    by default (``training/utils/rl/overlong.py``)."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1
@@ -299,6 +304,7 @@ class Config:
             ("wandb", WandBConfig),
             ("tensorboard", TensorBoardConfig),
             ("distillation", DistillationConfig),
+            ("overlong", OverlongConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
         check(
@@ -399,6 +405,8 @@ class Config:
         # settings added after runs were recorded are left out at their defaults, so such a run still resumes
         if self.advantage is None:
             del d["advantage"]
+        if self.overlong == OverlongConfig():
+            del d["overlong"]
         for name, default in RECORDED_WHEN_SET.items():
             if d["loss"].get(name) == default:
                 del d["loss"][name]

@@ -34,6 +34,7 @@ from training.utils.openmp import release_openmp_threads
 from training.utils.rl.group_reward import apply_group_reward, group_reward_metrics
 from training.utils.rl.eval_rollouts import score_rows
 from training.utils.rl.groups import PromptGroup, run_group
+from training.utils.rl.overlong import apply_overlong
 from training.utils.rl.ppo import train_on_groups
 from training.utils.rl.failure_log import FailureLog, row_label
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
@@ -146,6 +147,7 @@ class RunContext:
             )
             if self.cfg.group_reward_fn is not None:  # a judge scores the finished group's members together
                 await apply_group_reward(self.cfg.group_reward_fn, group, self.failure_log)
+            apply_overlong(group, self.cfg.overlong)  # DAPO's length shaping and truncation filter, when set
             return group
         except DeploymentLostError as e:  # one "run stopped:" line naming the server and its log (run.py)
             raise DeploymentStartError(str(e), summary=e.reason) from e
@@ -183,6 +185,12 @@ class RunContext:
             raise RolloutFailureError(
                 f"rollout_fn returned None for all {c.attempts} rollouts since the last step (None drops a "
                 "completion): return a RolloutSample or RolloutRun (a forgotten `return`?)"
+            )
+        if c.attempts >= self.cfg.error_check_min_attempts and c.overlong_filtered == c.attempts:
+            raise RolloutFailureError(
+                f"all {c.attempts} completions since the last step were cut off for length and "
+                "overlong.filter_truncated keeps them out of training: raise the sampling max_tokens, or set "
+                "overlong.filter_truncated=false"
             )
         keep = True
         if len(group.completion_rewards) < 2:

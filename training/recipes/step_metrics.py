@@ -22,6 +22,7 @@ class StepCounters:
     def __init__(self):
         self.attempts = self.failures = self.errors = self.timeouts = self.invalid = self.dropped = 0
         self.groups_done = self.filtered_groups = self.small_groups = self.requeued_groups = 0
+        self.overlong_filtered = 0
         self.generated_tokens = 0
         self.run_metadata: list[dict] = []
         self.failure_causes: dict[str, int] = {}
@@ -33,6 +34,7 @@ class StepCounters:
         self.timeouts += g.timeouts
         self.invalid += g.invalid
         self.dropped += g.dropped
+        self.overlong_filtered += g.overlong_filtered
         self.groups_done += 1
         self.generated_tokens += sum(s.num_trainable_tokens for s in g.samples)
         self.run_metadata.extend(g.metadata.values())
@@ -46,6 +48,7 @@ class StepCounters:
             "rollout/timeouts": float(self.timeouts),
             "rollout/invalid": float(self.invalid),
             "rollout/returned_none": float(self.dropped),
+            "rollout/overlong_filtered": float(self.overlong_filtered),
             "rollout/filtered_groups": float(self.filtered_groups),
             "rollout/too_small_groups": float(self.small_groups),
             "rollout/requeued_groups": float(self.requeued_groups),

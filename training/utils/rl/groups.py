@@ -64,6 +64,8 @@ class PromptGroup:
     invalid: int = 0
     dropped: int = 0
     """Completions for which ``rollout_fn`` returned None."""
+    overlong_filtered: int = 0
+    """Completions the engine cut off for length, kept out of training (``overlong.filter_truncated``)."""
     failure_causes: dict[str, int] = field(default_factory=dict)
     """Failed completions (errors, timeouts, invalid results) counted by ``failure_cause``."""
     deployment_failures: int = 0
@@ -74,7 +76,14 @@ class PromptGroup:
 
     @property
     def attempts(self) -> int:
-        return len(self.completion_rewards) + self.errors + self.timeouts + self.invalid + self.dropped
+        return (
+            len(self.completion_rewards)
+            + self.errors
+            + self.timeouts
+            + self.invalid
+            + self.dropped
+            + self.overlong_filtered
+        )
 
     @property
     def failures(self) -> int:

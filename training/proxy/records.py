@@ -126,6 +126,9 @@ class SessionRecord:
     calls: list[CallRecord] = field(default_factory=list)
     upstream_errors: list[str] = field(default_factory=list)
     """One line per call that failed upstream after its retries (the rollout then fails)."""
+    aborted_calls: list[str] = field(default_factory=list)
+    """One line per call the proxy aborted: a stream the agent stopped reading, a straggler a pre-sync drain
+    cancelled (``server.py``). Such a call is not recorded and the rollout fails (never trained)."""
     closed: bool = False
     """A closed session refuses further calls (410): its rollout is over."""
     next_chain: int = 0

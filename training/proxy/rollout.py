@@ -135,9 +135,10 @@ class ProxyRolloutFn:
         """The template check's result for the policy's tokenizer (before the first rollout)."""
 
     async def before_weight_sync(self) -> None:
-        """Hold new agent calls and wait for in-flight ones, so no call straddles two weight versions."""
+        """Hold new agent calls and wait for in-flight ones, so no call straddles two weight versions; stragglers
+        past the proxy's ``drain_timeout_s`` are cancelled and their episodes fail (``ProxyServer.pause_and_drain``)."""
         if self.proxy is not None:
-            await self.proxy.gate.pause_and_drain()
+            await self.proxy.pause_and_drain()
 
     async def after_weight_sync(self) -> None:
         if self.proxy is not None:
@@ -220,6 +221,10 @@ class ProxyRolloutFn:
             result = await self._run_agent(row, endpoint)
         except Exception as e:
             session = proxy.close_session(sid)
+            if session.aborted_calls:
+                raise AgentFailedError(
+                    f"the proxy aborted a call: {session.aborted_calls[-1]}", cause="call_aborted"
+                ) from e
             if session.upstream_errors:
                 raise UpstreamFailedError(session.upstream_errors[-1]) from e
             raise AgentFailedError(f"agent raised {type(e).__name__}: {e}", cause=f"agent_{type(e).__name__}") from e
@@ -238,6 +243,8 @@ class ProxyRolloutFn:
         """
         if session.evicted:
             raise AgentFailedError(f"the proxy dropped the session: {session.evicted}", cause="session_evicted")
+        if session.aborted_calls:
+            raise AgentFailedError(f"the proxy aborted a call: {session.aborted_calls[-1]}", cause="call_aborted")
         if session.upstream_errors:
             raise UpstreamFailedError(
                 f"{len(session.upstream_errors)} upstream failure(s): {session.upstream_errors[-1]}"

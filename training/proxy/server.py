@@ -11,7 +11,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (session from th
 ``/sessions/{id}/v1/...`` for clients that cannot set headers; ``POST /v1/responses`` (the OpenAI
 Responses API, recorded as a chat call: ``responses.py``); ``GET [/sessions/{id}]/v1/models``;
 ``GET /health``;
-``POST /proxy/pause`` (add a pauser: new calls wait; answers once none is in flight), ``POST /proxy/resume``
+``POST /proxy/pause`` (add a pauser: new calls wait; answers once none is in flight, the stragglers cancelled
+after ``drain_timeout_s``: ``pause_and_drain``), ``POST /proxy/resume``
 (remove one: calls flow again when every pauser resumed; see ``training/utils/aio/pause_gate.py``);
 ``GET /sessions/{id}/calls`` (recorded calls and labels, for logs); ``POST /sessions/{id}/reward``
 (or ``/proxy/reward`` with the session header): ``{"reward": x, "call": k}`` adds a per-call
@@ -31,16 +32,18 @@ output ids, logprobs, finish reason, weight version, messages and tools, and lab
 (``turn_matching.assign``). Failure policy: upstream 5xx / unreachable → retried with backoff,
 then 502 to the agent and the session is marked failed; upstream 4xx → passed through
 unrecorded and never retried without the refused field (an invalid or over-long ``max_tokens``
-is the agent's 400).
+is the agent's 400). No agent stalls another or a sync: a streamed write the agent does not take within
+``stream_write_timeout_s`` aborts that call (``write``), and it fails its episode (``SessionRecord.aborted_calls``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 from aiohttp import web
@@ -71,6 +74,23 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body after decoding (413 above it), as on the deployment server."""
 
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
+"""How long one streamed write may wait for the agent to take the bytes before the proxy aborts the stream."""
+
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+"""How long a pause waits for the calls in flight before it cancels the stragglers."""
+
+CANCEL_GRACE_S = 5.0
+"""How long a drain waits for cancelled calls to unwind (they release their in-flight count at once)."""
+
+
+class ClientStalled(Exception):
+    """The agent did not take a streamed write within ``stream_write_timeout_s``: the stream was aborted."""
+
+    def __init__(self, resp: web.StreamResponse):
+        super().__init__("the agent stopped reading the stream")
+        self.resp = resp
+
 
 class ProxyServer:
     """Records every call of every session; see the module docstring for the contract."""
@@ -93,6 +113,8 @@ class ProxyServer:
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         session_idle_s: float = DEFAULT_SESSION_IDLE_S,
         constrained_calls: str = "exclude",
+        stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
@@ -104,7 +126,20 @@ class ProxyServer:
         ``max_sessions`` / ``session_idle_s`` bound the session table (``sessions.py``).
         Sampling fields follow ``sampling_policy.py``; ``constrained_calls`` (``exclude`` / ``train``): whether
         a call sampled under constrained decoding is kept as context only or trained on.
+        ``stream_write_timeout_s``: a streamed write the agent does not take within it aborts that response (the
+        connection is closed, the call is recorded in ``SessionRecord.aborted_calls``: its episode is not trained).
+        ``drain_timeout_s``: ``pause_and_drain`` waits this long for the calls in flight, then cancels the
+        stragglers (counted in ``drain_cancelled_calls``, recorded as aborted) and returns.
         """
+        if not stream_write_timeout_s > 0 or not drain_timeout_s > 0:
+            raise ValueError("stream_write_timeout_s and drain_timeout_s must be > 0")
+        self.stream_write_timeout_s = float(stream_write_timeout_s)
+        self.drain_timeout_s = float(drain_timeout_s)
+        self.aborted_streams = 0
+        """Streams aborted because the agent did not read them within ``stream_write_timeout_s``."""
+        self.drain_cancelled_calls = 0
+        """Calls a drain cancelled after ``drain_timeout_s`` (their episodes are not trained)."""
+        self._calls: dict[asyncio.Task, tuple[web.Request, SessionRecord]] = {}
         self.pool = UpstreamPool(
             upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
         )
@@ -194,6 +229,60 @@ class ProxyServer:
         """The API key for an agent of ``session_id`` only (None when the proxy has no key)."""
         return session_key(self.api_key, session_id) if self.api_key else None
 
+    # ---- weight sync: pause, drain, cancel the stragglers ------------------------------------
+    async def pause_and_drain(self) -> int:
+        """Add a pauser (new calls wait) and wait up to ``drain_timeout_s`` for the calls in flight; then cancel
+        the ones left (their connections closed, each recorded in its session's ``aborted_calls``, so the episode
+        is not trained) and return how many. The pause stays: ``gate.resume()`` it."""
+        self.gate.pause()
+        try:
+            await self.gate.drain(self.drain_timeout_s)
+            return 0
+        except asyncio.TimeoutError:
+            pass
+        stragglers = [(task, req, s) for task, (req, s) in self._calls.items() if not task.done()]
+        logger.warning(
+            "proxy drain: %d call(s) still in flight after drain_timeout_s=%.1fs are cancelled (sessions %s)",
+            len(stragglers),
+            self.drain_timeout_s,
+            sorted({s.session_id for _, _, s in stragglers}),
+        )
+        for task, req, session in stragglers:
+            session.aborted_calls.append(f"cancelled by the pre-sync drain after {self.drain_timeout_s:g}s")
+            if req.transport is not None:
+                req.transport.abort()
+            task.cancel()
+        self.drain_cancelled_calls += len(stragglers)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.gate.drain(CANCEL_GRACE_S)
+        return len(stragglers)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, request: web.Request, session: SessionRecord) -> AsyncIterator[None]:
+        """One agent call: waits while paused, counted in flight, and known to the drain (which may cancel it)."""
+        async with self.gate.admitted():
+            task = asyncio.current_task()
+            self._calls[task] = (request, session)
+            try:
+                yield
+            finally:
+                self._calls.pop(task, None)
+
+    async def write(self, request: web.Request, session: SessionRecord, resp: web.StreamResponse, data: bytes) -> None:
+        """One streamed write, within ``stream_write_timeout_s``: else the connection is aborted, the call recorded
+        in ``session.aborted_calls`` and ``ClientStalled`` raised (the handler returns ``ClientStalled.resp``)."""
+        try:
+            await asyncio.wait_for(resp.write(data), self.stream_write_timeout_s)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            self.aborted_streams += 1
+            session.aborted_calls.append(
+                f"stream aborted: the agent took no bytes for {self.stream_write_timeout_s:g}s"
+            )
+            logger.warning("proxy: session %s stopped reading its stream; aborted", session.session_id)
+            raise ClientStalled(resp) from None
+
     # ---- routes -----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -202,13 +291,15 @@ class ProxyServer:
                 "paused": self.gate.paused,
                 "pausers": self.gate.pausers,
                 "in_flight": self.gate.in_flight,
+                "aborted_streams": self.aborted_streams,
+                "drain_cancelled_calls": self.drain_cancelled_calls,
                 **self.table.stats(),
             }
         )
 
     async def _pause_route(self, request: web.Request) -> web.Response:
-        """Add a pauser and answer once no call is in flight."""
-        await self.gate.pause_and_drain()
+        """Add a pauser and answer once no call is in flight (stragglers cancelled after ``drain_timeout_s``)."""
+        await self.pause_and_drain()
         return web.json_response({"status": "paused", "pausers": self.gate.pausers, "in_flight": self.gate.in_flight})
 
     async def _resume_route(self, request: web.Request) -> web.Response:
@@ -325,9 +416,12 @@ class ProxyServer:
         if not isinstance(body.get("stream_options") or {}, dict):
             return error_response(400, "'stream_options' must be an object", "stream_options")
         with self.table.active(session):  # a session with a call in flight is never evicted
-            async with self.gate.admitted():
+            async with self.admitted(request, session):
                 if body.get("stream"):
-                    return await self._stream(request, session, endpoint, body)
+                    try:
+                        return await self._stream(request, session, endpoint, body)
+                    except ClientStalled as e:
+                        return e.resp
                 out = await self.forwarder.exchange(request, session, endpoint, body)
         if isinstance(out, web.Response):
             return out
@@ -347,7 +441,7 @@ class ProxyServer:
         if refused is not None:
             return web.json_response(anthropic.error_body(refused[1]), status=400)
         with self.table.active(session):
-            async with self.gate.admitted():
+            async with self.admitted(request, session):
                 out = await self.forwarder.exchange(request, session, "chat", chat)
         if isinstance(out, web.Response):  # the same error in Anthropic's envelope
             err_body = json.loads(out.body) if out.body else {}
@@ -359,8 +453,11 @@ class ProxyServer:
         if not chat["stream"]:
             return web.json_response(message, headers=label_headers(record))
         resp = await open_sse(request)
-        for event, data in anthropic.stream_events(message):
-            await resp.write(sse_event(data, event))
+        try:
+            for event, data in anthropic.stream_events(message):
+                await self.write(request, session, resp, sse_event(data, event))
+        except ClientStalled:
+            return resp
         await resp.write_eof()
         return resp
 
@@ -382,7 +479,7 @@ class ProxyServer:
         chunks = chat_chunks(client, wants_usage) if endpoint == "chat" else completion_chunks(client, wants_usage)
         resp = await open_sse(request)
         for chunk in chunks:
-            await resp.write(sse_event(chunk))
+            await self.write(request, session, resp, sse_event(chunk))
         await end_sse(resp)
         return resp
 
@@ -413,7 +510,7 @@ class ProxyServer:
                     acc.add(chunk)
                     out = client_chunk(chunk, wants)
                     if out is not None:
-                        await resp.write(sse_event(out))
+                        await self.write(request, session, resp, sse_event(out))
         except UpstreamError as e:
             session.upstream_errors.append(str(e))
             return error_response(502, f"upstream failed: {e}", "upstream_error")

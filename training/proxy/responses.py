@@ -35,7 +35,7 @@ from aiohttp import web
 from training.proxy import sampling_policy
 from training.proxy.forwarding import label_headers
 from training.proxy.records import SessionRecord
-from training.proxy.streaming import StreamAccumulator, chat_chunks
+from training.proxy.streaming import ClientStalled, StreamAccumulator, chat_chunks
 from training.proxy.upstream import UpstreamError
 from training.utils.http import SESSION_HEADER
 from training.openai_api.errors import error_response
@@ -74,9 +74,12 @@ async def serve(proxy: ProxyServer, request: web.Request) -> web.StreamResponse:
     if refused is not None:
         return error_response(400, refused[1], param=refused[0])
     with proxy.table.active(session):  # a session with a call in flight is never evicted
-        async with proxy.gate.admitted():
+        async with proxy.admitted(request, session):
             if rr.stream:
-                return await _stream(proxy, request, session, rr, chat, history)
+                try:
+                    return await _stream(proxy, request, session, rr, chat, history)
+                except ClientStalled as e:  # the agent stopped reading: aborted, recorded (server.py, ``write``)
+                    return e.resp
             out = await proxy.forwarder.exchange(request, session, "chat", chat)
     if isinstance(out, web.Response):
         return _renamed(out)
@@ -111,9 +114,12 @@ def _renamed(resp: web.Response) -> web.Response:
     return error_response(resp.status, message, err.get("type") or "invalid_request_error", param)
 
 
-async def _write(resp: web.StreamResponse, events: list[dict]) -> None:
+async def _write(
+    proxy: ProxyServer, request: web.Request, session: SessionRecord, resp: web.StreamResponse, events: list[dict]
+) -> None:
+    """The events, each within the proxy's ``stream_write_timeout_s`` (``ClientStalled`` when the agent stalls)."""
     for event in events:
-        await resp.write(sse_event(event, event["type"]))
+        await proxy.write(request, session, resp, sse_event(event, event["type"]))
 
 
 async def _stream(
@@ -135,11 +141,11 @@ async def _stream(
     reply, _ = out
     events = ResponsesEventStream(rr, new_response_id(), int(time.time()), _model(rr, reply))
     resp = await open_sse(request)
-    await _write(resp, events.opening())
+    await _write(proxy, request, session, resp, events.opening())
     for chunk in chat_chunks(reply, include_usage=False):
-        await _write(resp, events.chat_chunk(chunk))
+        await _write(proxy, request, session, resp, events.chat_chunk(chunk))
     final = events.closing(reply)
-    await _write(resp, final)
+    await _write(proxy, request, session, resp, final)
     _keep(session, rr, history, final[-1]["response"])
     await resp.write_eof()
     return resp
@@ -178,8 +184,8 @@ async def _relay(
                 acc.add(chunk)
                 if events is None:
                     events = ResponsesEventStream(rr, new_response_id(), int(time.time()), _model(rr, chunk))
-                    await _write(resp, events.opening())
-                await _write(resp, events.chat_chunk(chunk))
+                    await _write(proxy, request, session, resp, events.opening())
+                await _write(proxy, request, session, resp, events.chat_chunk(chunk))
     except UpstreamError as e:
         session.upstream_errors.append(str(e))
         return error_response(502, f"upstream failed: {e}", "upstream_error")
@@ -187,28 +193,34 @@ async def _relay(
         session.upstream_errors.append(f"upstream stream broke: {type(e).__name__}: {e}")
         if resp is None:
             return error_response(502, session.upstream_errors[-1], "upstream_error")
-        return await _fail(resp, events, rr, session.upstream_errors[-1])
+        return await _fail(proxy, request, session, resp, events, rr, session.upstream_errors[-1])
     reply = acc.reply()
     if events is None:  # an upstream stream without a single chunk
         events = ResponsesEventStream(rr, new_response_id(), int(time.time()), _model(rr, reply))
-        await _write(resp, events.opening())
+        await _write(proxy, request, session, resp, events.opening())
     record = await proxy.forwarder.commit(session, reply, "chat", chat, request, url)
     if record is None:
-        return await _fail(resp, events, rr, session.upstream_errors[-1])
+        return await _fail(proxy, request, session, resp, events, rr, session.upstream_errors[-1])
     final = events.closing(reply)
-    await _write(resp, final)
+    await _write(proxy, request, session, resp, final)
     _keep(session, rr, history, final[-1]["response"])
     await resp.write_eof()
     return resp
 
 
 async def _fail(
-    resp: web.StreamResponse, events: Optional[ResponsesEventStream], rr: ResponsesRequest, message: str
+    proxy: ProxyServer,
+    request: web.Request,
+    session: SessionRecord,
+    resp: web.StreamResponse,
+    events: Optional[ResponsesEventStream],
+    rr: ResponsesRequest,
+    message: str,
 ) -> web.StreamResponse:
     """End a started stream with ``response.failed`` (the session already noted the upstream error)."""
     if events is None:
         events = ResponsesEventStream(rr, new_response_id(), int(time.time()), rr.model or "")
-        await _write(resp, events.opening())
-    await _write(resp, events.failed(message))
+        await _write(proxy, request, session, resp, events.opening())
+    await _write(proxy, request, session, resp, events.failed(message))
     await resp.write_eof()
     return resp

@@ -54,6 +54,7 @@ from training.proxy.records import SessionRecord
 from training.proxy.access import auth_middleware, check_session_id, forbidden, named_session, session_key
 from training.proxy.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionTable, SessionTableFull
 from training.proxy.streaming import (
+    ClientStalled,
     StreamAccumulator,
     chat_chunks,
     client_body,
@@ -82,14 +83,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 60.0
 
 CANCEL_GRACE_S = 5.0
 """How long a drain waits for cancelled calls to unwind (they release their in-flight count at once)."""
-
-
-class ClientStalled(Exception):
-    """The agent did not take a streamed write within ``stream_write_timeout_s``: the stream was aborted."""
-
-    def __init__(self, resp: web.StreamResponse):
-        super().__init__("the agent stopped reading the stream")
-        self.resp = resp
 
 
 class ProxyServer:

@@ -25,6 +25,17 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from aiohttp import web
+
+
+class ClientStalled(Exception):
+    """The agent did not take a streamed write within ``stream_write_timeout_s``: its connection was aborted
+    (``ProxyServer.write``); the route returns ``resp``, the response it had started."""
+
+    def __init__(self, resp: web.StreamResponse):
+        super().__init__("the agent stopped reading the stream")
+        self.resp = resp
+
 
 @dataclass
 class WantedFields:

@@ -140,7 +140,7 @@ def test_the_pre_sync_drain_cancels_a_straggler_after_its_deadline_and_the_sync_
         released = asyncio.Event()
 
         async def agent(row, endpoint):
-            return await stalled_agent(endpoint, released)
+            return await (stalled_agent(endpoint, released) if row["who"] == "A" else quick_agent(endpoint))
 
         fn, sampler = make_rollout_fn(
             server, agent, stream_write_timeout_s=60.0, drain_timeout_s=1.5, upstream_stream="on"
@@ -150,6 +150,8 @@ def test_the_pre_sync_drain_cancels_a_straggler_after_its_deadline_and_the_sync_
             a = asyncio.create_task(fn({"who": "A"}))
             await wait_for(lambda: proxy.gate.in_flight == 1, 10)
             await asyncio.sleep(1.0)  # the stream is stuck on the agent's full window
+            run_b = await asyncio.wait_for(fn({"who": "B"}), 10)  # another session never waits on A's socket
+            assert run_b is not None and proxy.gate.in_flight == 1 and proxy.aborted_streams == 0  # A still stuck
             t0 = time.monotonic()
             await fn.before_weight_sync()  # what DeploymentGroup.push runs first
             drain_s = time.monotonic() - t0

@@ -48,7 +48,13 @@ explicit ``"grpo"`` counts as given, ``LossConfig.policy_loss_given``) and the r
 the unclipped policy gradient with the train/inference correction, no reference model (why:
 ``training/utils/rl/distillation.py``). Any other ``loss`` is kept as given (``Config(policy_loss="grpo",
 distillation=...)`` trains grpo, with ``kl_beta`` as given or its default)."""
-RECORDED_WHEN_SET = {"aggregation_constant": None, "mis_level": "off", "mis_low": None, "mis_high": 2.0}
+RECORDED_WHEN_SET = {
+    "aggregation_constant": None,
+    "mis_level": "off",
+    "mis_low": None,
+    "mis_high": 2.0,
+    "kl_estimator": "k3",
+}
 """``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two

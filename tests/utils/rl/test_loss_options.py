@@ -226,3 +226,38 @@ def test_clip_fraction_is_logged_per_side():
     assert metrics["clip_fraction_low"] == pytest.approx(1 / 5)
     assert metrics["clip_fraction_high"] == pytest.approx(1 / 5)
     assert metrics["clip_fraction"] == pytest.approx(2 / 5)
+
+
+def hand_kl(estimator: str, l: torch.Tensor, ref: float) -> torch.Tensor:
+    d = l - ref
+    return {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}[estimator]
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_each_kl_estimator_adds_its_hand_formula_to_grpo_and_all_three_are_logged(estimator):
+    """grpo with kl_beta β minus grpo without the penalty = β · token_mean of the estimator, value and gradient."""
+    with_kl, without = make_inputs(), make_inputs()
+    loss, metrics = compute_policy_loss(
+        with_kl, config("grpo", "token_mean", kl_estimator=estimator), sum(MASK), with_kl.num_sequences
+    )
+    plain = LossConfig(policy_loss="grpo", kl_beta=0.0, tis_cap=TIS_CAP)
+    base, _ = compute_policy_loss(without, plain, sum(MASK), without.num_sequences)
+    loss.backward()
+    base.backward()
+    l = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in LOGPROBS]
+    penalty = KL_BETA * sum(m * hand_kl(estimator, x, r) for x, r, m in zip(l, REF, MASK)) / sum(MASK)
+    penalty.backward()
+    assert (loss - base).item() == pytest.approx(penalty.item(), rel=1e-12)
+    got = (with_kl.logprobs_N.grad - without.logprobs_N.grad).tolist()
+    assert got == pytest.approx([float(x.grad) for x in l], rel=1e-10, abs=1e-12)
+    for name in ("k1", "k2", "k3"):
+        mean = sum(
+            m * float(hand_kl(name, torch.tensor(x, dtype=torch.float64), r)) for x, r, m in zip(LOGPROBS, REF, MASK)
+        ) / sum(MASK)
+        assert metrics[f"kl_ref_{name}"] == pytest.approx(mean, rel=1e-12)
+    assert metrics["kl_ref"] == metrics[f"kl_ref_{estimator}"]
+
+
+def test_an_unknown_kl_estimator_is_refused():
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k4")

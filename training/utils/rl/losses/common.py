@@ -16,7 +16,8 @@ sg = stop-gradient.
 - Masked importance sampling (MIS, ``mis_keep``): with rho = exp(l_old - l_s) judged per token, per sequence
   (the product) or by the sequence's geometric mean, a token whose rho lies outside [low, high] is masked out of
   the loss (L_t · 0), where TIS only caps its weight. Off by default.
-- k3 KL to the reference: exp(l_ref - l) - (l_ref - l) - 1 (>= 0, differentiable in l).
+- KL to the reference (``kl_to_reference``, ``LossConfig.kl_estimator``), d = l - l_ref: k1 d, k2 d^2 / 2,
+  k3 exp(-d) + d - 1 (>= 0, the default); differentiable in l.
 - Mismatch KL (sampler vs trainer-old, on the sampled tokens): the k3 form with the ratio
   pi_old / pi_s, i.e. mean over trainable tokens of exp(d) - d - 1 with d = l_old - l_s. It is
   a non-negative, unbiased estimate of KL(pi_s || pi_old) because the tokens were drawn from
@@ -185,6 +186,19 @@ def k3_kl(logprobs_N: torch.Tensor, ref_logprobs_N: torch.Tensor) -> torch.Tenso
     return torch.exp(d_N) - d_N - 1.0
 
 
+def kl_to_reference(logprobs_N: torch.Tensor, ref_logprobs_N: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on the sampled tokens, differentiable in l, with d = l - l_ref
+    (clamped to +-LOG_RATIO_CLAMP): ``k1`` d, ``k2`` d^2 / 2, ``k3`` exp(-d) + d - 1 (``k3_kl``)."""
+    if estimator == "k3":
+        return k3_kl(logprobs_N, ref_logprobs_N)
+    d_N = (logprobs_N - ref_logprobs_N.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return d_N
+    if estimator == "k2":
+        return 0.5 * d_N * d_N
+    raise ValueError(f"kl_estimator: unknown estimator {estimator!r}")
+
+
 def mismatch_kl_N(inputs: LossInputs) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_sampler || pi_old): exp(d) - d - 1 with d = l_old - l_s (no grad)."""
     with torch.no_grad():
@@ -230,8 +244,8 @@ def ratio_metrics(ratio_N: torch.Tensor, clipped_N: torch.Tensor, loss_mask_N: t
 
 def diagnostic_metrics(inputs: LossInputs, cfg: LossConfig) -> dict[str, float]:
     """Metrics logged for every loss: TIS weight mean and clip fraction (as applied under
-    ``cfg.tis_level``), the sampler/trainer-old mismatch KL, and ``kl_ref`` when reference
-    logprobs are given."""
+    ``cfg.tis_level``), the sampler/trainer-old mismatch KL, and when reference logprobs are given ``kl_ref`` (the
+    estimator of ``cfg.kl_estimator``) and each estimator as ``kl_ref_k1`` / ``kl_ref_k2`` / ``kl_ref_k3``."""
     weight_N, capped_N = tis_weight(inputs, cfg)
     mask_N = inputs.loss_mask_N
     metrics = {
@@ -242,7 +256,10 @@ def diagnostic_metrics(inputs: LossInputs, cfg: LossConfig) -> dict[str, float]:
     }
     if inputs.ref_logprobs_N is not None:
         with torch.no_grad():
-            metrics["kl_ref"] = masked_mean(k3_kl(inputs.logprobs_N, inputs.ref_logprobs_N), mask_N)
+            for estimator in ("k1", "k2", "k3"):
+                kl = masked_mean(kl_to_reference(inputs.logprobs_N, inputs.ref_logprobs_N, estimator), mask_N)
+                metrics[f"kl_ref_{estimator}"] = kl
+            metrics["kl_ref"] = metrics[f"kl_ref_{cfg.kl_estimator}"]
     return metrics
 
 

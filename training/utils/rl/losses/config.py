@@ -13,6 +13,8 @@ SEQUENCE_AGGREGATIONS = ("sequence_mean", "sequence_mean_token_sum")
 """The aggregations in which every sequence counts once (the PPO step normalises sample weights per sequence)."""
 TIS_LEVELS = ("token", "sequence", "off")
 MIS_LEVELS = ("off", "token", "sequence", "geometric")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Per-token estimators of KL(pi || pi_ref) for the reference penalty (``common.kl_to_reference``)."""
 """Masked importance sampling (``common.mis_keep``): which ratio of exp(l_old - l_s) decides what is masked."""
 
 
@@ -41,7 +43,11 @@ class LossConfig:
     """A registered loss name (``grpo``, the default; every name with its formula in ``training/utils/rl/losses/README.md``) or a callable.
     Left unset it is ``DEFAULT_POLICY_LOSS`` (equal to ``"grpo"``; ``policy_loss_given`` is False)."""
     kl_beta: float = 0.001
-    """Coefficient of the k3 KL penalty to the reference model (grpo; 0 turns the reference off)."""
+    """Coefficient of the KL penalty to the reference model (grpo; 0 turns the reference off)."""
+    kl_estimator: str = "k3"
+    """The penalty's per-token estimate of KL(pi || pi_ref), with d = l - l_ref: ``k1`` d (unbiased, can be
+    negative), ``k2`` d^2 / 2, ``k3`` exp(-d) + d - 1 (unbiased and >= 0; the default, as GRPO). All three are logged
+    (``train/kl_ref_k1`` ...)."""
     eps_low: Optional[float] = None
     """Lower clip epsilon of the ratio; None = the loss's own default (0.2)."""
     eps_high: Optional[float] = None
@@ -99,6 +105,8 @@ class LossConfig:
             raise ValueError(f"policy_loss: must be a loss name or a callable, got {type(self.policy_loss).__name__}")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta: must be >= 0, got {self.kl_beta}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
         for name in ("eps_low", "eps_high"):
             v = getattr(self, name)
             if v is not None and not (0 <= v < 10):

@@ -1,8 +1,10 @@
-"""grpo (the default): PPO's clipped surrogate, TIS-weighted, plus a k3 KL penalty.
+"""grpo (the default): PPO's clipped surrogate, TIS-weighted, plus a KL penalty (k3 by default).
 
     r_t  = exp(clamp(l_t - l_old_t, ±20))
     L_t  = max(-r_t·A, -clip(r_t, 1 - eps_low, 1 + eps_high)·A) · w_t  +  kl_beta · k3_t
     k3_t = exp(l_ref_t - l_t) - (l_ref_t - l_t) - 1
+
+``cfg.kl_estimator`` picks k1_t = l_t - l_ref_t or k2_t = (l_t - l_ref_t)^2 / 2 instead of k3_t.
 
 w_t is the TIS weight (``common.tis_weight``). The KL term is added only when
 ``ref_logprobs_N`` is given and ``cfg.kl_beta > 0``; it is differentiable and not TIS-weighted.
@@ -19,7 +21,7 @@ from training.utils.rl.losses.common import (
     LossOutput,
     clip_eps,
     clipped_surrogate,
-    k3_kl,
+    kl_to_reference,
     policy_ratio,
     ratio_metrics,
     tis_weight,
@@ -40,5 +42,5 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     weight_N, _ = tis_weight(inputs, cfg)
     loss_N = surrogate_N * weight_N
     if inputs.ref_logprobs_N is not None and cfg.kl_beta > 0:
-        loss_N = loss_N + cfg.kl_beta * k3_kl(inputs.logprobs_N, inputs.ref_logprobs_N)
+        loss_N = loss_N + cfg.kl_beta * kl_to_reference(inputs.logprobs_N, inputs.ref_logprobs_N, cfg.kl_estimator)
     return LossOutput(loss_N, ratio_metrics(ratio_N, clipped_N, inputs.loss_mask_N))

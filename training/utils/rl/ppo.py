@@ -281,4 +281,32 @@ def train_on_batch(
     out["train/samples"] = float(n)
     out["train/trainable_tokens"] = float(sum(batch.num_trainable_tokens(i) for i in range(n)))
     out["train/tokens"] = float(sum(len(t) for t in sequences))
+    out.update(batch_distribution_metrics(batch))
     return out
+
+
+def batch_distribution_metrics(batch: StepBatch) -> dict[str, float]:
+    """What a step trained on, over its trainable tokens (``loss_mask`` 1): ``train/advantage_mean`` / ``_std`` /
+    ``_min`` / ``_max`` (a scalar advantage counts once per trainable token of its sample),
+    ``train/advantage_zero_fraction`` (the share of samples whose every trainable token has advantage 0: no learning
+    signal), and ``train/sampled_entropy``, the mean of -log p_sampler over the sampled tokens (the Monte-Carlo
+    estimate of the sampling distribution's per-token entropy; falling fast is entropy collapse)."""
+    values: list[float] = []
+    nll: list[float] = []
+    zero = 0
+    for adv, mask, logprobs in zip(batch.advantages, batch.loss_masks, batch.sampler_logprobs):
+        own = [a for a, m in zip(adv, mask) if m] if isinstance(adv, list) else [float(adv)] * sum(mask)
+        values.extend(own)
+        nll.extend(-lp for lp, m in zip(logprobs, mask) if m)
+        zero += all(a == 0.0 for a in own)
+    if not values:
+        return {}
+    mean = sum(values) / len(values)
+    return {
+        "train/advantage_mean": mean,
+        "train/advantage_std": (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5,
+        "train/advantage_min": min(values),
+        "train/advantage_max": max(values),
+        "train/advantage_zero_fraction": zero / max(len(batch), 1),
+        "train/sampled_entropy": sum(nll) / len(nll),
+    }

@@ -224,3 +224,12 @@ def test_a_bad_checkpoint_never_counts_toward_keep_last(trained, tmp_path):
         "recipe_state.json",
     }
     assert not any(os.path.exists(root / f"step_00000{k}.tmp") for k in range(1, 5))
+
+
+def test_the_stop_line_says_when_no_checkpoint_can_be_resumed_from(tmp_path):
+    from training.recipes.run import stopped_line
+
+    assert "holds no checkpoint" in stopped_line(tmp_path)
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)  # a folder with nothing in it
+    line = stopped_line(tmp_path)
+    assert "none of the checkpoints" in line and "starts over" not in line

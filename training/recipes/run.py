@@ -50,6 +50,7 @@ from training.recipes.train_state import TrainState, build_train_state
 from training.utils import dist
 from training.utils.aio import loop_watch
 from training.utils.checkpoint import latest_checkpoint, save_checkpoint
+from training.utils.checkpoint_files import checkpoint_folders
 from training.utils.config import ConfigError
 from training.utils.user_errors import mark_user_error
 from training.utils.data import Rows, load_rows
@@ -274,6 +275,11 @@ def _run_recipe(
 def stopped_line(log_path: Path) -> str:
     """What a run stopped by Ctrl-C / SIGTERM says last: the checkpoint a rerun resumes from, or that there is none."""
     checkpoint = latest_checkpoint(log_path / "checkpoints")
+    if checkpoint is None and checkpoint_folders(log_path / "checkpoints"):
+        return (
+            f"run stopped; none of the checkpoints in {log_path / 'checkpoints'} can be resumed from, so the same "
+            "command stops naming why; delete that folder to start over, or use another log_path"
+        )
     if checkpoint is None:
         return f"run stopped; {log_path} holds no checkpoint (dcp_save_interval), so the same command starts over"
     return f"run stopped; the same command resumes it from {checkpoint} (if_log_path_exists=resume_or_new)"

@@ -209,6 +209,8 @@ def test_tis_weight_per_token_with_cap():
     # mismatch_kl: mean of exp(d) - d - 1 with d = l_old - l_s
     expected_kl = ((10 - LN(10) - 1) + (2 - LN(2) - 1)) / 2
     assert metrics["mismatch_kl"] == pytest.approx(expected_kl)
+    assert metrics["logprob_diff_mean"] == pytest.approx((LN(10) + LN(2)) / 2)  # |l_old - l_s| per token
+    assert metrics["logprob_diff_max"] == pytest.approx(LN(10))
 
 
 def test_tis_weight_per_sequence_is_capped_geometric_mean_over_trainable_tokens():

@@ -244,15 +244,19 @@ def ratio_metrics(ratio_N: torch.Tensor, clipped_N: torch.Tensor, loss_mask_N: t
 
 def diagnostic_metrics(inputs: LossInputs, cfg: LossConfig) -> dict[str, float]:
     """Metrics logged for every loss: TIS weight mean and clip fraction (as applied under
-    ``cfg.tis_level``), the sampler/trainer-old mismatch KL, and when reference logprobs are given ``kl_ref`` (the
+    ``cfg.tis_level``), the sampler/trainer-old mismatch KL and ``logprob_diff_mean`` / ``logprob_diff_max`` (|l_old -
+    l_sampler| over the trainable tokens: how far the engine's logprobs are from the trainer's), and when reference logprobs are given ``kl_ref`` (the
     estimator of ``cfg.kl_estimator``) and each estimator as ``kl_ref_k1`` / ``kl_ref_k2`` / ``kl_ref_k3``."""
     weight_N, capped_N = tis_weight(inputs, cfg)
     mask_N = inputs.loss_mask_N
+    gap_N = (inputs.old_logprobs_N - inputs.sampler_logprobs_N).abs().detach()  # the engine vs the trainer, per token
     metrics = {
         "tis_weight_mean": masked_mean(weight_N, mask_N),
         "tis_weight_max": masked_max(weight_N, mask_N),
         "tis_clip_fraction": masked_mean(capped_N.to(weight_N.dtype), mask_N),
         "mismatch_kl": masked_mean(mismatch_kl_N(inputs), mask_N),
+        "logprob_diff_mean": masked_mean(gap_N, mask_N),
+        "logprob_diff_max": masked_max(gap_N, mask_N),
     }
     if inputs.ref_logprobs_N is not None:
         with torch.no_grad():

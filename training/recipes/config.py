@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -15,6 +16,7 @@ from training.utils.run_record import IF_EXISTS
 from training.utils.rl.group_reward import GroupRewardFn
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.overlong import OverlongConfig
+from training.utils.rl.rollout import COMPONENT_NAME
 
 STALL_GRACE_S = 120.0
 """A waiting trainer stops the run when no rollout finished for ``rollout_timeout_s`` plus this long
@@ -155,6 +157,11 @@ class Config:
     of its completions from all of them together (a judge that ranks the group: ``training.rewards``); if it raises,
     the group is dropped and its completions counted as failed under the error's cause
     (``training/utils/rl/group_reward.py``). Eval rollouts keep the reward their ``rollout_fn`` returned."""
+    reward_weights: Optional[dict[str, float]] = None
+    """Multi-reward: ``{name: weight}`` over the ``reward_components`` the rollouts return. Each completion then trains
+    on sum_c w_c · (r_c - mean_G r_c) / (std_G r_c + 1e-4), its components normalised within its group, and the
+    ``advantage`` estimator runs on that sum; a returned component without a weight counts 0. None = train on the
+    returned ``reward`` (components only logged: ``rollout/reward/<name>_mean``). ``training/utils/rl/reward_components.py``."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO's overlong shaping (``overlong.*``): a soft length penalty up to ``overlong.max_tokens`` over a window of
     ``overlong.buffer_tokens``, and ``overlong.filter_truncated`` to keep cut-off completions out of training; off
@@ -258,6 +265,24 @@ class Config:
             self.group_reward_fn is None or callable(self.group_reward_fn),
             "group_reward_fn",
             f"must be an async function of a PromptGroup, or None; got {self.group_reward_fn!r}",
+        )
+        check(
+            self.reward_weights is None
+            or (
+                isinstance(self.reward_weights, dict)
+                and self.reward_weights
+                and all(
+                    isinstance(k, str)
+                    and COMPONENT_NAME.fullmatch(k)
+                    and isinstance(w, (int, float))
+                    and not isinstance(w, bool)
+                    and math.isfinite(w)
+                    for k, w in self.reward_weights.items()
+                )
+            ),
+            "reward_weights",
+            "must be None or a non-empty dict of component name (letters, digits, '_', '.', '-') -> finite weight, "
+            f"got {self.reward_weights!r}",
         )
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or None")
         check(self.epochs >= 1, "epochs", "must be >= 1")
@@ -413,6 +438,8 @@ class Config:
             del d["advantage"]
         if self.overlong == OverlongConfig():
             del d["overlong"]
+        if self.reward_weights is None:
+            del d["reward_weights"]
         for name, default in RECORDED_WHEN_SET.items():
             if d["loss"].get(name) == default:
                 del d["loss"][name]

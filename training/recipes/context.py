@@ -36,6 +36,7 @@ from training.utils.rl.eval_rollouts import score_rows
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.overlong import apply_overlong
 from training.utils.rl.ppo import train_on_groups
+from training.utils.rl.reward_components import apply_reward_components
 from training.utils.rl.failure_log import FailureLog, row_label
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
 
@@ -145,6 +146,7 @@ class RunContext:
                 seed=self.cfg.seed,
                 is_fatal=is_fatal,
             )
+            apply_reward_components(group, self.cfg.reward_weights, self.failure_log)  # checked; combined when weighted
             if self.cfg.group_reward_fn is not None:  # a judge scores the finished group's members together
                 await apply_group_reward(self.cfg.group_reward_fn, group, self.failure_log)
             apply_overlong(group, self.cfg.overlong)  # DAPO's length shaping and truncation filter, when set

@@ -12,6 +12,7 @@ import time
 from typing import Iterator, Optional
 
 from training.utils.rl.groups import PromptGroup
+from training.utils.rl.reward_components import component_metrics
 from training.utils.rl.run_metrics import run_metrics
 
 
@@ -82,7 +83,8 @@ class StepTimer:
 
 
 def batch_metrics(groups: list[PromptGroup]) -> dict[str, float]:
-    """``rollout/*`` metrics of the groups a step trains on."""
+    """``rollout/*`` metrics of the groups a step trains on; ``rollout/reward/<name>_mean`` per reward component
+    (``training/utils/rl/reward_components.py``)."""
     rewards = [r for g in groups for r in g.rewards]
     lengths = [s.num_trainable_tokens for g in groups for s in g.samples]
     n = max(len(rewards), 1)
@@ -95,6 +97,7 @@ def batch_metrics(groups: list[PromptGroup]) -> dict[str, float]:
         "rollout/completion_tokens_mean": sum(lengths) / max(len(lengths), 1),
         "rollout/truncated_fraction": sum(1.0 for g in groups for s in g.samples if s.finish_reason == "length")
         / max(len(lengths), 1),
+        **component_metrics(groups),
     }
 
 

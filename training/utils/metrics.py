@@ -225,7 +225,8 @@ class MetricsLogger:
             print(self.progress_line(step, metrics), file=sys.stderr, flush=True)
 
     def log_rollouts(self, step: int, groups: list) -> None:
-        """Append one line per trained sample to ``rollouts.jsonl``: what was trained, and why. Every
+        """Append one line per trained sample to ``rollouts.jsonl``: what was trained, and why (``reward`` is the one
+        trained on; ``reward_components``, only when the completion returned some, as returned). Every
         ``sample_every`` steps the console shows one of them (``sample_block``)."""
         if self.console and self.sample_every > 0 and step % self.sample_every == 0 and groups:
             block = sample_block(step, groups[0])
@@ -233,7 +234,9 @@ class MetricsLogger:
                 print(block, file=sys.stderr, flush=True)
         with (self.path.parent / "rollouts.jsonl").open("a") as f:
             for g in groups:
+                components = getattr(g, "completion_components", {})
                 for sample, completion, advantage in zip(g.samples, g.completion_index, g.advantages):
+                    extra = {"reward_components": components[completion]} if completion in components else {}
                     f.write(
                         json.dumps(
                             {
@@ -250,6 +253,7 @@ class MetricsLogger:
                                 "trainable_tokens": sample.num_trainable_tokens,
                                 "text": sample.text[:2000],
                                 "metadata": g.metadata.get(completion),
+                                **extra,
                             },
                             default=str,
                         )

@@ -53,6 +53,9 @@ class PromptGroup:
     """For each sample, g: the share of its completion's reward it is credited (1 unless per-call credit)."""
     completion_rewards: dict[int, float] = field(default_factory=dict)
     """Reward of each surviving completion."""
+    completion_components: dict[int, dict[str, float]] = field(default_factory=dict)
+    """``reward_components`` of each completion that returned some (``reward_components.py``); read for the keys
+    of ``completion_rewards`` only (a filtered completion's entry may stay)."""
     advantages: list[Union[float, list[float]]] = field(default_factory=list)
     """One advantage per sample, set by ``compute_advantages``: its completion's scalar (the same on every token), or
     a list parallel to its ``tokens`` (A_t; used where ``loss_mask`` is 1): the sample's own ``token_advantages``, or
@@ -236,6 +239,8 @@ async def run_group(
         if isinstance(result, RolloutRun) and result.metadata:
             group.metadata[k] = result.metadata
         group.completion_rewards[k] = float(result.reward if isinstance(result, RolloutRun) else samples[0].reward)
+        if result.reward_components is not None:
+            group.completion_components[k] = dict(result.reward_components)
         group.samples.extend(samples)
         group.completion_index.extend([k] * len(samples))
         per_call = isinstance(result, RolloutRun) and result.segment_rewards and result.return_weights is not None

@@ -23,6 +23,10 @@ Invariants of a ``RolloutSample`` (checked by ``validate_sample`` at the recipe 
 - ``reward`` is a real number with ``|reward| <= MAX_ABS_REWARD``: a Python ``int`` / ``float``, or
   a numpy or torch scalar, converted to ``float`` at validation. ``None``, ``nan``, ``inf``, a bool
   or anything larger is refused naming the field (a huge reward would overflow the advantages).
+- ``reward_components``, when given, maps component names (metric-safe: letters, digits, ``_ . -``) to rewards
+  under the same rule as ``reward``; refused naming the component. They belong to the completion: a
+  ``RolloutRun``'s are the run's, written into every segment. ``Config.reward_weights`` may combine them into
+  the reward (``training/utils/rl/reward_components.py``).
 
 Submodules of this package: ``sample_builder`` (``SampleBuilder``, the one builder of these samples from
 model calls, with the weight-version convention), ``episode_facts`` (``EpisodeFacts``, the typed record
@@ -58,6 +62,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -110,6 +115,10 @@ class RolloutSample:
     """Optional, parallel to ``tokens``: a dense per-token advantage A_t (e.g. a process reward) that the loss uses on
     this sample's ``loss_mask`` tokens instead of the group-normalised advantage of ``reward``; None = that scalar
     on every token. The recipe's on-policy distillation builds one per sample (``training/utils/rl/distillation.py``)."""
+    reward_components: Optional[dict[str, float]] = None
+    """Optional named parts of the reward (``{"correct": 1.0, "format": 0.5}``), each a finite number like ``reward``:
+    logged per step (``rollout/reward/<name>_mean``) and in ``rollouts.jsonl``; with ``Config.reward_weights`` the
+    trained reward is their weighted sum after per-component group normalisation (``reward_components.py``)."""
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -140,12 +149,18 @@ class RolloutRun:
     """Free-form JSON-able facts about the episode (turn labels, timings): written to ``rollouts.jsonl``, never trained.
     Documented keys (``training/utils/rl/run_metrics.py`` counts them) include ``stop_reason``: why the
     episode ended, one of ``STOP_REASONS`` (``finish_reason`` stays the sampler's reason for one call)."""
+    reward_components: Optional[dict[str, float]] = None
+    """Optional named parts of the episode's reward (as ``RolloutSample.reward_components``): the completion's
+    components, written into every segment (a segment may not carry different ones of its own)."""
 
     def samples(self) -> list[RolloutSample]:
         """The segments, with the run's reward written into each unless ``segment_rewards``."""
         if not self.segment_rewards:
             for seg in self.segments:
                 seg.reward = self.reward
+        if self.reward_components is not None:
+            for seg in self.segments:
+                seg.reward_components = self.reward_components
         return list(self.segments)
 
 
@@ -209,6 +224,30 @@ def as_reward(value: Any, field_name: str = "reward") -> float:
     return value
 
 
+COMPONENT_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+"""What a reward component's name may be: it becomes part of a metric name (``rollout/reward/<name>_mean``)."""
+
+
+def as_reward_components(value: Any) -> Optional[dict[str, float]]:
+    """``value`` (a ``reward_components`` field) as ``{name: float}``, or ``RolloutValidationError``: None passes; a
+    dict needs one entry or more, each name matching ``COMPONENT_NAME`` and each value what ``as_reward`` accepts
+    (the error names the component: ``reward_components['format']``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value:
+        raise RolloutValidationError(
+            "reward_components", f"{value!r} is not a non-empty dict of name -> float (or None for no components)"
+        )
+    out: dict[str, float] = {}
+    for name, v in value.items():
+        if not isinstance(name, str) or not COMPONENT_NAME.fullmatch(name):
+            raise RolloutValidationError(
+                "reward_components", f"name {name!r} is not a metric-safe string (letters, digits, '_', '.', '-')"
+            )
+        out[name] = as_reward(v, f"reward_components[{name!r}]")
+    return out
+
+
 def check_rollout_fn(rollout_fn: Any) -> None:
     """Refuse at start what cannot be a rollout function: not callable, or a plain (non-``async``) function."""
     if not callable(rollout_fn):
@@ -261,6 +300,7 @@ def validate_sample(sample: RolloutSample, vocab_size: Optional[int] = None) -> 
         if not _finite(lp):
             raise RolloutValidationError("logprobs", f"logprobs[{i}]={lp!r} is not finite")
     sample.reward = as_reward(sample.reward)
+    sample.reward_components = as_reward_components(sample.reward_components)
     if not _finite(sample.weight) or sample.weight < 0:
         raise RolloutValidationError("weight", f"{sample.weight!r} is not a finite number >= 0")
     if sample.token_advantages is not None:
@@ -308,6 +348,15 @@ def flatten_result(result: RolloutResult, vocab_size: Optional[int] = None) -> l
         if not result.segments:
             raise RolloutValidationError("segments", "a RolloutRun needs at least one segment")
         result.reward = as_reward(result.reward)
+        result.reward_components = as_reward_components(result.reward_components)
+        for k, seg in enumerate(result.segments):
+            own = getattr(seg, "reward_components", None)
+            if own is not None and own != result.reward_components:
+                raise RolloutValidationError(
+                    "reward_components",
+                    f"segment {k} carries its own {own!r}; a RolloutRun's components are the run's "
+                    f"(RolloutRun.reward_components={result.reward_components!r})",
+                )
         if result.return_weights is not None and (
             len(result.return_weights) != len(result.segments) or not all(_finite(g) for g in result.return_weights)
         ):

@@ -56,6 +56,18 @@ def test_apply_overlong_shapes_rewards_and_filters_truncated_completions():
     assert apply_overlong(untouched, OverlongConfig()) == 0 and untouched.rewards == [1.0]
 
 
+def test_a_run_of_several_segments_keeps_its_per_call_part():
+    """Two segments of one completion (no per-call credit: r_s = R, g_s = 1) and another completion: shaping moves
+    every segment with the return, so the advantages carry no call part (before: r_s - R' = the penalty did)."""
+    g = group(sample(2, 1.0), sample(10, 0.0))
+    g.samples.insert(1, sample(6, 1.0))
+    g.completion_index = [0, 0, 1]
+    apply_overlong(g, OverlongConfig(max_tokens=6, buffer_tokens=2))  # completion 0: 8 tokens, past L_max
+    assert g.rewards == [0.0, -1.0] and [s.reward for s in g.samples] == [0.0, 0.0, -1.0]
+    g.compute_advantages()
+    assert g.advantages[0] == g.advantages[1] and g.advantages[0] > 0 > g.advantages[2]
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [({"max_tokens": 0}, "overlong.max_tokens"), ({"max_tokens": 8, "buffer_tokens": 8}, "overlong.buffer_tokens")],

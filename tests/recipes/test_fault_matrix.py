@@ -367,12 +367,11 @@ def test_a_misbehaving_rollout_loses_no_row_and_leaves_nothing_behind(
     assert not list(shm_dir().glob(f"{SHM_PREFIX}{run.pid}-*"))
 
 
-def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path, tmp_path, monkeypatch):
-    """Issue #45, item 1: the run's server is SIGKILLed while step 1 samples and its restart takes longer than the
-    sampler's and the group's retries together (retries 0.05 + 0.1 s, twice). The restart is slowed by a FAKE: the
-    test-only ``TRAINING_TEST_SLOW_START_S`` makes the launcher sleep 4 s before it execs the server (the real slow
-    start, SmolLM2's ~30 s, is the slow test). The requests in flight wait for the restart, are resent with the same
-    seeds and counted (``rollout/restart_retries``; a request sent after the death is seen waits, ``rollout/restart_waits``); every row is trained exactly once, none requeued or lost."""
+def run_killed_mid_step(model_path, tmp_path, monkeypatch, slow_start_s=None):
+    """A 3-step synchronous run on its own launched server, SIGKILLed just before row 2's request (step 1), with
+    short retries (0.05 + 0.1 s, twice); ``slow_start_s`` sets the FAKE slow start for the restart only. Checks that
+    every row trained exactly once, nothing requeued or failed, and that row 2's request died with its server
+    (resent) or, when the death was seen first, waited for the restart. Returns the deployment."""
     launched, kills = [], []
     real_start = EmbeddedDeployment.start
 
@@ -386,7 +385,8 @@ def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path,
         async def before(row):
             if row["id"] == 2 and not kills:
                 kills.append(row["id"])
-                monkeypatch.setenv(TEST_SLOW_START_ENV, "4")  # the fake slow start, for the restart only
+                if slow_start_s is not None:
+                    monkeypatch.setenv(TEST_SLOW_START_ENV, str(slow_start_s))
                 os.kill(launched[0].pid, signal.SIGKILL)
 
         return sampling_rollout(setup, before)
@@ -394,17 +394,27 @@ def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path,
     own = DeployConfig(
         engine_config=EngineConfig(max_batch_size=16), max_restarts=2, max_retries=1, retry_backoff_s=0.05
     )
-    cfg = config(tiny_model_path, None, tmp_path, max_steps=3, synchronous_training=True, deployment=own)
+    cfg = config(model_path, None, tmp_path, max_steps=3, synchronous_training=True, deployment=own)
     out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
     assert out["steps"] == 3 and kills == [2]
     (dep,) = launched
-    assert len(dep.restarts) == 1 and dep.restarts[0]["ok"] and dep.startup_s >= 4.0  # the fake really slowed it
+    assert len(dep.restarts) == 1 and dep.restarts[0]["ok"]
     assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # each row's 2 completions, once
     m = read_metrics(cfg.log_path)
-    # row 2's request died with its server (resent) or, when the death was seen first, waited for the restart
     assert sum(r.get("rollout/restart_retries", 0) + r.get("rollout/restart_waits", 0) for r in m) >= 1
-    assert sum(r.get("rollout/requeued_groups", 0) for r in m) == 0
-    assert sum(r.get("rollout/errors", 0) for r in m) == 0
+    assert sum(r.get("rollout/requeued_groups", 0) + r.get("rollout/errors", 0) for r in m) == 0
+    return dep
+
+
+def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path, tmp_path, monkeypatch):
+    """Issue #45, item 1: the run's server is SIGKILLed while step 1 samples and its restart takes longer than the
+    sampler's and the group's retries together. The restart is slowed by a FAKE: the test-only
+    ``TRAINING_TEST_SLOW_START_S`` makes the launcher sleep 4 s before it execs the server (a real model's start-up
+    is the slow test below). The requests in flight wait for the restart, are resent with the same seeds and counted
+    (``rollout/restart_retries``; a request sent after the death is seen waits, ``rollout/restart_waits``); every row
+    is trained exactly once, none requeued or lost."""
+    dep = run_killed_mid_step(tiny_model_path, tmp_path, monkeypatch, slow_start_s=4)
+    assert dep.startup_s >= 4.0  # the fake really slowed it
 
 
 @pytest.mark.slow
@@ -413,36 +423,8 @@ def test_smollm2_server_killed_mid_step_restarts_for_real_and_the_run_loses_no_r
     samples and its restart is whatever loading SmolLM2 takes here (printed: about 9 s on an idle 2-core EPYC, 30 s
     on the audit's machine; the fake-slowed test above is the one that outlasts every retry). The run finishes,
     every row trained exactly once."""
-    launched, kills = [], []
-    real_start = EmbeddedDeployment.start
-
-    def start(self):
-        launched.append(self)
-        return real_start(self)
-
-    monkeypatch.setattr(EmbeddedDeployment, "start", start)
-
-    def factory(setup):
-        async def before(row):
-            if row["id"] == 2 and not kills:
-                kills.append(row["id"])
-                os.kill(launched[0].pid, signal.SIGKILL)
-
-        return sampling_rollout(setup, before)
-
-    own = DeployConfig(
-        engine_config=EngineConfig(max_batch_size=16), max_restarts=2, max_retries=1, retry_backoff_s=0.05
-    )
-    cfg = config(smollm2_path, None, tmp_path, max_steps=3, synchronous_training=True, deployment=own)
-    out = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
-    assert out["steps"] == 3 and kills == [2]
-    (dep,) = launched
-    assert len(dep.restarts) == 1 and dep.restarts[0]["ok"]
+    dep = run_killed_mid_step(smollm2_path, tmp_path, monkeypatch)
     print(f"SmolLM2 restart: start-up {dep.startup_s:.1f} s (slowest {dep.slowest_startup_s:.1f} s)")
-    assert sorted(trained_rows(cfg.log_path)) == sorted(list(range(6)) * 2)  # each row's 2 completions, once
-    m = read_metrics(cfg.log_path)
-    assert sum(r.get("rollout/restart_retries", 0) + r.get("rollout/restart_waits", 0) for r in m) >= 1
-    assert sum(r.get("rollout/requeued_groups", 0) + r.get("rollout/errors", 0) for r in m) == 0
 
 
 def test_a_group_failed_by_the_deployment_is_requeued_and_trained_once(tiny_model_path, server, tmp_path):

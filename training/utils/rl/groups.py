@@ -106,6 +106,18 @@ class PromptGroup:
     def __getitem__(self, index: int) -> RolloutSample:
         return self.samples[index]
 
+    def set_completion_reward(self, k: int, reward: float) -> None:
+        """Give completion ``k`` the return ``reward`` (what a judge, the reward components or overlong shaping
+        decide): each of its samples moves with it by its share g_s (``return_weights``), so a per-call part
+        r_s - g_s·R stays as it was and a plain sample's ``reward`` becomes ``reward`` exactly."""
+        old = self.completion_rewards[k]
+        weights = self.return_weights or [1.0] * len(self.samples)
+        for sample, c, g in zip(self.samples, self.completion_index, weights):
+            if c == k:
+                per_call = sample.reward - g * old  # 0 unless per-call credit
+                sample.reward = g * reward + per_call if per_call else g * reward
+        self.completion_rewards[k] = reward
+
     def compute_advantages(self, scale_by_std: bool = True) -> None:
         """Each sample's advantage from the group's completion rewards (``credited_advantages``: a
         segment of a ``segment_rewards`` run adds its per-call reward; any other sample gets its

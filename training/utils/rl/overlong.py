@@ -68,9 +68,9 @@ def length_penalty(length: int, max_tokens: int, buffer_tokens: int) -> float:
 
 def apply_overlong(group: PromptGroup, cfg: OverlongConfig) -> int:
     """Shape the rewards of ``group``'s surviving completions and drop its truncated ones, as ``cfg`` says (module
-    docstring). Each sample of a shaped completion gets its share g_s of the change (``PromptGroup.return_weights``;
-    1 for a plain sample), so a per-call reward keeps its per-call part and ``rollouts.jsonl`` shows the reward
-    trained on. Returns how many completions were filtered out."""
+    docstring). Each sample of a shaped completion moves with it (``PromptGroup.set_completion_reward``: a per-call
+    reward keeps its per-call part) and ``rollouts.jsonl`` shows the reward trained on. Returns how many completions
+    were filtered out."""
     if not cfg.enabled:
         return 0
     by_completion: dict[int, list[int]] = {}
@@ -87,11 +87,8 @@ def apply_overlong(group: PromptGroup, cfg: OverlongConfig) -> int:
             continue
         if cfg.max_tokens is not None:
             length = sum(s.num_trainable_tokens for s in samples)
-            delta = cfg.penalty * length_penalty(length, cfg.max_tokens, cfg.buffer_tokens)
-            group.completion_rewards[k] += delta
-            for i in indices:  # each sample's share g_s of the change: its per-call part r_s - g_s·R stays as it was
-                g_s = group.return_weights[i] if group.return_weights else 1.0
-                group.samples[i].reward += g_s * delta
+            penalty = cfg.penalty * length_penalty(length, cfg.max_tokens, cfg.buffer_tokens)
+            group.set_completion_reward(k, group.completion_rewards[k] + penalty)
     if filtered:
         keep = [i for i, k in enumerate(group.completion_index) if k in group.completion_rewards]
         group.samples = [group.samples[i] for i in keep]

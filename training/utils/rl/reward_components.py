@@ -125,13 +125,8 @@ def apply_reward_components(
     except RewardComponentsError as e:
         _mark_invalid(group, e, failure_log)
         return False
-    combined = dict(zip(keys, combined_G))
-    weights_S = group.return_weights or [1.0] * len(group.samples)
-    for sample, k, g in zip(group.samples, group.completion_index, weights_S):
-        if k in combined:
-            per_call = sample.reward - g * group.completion_rewards[k]  # 0 unless per-call credit
-            sample.reward = g * combined[k] + per_call if per_call else g * combined[k]
-    group.completion_rewards.update(combined)
+    for k, reward in zip(keys, combined_G):
+        group.set_completion_reward(k, reward)
     return True
 
 

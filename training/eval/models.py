@@ -64,7 +64,7 @@ def resolve_target(spec: str, step: Optional[int] = None, option: str = "model")
     """The ``Target`` a spec names (see the module docstring); ``EvalArgumentError`` naming ``option`` if none."""
     from training.models import resolve_model
     from training.models.resolve import check_base_model
-    from training.utils.checkpoint_files import checkpoint_folders, verify_checkpoint
+    from training.utils.checkpoint_files import checkpoint_steps, verify_checkpoint
     from training.utils.config import ConfigError
 
     name, at = split_step(spec)
@@ -86,16 +86,16 @@ def resolve_target(spec: str, step: Optional[int] = None, option: str = "model")
     if step is None:
         final = folder / "final"
         if not (final / "config.json").is_file():
-            steps = [int(p.name[len("step_") :]) for p in checkpoint_folders(folder / "checkpoints")]
+            steps = checkpoint_steps(folder / "checkpoints")
             raise EvalArgumentError(
                 f"{option}: run {name} has no exported final/ folder; give a checkpoint step (--step N or {name}@N)"
-                + (f", one of {sorted(steps)}" if steps else "")
+                + (f", one of {steps}" if steps else "")
             )
         return Target(spec, str(final), run=str(folder))
     ckpt = folder / "checkpoints" / f"step_{step:06d}"
     problem = verify_checkpoint(ckpt)
     if problem is not None:
-        steps = sorted(int(p.name[len("step_") :]) for p in checkpoint_folders(folder / "checkpoints"))
+        steps = checkpoint_steps(folder / "checkpoints")
         raise EvalArgumentError(
             f"{option}: run {name} has no usable checkpoint at step {step} ({problem}); its checkpoints: {steps or 'none'}"
         )

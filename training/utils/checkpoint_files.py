@@ -108,7 +108,17 @@ def checkpoint_folders(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _FOLDER.fullmatch(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name[len("step_") :]), reverse=True)
+    return sorted(found, key=folder_step, reverse=True)
+
+
+def folder_step(folder: Path) -> int:
+    """The step a checkpoint folder holds (``step_000010`` -> 10)."""
+    return int(folder.name[len("step_") :])
+
+
+def checkpoint_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the checkpoint folders under ``root``, ascending (usable or not)."""
+    return sorted(folder_step(p) for p in checkpoint_folders(root))
 
 
 def scan_checkpoints(root: str | os.PathLike) -> Iterator[tuple[Path, Optional[str]]]:

@@ -58,6 +58,8 @@ RECORDED_WHEN_SET = {
     "kl_estimator": "k3",
 }
 """``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
+TOP_RECORDED_WHEN_SET = {"advantage": None, "reward_weights": None, "overlong": asdict(OverlongConfig())}
+"""The same for top-level settings (``overlong`` as ``asdict`` records it)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -434,15 +436,10 @@ class Config:
         if callable(self.loss.policy_loss):
             d["loss"]["policy_loss"] = getattr(self.loss.policy_loss, "__name__", "custom")
         # settings added after runs were recorded are left out at their defaults, so such a run still resumes
-        if self.advantage is None:
-            del d["advantage"]
-        if self.overlong == OverlongConfig():
-            del d["overlong"]
-        if self.reward_weights is None:
-            del d["reward_weights"]
-        for name, default in RECORDED_WHEN_SET.items():
-            if d["loss"].get(name) == default:
-                del d["loss"][name]
+        for record, defaults in ((d, TOP_RECORDED_WHEN_SET), (d["loss"], RECORDED_WHEN_SET)):
+            for name, default in defaults.items():
+                if name in record and record[name] == default:
+                    del record[name]
         return d
 
 

@@ -65,9 +65,9 @@ def test_custom_loss_callable_is_accepted():
 
 
 def test_deploy_engine_is_validated_and_lists_the_allowed_ones():
-    assert DeployConfig().engine == "embedded"
+    assert DeployConfig().engine == "auto"  # resolved at a run's start (training/utils/engine_choice.py)
     assert DeployConfig(engine="vllm", engine_args=["--seed", "1"], engine_env={"A": "1"}).engine == "vllm"
-    with pytest.raises(ValueError, match=r"^engine: 'tgi' is not one of \('embedded', 'vllm', 'sglang'\)"):
+    with pytest.raises(ValueError, match=r"^engine: 'tgi' is not 'auto' or one of \('embedded', 'vllm', 'sglang'\)"):
         DeployConfig(engine="tgi")
     with pytest.raises(ValueError, match="^engine_args:"):
         DeployConfig(engine="vllm", engine_args="--seed 1")

@@ -56,6 +56,7 @@ from training.deployment.backends.process import ServerProcess
 from training.deployment.client import ReplicaStatus
 from training.deployment.weights.files import WeightFolder, WeightSyncError, weights_nbytes
 from training.utils.config import DeployConfig, TrainerConfig
+from training.utils.engine_choice import resolve_engine
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class DeploymentGroup:
         replicas: Optional[list[ServerProcess]] = None,
         trainer: Optional[TrainerConfig] = None,
     ):
+        cfg, choice = resolve_engine(cfg)  # engine="auto" (the recipes resolve it first, so it is logged once)
+        if choice.line:
+            log.info("%s", choice.line)
         self.model = model
         self.trainer = trainer
         """The run's trainer settings, for the placement (None: ``TrainerConfig()``'s devices)."""

@@ -216,6 +216,12 @@ async def serve(args: argparse.Namespace, ready_file: Optional[object] = None) -
         await site.start()
         port = site.bound_port
         name = args.served_model_name or engine.model_name
+        if engine.engine.device.type == "cuda":  # the recipe's engine="auto" picks vLLM where it is installed
+            print(
+                f"deployment server: the embedded engine on {engine.engine.device} is the small-model path (its decode "
+                "is simple); for larger models on GPUs use vLLM (deployment.engine=vllm, README 'GPU quickstart')",
+                flush=True,
+            )
         print(
             f"{READY_PREFIX} http://{args.host}:{port} model={name} weight_version={engine.weight_version}",
             file=ready_file or sys.stdout,

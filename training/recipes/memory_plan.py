@@ -42,11 +42,12 @@ import importlib.util
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from training.utils.config import backend
+from training.utils.engine_choice import resolve_engine
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +291,6 @@ def plan_run(cfg: Any, model_path: str) -> Any:
     only when the plan does not fit without it; on CPU: off), after checking on CUDA that the plan fits the visible
     GPUs, else ``ConfigError`` naming what to change. The plan's table is logged once. Host memory (CPU runs) is not
     checked. Where the model's config cannot be read the load itself says what is wrong, so nothing is checked."""
-    from dataclasses import replace
-
     from training.utils.config import ConfigError
 
     gpus, gpu_bytes = _visible_gpus()
@@ -325,8 +324,6 @@ def plan_run(cfg: Any, model_path: str) -> Any:
 def _colocated_share(cfg: Any, shape: ModelShape, gpus: int, gpu_bytes: float) -> Any:
     """A colocated vLLM / SGLang left at its default share (``gpu_memory_fraction`` None) gets what the trainer's
     parts leave of each GPU's usable memory (rounded down to 0.01), logged; otherwise ``cfg`` unchanged."""
-    from dataclasses import replace
-
     deploy = cfg.deployment
     facts = backend(deploy.engine)
     if (
@@ -422,6 +419,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--host-gb", type=float, default=None, help="memory of each host in GB (default: this one's)")
     args = parser.parse_args(argv)
     cfg = load_train_config(args.train_py, args.overrides)
+    deployment, choice = resolve_engine(cfg.deployment, num_gpus=args.gpus_per_node)
+    cfg = replace(cfg, deployment=deployment)
+    if choice.line:
+        print(choice.line)
     gpu_bytes = args.gpu_gb * GB if args.gpus_per_node else None
     host = args.host_gb * GB if args.host_gb else None
     plan = plan_memory(cfg, gpus_per_node=args.gpus_per_node, gpu_bytes=gpu_bytes, nodes=args.nodes, host_bytes=host)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +33,7 @@ from training.utils import dist
 from training.utils.config import ConfigError, backend
 from training.utils.data import Rows, load_rows
 from training.utils.device import resolve_device
+from training.utils.engine_choice import resolve_engine
 from training.utils.metrics import check_trackers
 
 logger = logging.getLogger("training.recipe")
@@ -114,6 +115,18 @@ def promote_final_model(final: Path, cfg: Config, log_path: Path) -> Path:
     shutil.copytree(final, dest)
     logger.info("promoted the final policy as %r: %s", name, dest)
     return dest
+
+
+def resolve_engines(cfg: Config, main_rank: bool = True) -> Config:
+    """``cfg`` with ``deployment.engine`` and ``distillation.deployment.engine`` decided where they are ``auto``
+    (training/utils/engine_choice.py), the choice logged in one line each on the main rank where there is one."""
+    deployment, choice = resolve_engine(cfg.deployment)
+    teacher, teacher_choice = resolve_engine(cfg.distillation.deployment)
+    if main_rank:
+        for prefix, c in (("", choice), ("teacher ", teacher_choice)):
+            if c.line:
+                logger.info("%s%s", prefix, c.line)
+    return replace(cfg, deployment=deployment, distillation=replace(cfg.distillation, deployment=teacher))
 
 
 def log_start_notes(cfg: Config, model_path: str) -> None:

@@ -41,6 +41,7 @@ from training.recipes.resources import (
     cpu_share,
     log_start_notes,
     promote_final_model,
+    resolve_engines,
     resolve_rollout_factory,
     resolve_rows,
     rollout_tokenizer,
@@ -215,7 +216,8 @@ def _run_recipe(
         eval_rows = load_rows(cfg.eval_rows) if cfg.eval_rows is not None else []
         model_path = resolve_model(cfg.base_model)
         log_path = choose_log_path(cfg, main_rank)
-        cfg = plan_run(replace(cfg, log_path=str(log_path)), model_path)  # config.json keeps the settings as given
+        cfg = resolve_engines(replace(cfg, log_path=str(log_path)), main_rank)  # config.json keeps them as given
+        cfg = plan_run(cfg, model_path)
         t_start = time.perf_counter()
         state = build_train_state(cfg, model_path, len(rows), log_path)
         try:

@@ -38,8 +38,12 @@ def _check(cond: bool, name: str, message: str) -> None:
 def backend(name: str) -> Backend:
     """The facts of deployment backend ``name`` (``BACKENDS``, training/utils/backends.py); a ``ConfigError``
     naming the allowed names when there is no such backend."""
-    _check(isinstance(name, str) and name in BACKENDS, "engine", f"{name!r} is not one of {tuple(BACKENDS)}")
-    return BACKENDS[name]
+    _check(
+        isinstance(name, str) and (name in BACKENDS or name == "auto"),
+        "engine",
+        f"{name!r} is not 'auto' or one of {tuple(BACKENDS)}",
+    )
+    return BACKENDS["embedded" if name == "auto" else name]  # "auto" unresolved: see training/utils/engine_choice.py
 
 
 def _is_replica_device(value: str) -> bool:
@@ -346,10 +350,12 @@ class DeployConfig:
     """How many times the launcher restarts an embedded server that died."""
     log_file: Optional[str] = None
     """Where the embedded server's log goes; default ``<log_path>/deployment.log``."""
-    engine: str = "embedded"
+    engine: str = "auto"
     """Inference engine, a name of ``BACKENDS`` (training/utils/backends.py: what each one reads and can do):
-    ``embedded`` (this package's server), ``vllm`` or ``sglang``. With ``base_url`` set, ``vllm`` / ``sglang`` attach
-    to that server (weight sync through the engine's own endpoints)."""
+    ``embedded`` (this package's server), ``vllm`` or ``sglang``; ``auto`` (the default) is vLLM when the replicas run
+    on GPUs and a vLLM is installed that takes this config, else the embedded engine, decided and logged in one line
+    at the run's start (training/utils/engine_choice.py); on the CPU it is always the embedded engine. With
+    ``base_url`` set, ``vllm`` / ``sglang`` attach to that server (weight sync through the engine's own endpoints)."""
     engine_python: Optional[str] = None
     """Python that launches a ``vllm`` / ``sglang`` server; None = ``.venv-vllm/bin/python`` of this
     repository for vLLM when it exists (``scripts/setup_vllm.sh``), else the current interpreter."""
@@ -472,6 +478,8 @@ def check_backend(cfg: DeployConfig, facts: Backend) -> None:
     ``colocate`` on a backend that cannot sleep, a ``sleep_level`` it lacks, ``gpu_memory_fraction`` where it
     does not size the memory, an ``engine_config`` field it does not read set away from its default."""
     name = f"the {facts.name} backend"
+    if cfg.engine == "auto":  # checked as the engine it is without a GPU (training/utils/engine_choice.py)
+        name = f"engine 'auto' (checked as the {facts.name} backend; set deployment.engine to choose another)"
     if cfg.colocate:
         _check(
             bool(facts.sleep_levels),

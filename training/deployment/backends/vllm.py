@@ -69,6 +69,7 @@ from typing import Any, Iterable, Optional
 from training.deployment.backends.process import REPO_ROOT, DeploymentStartError, ServerProcess
 from training.deployment.weights.files import WeightSyncError
 from training.utils.config import DeployConfig
+from training.utils.engine_choice import find_vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,13 @@ def check_vllm_version(version: Optional[str]) -> None:
 
 
 def default_vllm_python(on_gpu: bool) -> str:
-    """The interpreter that launches vLLM when ``cfg.engine_python`` is None: ``.venv-vllm/bin/python`` of
-    this repository for a server on the CPU when that venv exists (``scripts/setup_vllm.sh`` installs
-    vLLM's CPU build there), else the current interpreter (on a GPU machine: a CUDA vLLM installed
-    beside this package)."""
-    return str(VLLM_VENV_PYTHON) if not on_gpu and VLLM_VENV_PYTHON.exists() else sys.executable
+    """The interpreter that launches vLLM when ``cfg.engine_python`` is None: for a server on the CPU
+    ``.venv-vllm/bin/python`` of this repository when that venv exists (``scripts/setup_vllm.sh`` installs
+    vLLM's CPU build there); on GPUs ``.venv-vllm-gpu`` when it has vLLM (the README's GPU quickstart), else the
+    current interpreter (a CUDA vLLM installed beside this package); training/utils/engine_choice.py."""
+    if on_gpu:
+        return find_vllm_python() or sys.executable
+    return str(VLLM_VENV_PYTHON) if VLLM_VENV_PYTHON.exists() else sys.executable
 
 
 class VLLMDeployment(ServerProcess):

@@ -15,6 +15,7 @@ from training.utils.rl.losses.config import LossConfig
 from training.utils.run_record import IF_EXISTS
 from training.utils.rl.group_reward import GroupRewardFn
 from training.utils.rl.groups import PromptGroup
+from training.utils.rl.gae import CriticConfig
 from training.utils.rl.overlong import OverlongConfig
 from training.utils.rl.rollout import COMPONENT_NAME
 
@@ -58,8 +59,13 @@ RECORDED_WHEN_SET = {
     "kl_estimator": "k3",
 }
 """``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
-TOP_RECORDED_WHEN_SET = {"advantage": None, "reward_weights": None, "overlong": asdict(OverlongConfig())}
-"""The same for top-level settings (``overlong`` as ``asdict`` records it)."""
+TOP_RECORDED_WHEN_SET = {
+    "advantage": None,
+    "reward_weights": None,
+    "overlong": asdict(OverlongConfig()),
+    "critic": asdict(CriticConfig()),
+}
+"""The same for top-level settings (``overlong`` and ``critic`` as ``asdict`` records them)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -168,6 +174,10 @@ class Config:
     """DAPO's overlong shaping (``overlong.*``): a soft length penalty up to ``overlong.max_tokens`` over a window of
     ``overlong.buffer_tokens``, and ``overlong.filter_truncated`` to keep cut-off completions out of training; off
     by default (``training/utils/rl/overlong.py``)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's critic for ``advantage="gae"`` (``critic.*``: gamma, lam, value_loss_coef, value_clip, learning_rate,
+    whiten): a value head on the policy's hidden states trained beside it (``training/utils/rl/gae.py``). Setting it
+    with any other estimator is an error."""
     max_steps: Optional[int] = None
     """Stop after this many steps; None = when the data (epochs passes over the rows) runs out."""
     epochs: int = 1
@@ -338,6 +348,7 @@ class Config:
             ("tensorboard", TensorBoardConfig),
             ("distillation", DistillationConfig),
             ("overlong", OverlongConfig),
+            ("critic", CriticConfig),
         ):
             check(isinstance(getattr(self, name), cls), name, f"must be a {cls.__name__}")
         check(
@@ -350,6 +361,17 @@ class Config:
             "advantage",
             f"advantage={self.advantage!r} and advantage_std_scaling=False conflict (the latter is "
             "advantage='dr_grpo'); set advantage alone",
+        )
+        check(
+            self.critic == CriticConfig() or self.advantage == "gae",
+            "critic",
+            f"the critic trains only with advantage='gae', not {self.advantage_estimator!r}; set advantage='gae' or "
+            "leave critic at its defaults",
+        )
+        check(
+            self.advantage != "gae" or not self.distillation.enabled,
+            "advantage",
+            "'gae' and distillation both set the per-token advantages; choose one",
         )
         if self.policy_loss is not None and not self.loss.policy_loss_given:
             self.loss = dataclasses.replace(self.loss, policy_loss=_given(self.policy_loss))  # the alias was given

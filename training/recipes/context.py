@@ -435,6 +435,7 @@ class RunContext:
                 self.trainer.optimizer,
                 state,
                 keep_last=self.cfg.keep_checkpoints,
+                critic=getattr(self.trainer, "critic", None),
             )
 
     async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:

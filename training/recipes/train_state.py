@@ -16,6 +16,7 @@ import torch
 
 from training.recipes.config import Config
 from training.utils.checkpoint import load_latest_checkpoint, set_rng_state
+from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
 from training.utils.data import RowCursor
 from training.utils.rl.losses import needs_reference_logprobs
 
@@ -57,8 +58,12 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
     reference = None
     if needs_reference_logprobs(cfg.loss):  # with LoRA: the policy's own base weights, adapters off
         reference = trainer.base_reference() if trainer.lora else ReferenceModel(model_path, cfg.trainer)
+    if ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic:  # advantage="gae": a value head beside the policy
+        trainer.attach_critic(cfg.critic)
     start_step = 0
-    resumed = load_latest_checkpoint(log_path / "checkpoints", trainer.model, trainer.optimizer)  # newest that loads
+    resumed = load_latest_checkpoint(  # the newest that loads
+        log_path / "checkpoints", trainer.model, trainer.optimizer, critic=trainer.critic
+    )
     if resumed is not None:
         ckpt, state = resumed
         start_step = int(state["step"])

@@ -39,15 +39,17 @@ from training.trainer.logprobs import score_sequences
 from training.trainer.lr_schedule import SCHEDULE_STEP, LrSchedule
 from training.trainer.model import decoder_layers, load_causal_lm, prefix_sharing_supported
 from training.trainer.sharded_load import load_sharded
-from training.trainer.packing import PackedBatch
+from training.trainer.packing import pack_sequences
 from training.trainer.optimizer_offload import move_optimizer_state
+from training.trainer.value_head import ValueHead, capture_hidden_states
 from training.utils.config import TrainerConfig
 from training.utils.device import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-"""``loss_fn(packed, logprobs_N) -> (scalar loss, metrics)`` for one micro-batch."""
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(packed, logprobs_N) -> (scalar loss, metrics)`` for one micro-batch; with ``with_values`` (a critic
+attached) ``loss_fn(packed, logprobs_N, values_N)``."""
 
 _TOKENIZER_KWARGS = ("gguf_file", "revision", "trust_remote_code", "cache_dir", "local_files_only")
 
@@ -299,9 +301,46 @@ class PolicyTrainer(_ScoringModel):
         )
         for group in self.optimizer.param_groups:  # saved with the optimizer state, so a resume continues the schedule
             group[SCHEDULE_STEP] = 0
+        self.critic: Optional[ValueHead] = None
+        """The value head of ``advantage="gae"`` (``attach_critic``); None otherwise."""
+
+    def attach_critic(self, critic_cfg) -> ValueHead:
+        """Give the policy a value head (``value_head.py``, ``critic_cfg`` a ``CriticConfig``) trained beside it; one
+        process only."""
+        if dist_utils.is_distributed():
+            raise NotImplementedError("advantage='gae': the critic runs in one process only, not under torchrun yet")
+        hidden = int(self.model.config.get_text_config().hidden_size)
+        self.critic = ValueHead(
+            hidden, critic_cfg, self.device, betas=tuple(self.cfg.adam_betas), grad_clip_norm=self.cfg.grad_clip_norm
+        )
+        return self.critic
+
+    @torch.no_grad()
+    def logprobs_and_values(
+        self, sequences: Sequence[Sequence[int]], temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[float]]]:
+        """``logprobs`` and the critic's values (aligned alike, ``value_head.py``) of each sequence from one
+        no-grad forward per micro-batch; needs ``attach_critic``."""
+        if self.critic is None:
+            raise ValueError("logprobs_and_values: no critic attached (attach_critic)")
+        _check_sequences(sequences, _vocab_size(self.model))
+        self.use_cpu_threads()
+        self.model.eval()
+        logprobs: list[list[float]] = [[] for _ in sequences]
+        values: list[list[float]] = [[] for _ in sequences]
+        for packed in pack_sequences(sequences, self.cfg.micro_batch_tokens, self.share_prefixes):
+            packed = packed.to(self.device)
+            with capture_hidden_states(self.model) as hidden, self.autocast():
+                logprobs_N = fsdp_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
+            values_N = self.critic.values_N(hidden[0], packed)
+            for i, lp_T, v_T in zip(
+                packed.sample_indices, packed.split(logprobs_N.cpu()), packed.split(values_N.cpu())
+            ):
+                logprobs[i], values[i] = lp_T.tolist(), v_T.tolist()
+        return logprobs, values
 
     def forward_backward(
-        self, sequences: Sequence[Sequence[int]], loss_fn: LossFn, temperature: float = 1.0
+        self, sequences: Sequence[Sequence[int]], loss_fn: LossFn, temperature: float = 1.0, with_values: bool = False
     ) -> dict[str, float]:
         """Pack ``sequences``, and per micro-batch: logprobs with gradient, ``loss_fn``, backward.
 
@@ -309,9 +348,12 @@ class PolicyTrainer(_ScoringModel):
         combined by ``combine_metrics`` plus ``loss``, the sum of the micro-batch losses. Under
         torchrun each rank packs its share of ``sequences`` (``packed.sample_indices`` still index
         the full list, so ``loss_fn`` is unchanged), padding micro-batches contribute
-        ``0 * sum(logprobs)``, and the metrics are combined over ranks the same way.
+        ``0 * sum(logprobs)``, and the metrics are combined over ranks the same way. ``with_values``: the critic's
+        values of the same forward (``value_head.py``) are passed on, ``loss_fn(packed, logprobs_N, values_N)``.
         """
         _check_sequences(sequences, _vocab_size(self.model))
+        if with_values and self.critic is None:
+            raise ValueError("forward_backward: with_values needs a critic (attach_critic)")
         self.use_cpu_threads()
         self.model.train()
         per_micro_batch: list[tuple[dict[str, float], int]] = []
@@ -319,12 +361,16 @@ class PolicyTrainer(_ScoringModel):
         try:
             for packed, is_real in plan_micro_batches(sequences, self.cfg.micro_batch_tokens, self.share_prefixes):
                 packed = packed.to(self.device)
-                with self.autocast():
+                hooked = capture_hidden_states(self.model) if with_values else contextlib.nullcontext()
+                with hooked as hidden, self.autocast():
                     logprobs_N = fsdp_logprobs(self.model, packed, self.cfg.logprob_chunk_tokens, temperature)
                 if not is_real:  # keeps this rank in step with the others' forwards and backwards
                     (logprobs_N.sum() * 0.0).backward()
                     continue
-                loss, metrics = loss_fn(packed, logprobs_N)
+                if with_values:
+                    loss, metrics = loss_fn(packed, logprobs_N, self.critic.values_N(hidden[0], packed))
+                else:
+                    loss, metrics = loss_fn(packed, logprobs_N)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError("loss_fn: must return a scalar tensor as its first value")
                 loss.backward()
@@ -343,6 +389,7 @@ class PolicyTrainer(_ScoringModel):
         Returns ``grad_norm`` (before clipping), ``learning_rate`` (this step's), and on CUDA
         ``gpu_memory_peak_gb`` (this process's peak allocated memory on its GPU so far). A non-finite grad
         norm skips the update (the grads are dropped) and is reported as is; the schedule counts the step anyway.
+        With a critic its head steps too (its own optimizer and clipping: ``value_grad_norm``).
         """
         self.use_cpu_threads()
         lr = self.schedule.begin_step(self.optimizer)
@@ -365,6 +412,8 @@ class PolicyTrainer(_ScoringModel):
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.end_step(self.optimizer)
         out = {"grad_norm": grad_norm, "learning_rate": lr}
+        if self.critic is not None:
+            out["value_grad_norm"] = self.critic.step()
         if self.device.type == "cuda":
             out["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out

@@ -27,7 +27,9 @@ single-process model (and the other way round).
 
 Only trainable parameters are stored (``ignore_frozen_params``): every weight in full
 fine-tuning, the adapters with LoRA (the frozen base weights come from ``base_model`` again on
-resume), with the optimizer state of each.
+resume), with the optimizer state of each. With a critic (``advantage="gae"``: ``critic=``, a
+``training.trainer.value_head.ValueHead``) its head and AdamW state are stored under ``critic`` beside them; a
+checkpoint without them does not load into a run with a critic (and a run without one ignores them).
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def _quiet():
     ctx.__enter__()
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     return ctx
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None) -> dict:
+    """What DCP writes and reads: ``model`` and ``optim`` (trainable only), and ``critic`` (head, optimizer) if given."""
+    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        head_sd, head_optim_sd = get_state_dict(critic.head, critic.optimizer)
+        state["critic"] = {"model": head_sd, "optim": head_optim_sd}
+    return state
+
+
+def _set_critic(critic, state: dict) -> None:
+    set_state_dict(
+        critic.head,
+        critic.optimizer,
+        model_state_dict=state["critic"]["model"],
+        optim_state_dict=state["critic"]["optim"],
+    )
 
 
 def _trainable_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -128,6 +149,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     recipe_state: Optional[dict],
     keep_last: int = 2,
+    critic=None,
 ) -> Path:
     """Write checkpoint ``step`` (its manifest last), verify it, point ``latest`` at it; then keep the newest
     ``keep_last`` checkpoints that verify (older folders are deleted; the new one always counts).
@@ -145,10 +167,10 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()  # nobody writes into tmp before rank 0 has cleared it
-    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
+    state = _state(model, optimizer, critic)
     ctx = _quiet()
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))
         if main:
             (tmp / RECIPE_STATE).write_text(json.dumps(recipe_state))
             write_manifest(tmp)
@@ -158,7 +180,7 @@ def save_checkpoint(
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = next((f for f in checkpoint_folders(root) if f != final), None)
-        needed = max(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd), _folder_bytes(previous))
+        needed = max(_tensor_bytes(state), _folder_bytes(previous))
         free = shutil.disk_usage(root).free
         raise CheckpointNoSpace(
             errno.ENOSPC,
@@ -238,7 +260,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_latest_checkpoint(
-    root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None
 ) -> Optional[tuple[Path, dict]]:
     """Resume: load the newest checkpoint under ``root`` that verifies and loads; return it and its recipe state.
 
@@ -250,7 +272,7 @@ def load_latest_checkpoint(
     for folder, reason in scan_checkpoints(root):
         if reason is None:
             try:
-                state = load_checkpoint(folder, model, optimizer)
+                state = load_checkpoint(folder, model, optimizer, critic)
             except (Exception, CheckpointException) as e:
                 reason = f"does not load: {_one_line(e)}"
             else:
@@ -262,14 +284,15 @@ def load_latest_checkpoint(
     return None
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Load model and optimizer state in place from ``path``; return the recipe state.
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None
+) -> dict:
+    """Load model and optimizer state (and ``critic``'s, when given) in place from ``path``; return the recipe state.
 
     Works whatever world size wrote the checkpoint (DCP reshards to this model's layout).
     """
     path = Path(path)
-    model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state(model, optimizer, critic)
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -278,6 +301,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_TRAINABLE
     )
+    if critic is not None:
+        _set_critic(critic, state)
     return json.loads((path / RECIPE_STATE).read_text())
 
 

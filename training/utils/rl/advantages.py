@@ -6,11 +6,14 @@ with returns R (std unbiased, divides by G - 1):
     dr_grpo       A_i = R_i - mean_G R                                  (Dr. GRPO: mean-centred only)
     rloo          A_i = R_i - (sum_{j != i} R_j) / (G - 1)  =  G/(G-1) · (R_i - mean_G R)
     reinforce_pp  A_i = (R_i - mean_G R) / (std_B c + 1e-4)             (REINFORCE++ with the group baseline)
+    gae           A_i = R_i, the return; the trainer's critic turns it into per-token GAE advantages (``gae.py``)
 
 where for ``reinforce_pp`` c = R - mean_G R is taken over every sample of the step's batch B (``batch_normalised``:
 ``step_advantages.set_step_advantages`` divides after the groups are centred; the batch mean of c is 0, so the batch
 only sets the scale). A zero-variance group (all rewards equal) gets A = 0 under every estimator: it carries no
-learning signal (a dynamic filter may drop it; which groups those are does not depend on the estimator). grpo
+learning signal (a dynamic filter may drop it; which groups those are does not depend on the estimator), except
+under ``gae`` (a ``critic`` estimator: no group baseline, the value head is the baseline and still learns from such
+a group, so every sample keeps its own return r_s, per-call credit included). grpo
 up-weights groups whose rewards barely differ; dr_grpo and rloo keep the reward's units (rloo's baseline excludes
 the sample itself, so it is unbiased); reinforce_pp shares one scale across the step's groups. A group needs at
 least two samples: set ``completions_per_prompt >= 2``.
@@ -58,19 +61,24 @@ class AdvantageEstimator:
     """Group returns ``rewards_G`` (checked, not all equal) → each completion's advantage (module docstring)."""
     batch_normalised: bool = False
     """Whether the step's advantages are then divided by their std over the whole step batch (``reinforce_pp``)."""
+    critic: bool = False
+    """Whether a learned value function gives the advantages (``gae``): the scalar each sample gets is its return
+    r_s, the value target, which the trainer turns into per-token advantages (``training/utils/rl/gae.py``)."""
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 """Registered estimator names → ``AdvantageEstimator``, filled by ``@register_estimator`` below."""
 
 
-def register_estimator(name: str, *, batch_normalised: bool = False) -> Callable[[Callable], Callable]:
+def register_estimator(
+    name: str, *, batch_normalised: bool = False, critic: bool = False
+) -> Callable[[Callable], Callable]:
     """Decorator: add a group advantage function to ``ADVANTAGE_ESTIMATORS`` under ``name`` (once)."""
 
     def register(fn: Callable) -> Callable:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage: estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, batch_normalised)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, batch_normalised, critic)
         return fn
 
     return register
@@ -110,6 +118,12 @@ def rloo_advantages(rewards_G: list[float]) -> list[float]:
 def reinforce_pp_advantages(rewards_G: list[float]) -> list[float]:
     """c_i = R_i - mean_G R; the step then divides every c by (std over the step batch + 1e-4) (module docstring)."""
     return dr_grpo_advantages(rewards_G)
+
+
+@register_estimator("gae", critic=True)
+def gae_returns(rewards_G: list[float]) -> list[float]:
+    """A_i = R_i: each completion's return, which the critic's GAE turns into per-token advantages (``gae.py``)."""
+    return [float(r) for r in rewards_G]
 
 
 def estimator_of(estimator: Union[str, bool]) -> AdvantageEstimator:
@@ -159,7 +173,7 @@ def group_advantages(
     estimator = estimator_of(scale_by_std)
     _check_group(rewards_G)
     values = rewards_G if targets is None else targets
-    if max(rewards_G) == min(rewards_G):
+    if max(rewards_G) == min(rewards_G) and not (estimator.critic and targets is None):
         return [0.0] * len(values)
     if targets is None:
         return estimator.fn(rewards_G)
@@ -193,5 +207,7 @@ def credited_advantages(
     for s, value in enumerate(calls_S):
         if not math.isfinite(value):
             raise ValueError(f"rewards_S: rewards_S[{s}]={rewards_S[s]!r} is not a finite number")
+    if estimator_of(scale_by_std).critic:  # the value target: the sample's own reward, r_s = g_s·R_c + i_s
+        return [float(r) for r in rewards_S]
     mean_call = math.fsum(calls_S) / len(calls_S) if calls_S else 0.0
     return [g * episode_G[c] + (i - mean_call) for c, g, i in zip(completion_S, return_weights_S, calls_S)]

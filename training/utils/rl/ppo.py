@@ -21,6 +21,13 @@ The loss of every micro-batch is divided by the mini-batch's global trainable-to
 sequence) count, so the gradients summed over micro-batches and ranks equal the one-process
 gradient.
 
+With a critic (``advantage="gae"``: ``trainer.critic``, ``training/utils/rl/gae.py``) the step starts with one
+no-grad forward that gives l_old and V_old together (``trainer.logprobs_and_values``); each sample's scalar advantage
+is then its return R, and GAE over its trainable tokens replaces it with per-token advantages (whitened over the step
+when ``critic.whiten``) and value targets G. Every mini-batch's forward computes V beside l on the same packed batch
+and adds ``value_loss_coef`` · the clipped value loss to the policy loss; the head steps with the policy
+(``train/value_*`` metrics, ``train/value_explained_variance`` of V_old against G).
+
 Sample weights (``RolloutSample.weight``, e.g. 1/n for the n transitions of one episode) make
 the loss a weighted mean, normalised by the weighted count for the loss's aggregation
 (``loss_aggregation(cfg)``, the one ``compute_policy_loss`` reduces with): per mini-batch each weight is
@@ -34,6 +41,7 @@ counts once in either mode.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -42,6 +50,7 @@ import torch
 
 from training.utils import dist as dist_utils
 from training.utils.dist import Command, broadcast_tensor, lead
+from training.utils.rl.gae import explained_variance, step_gae, value_loss
 from training.utils.rl.groups import PromptGroup
 from training.utils.rl.losses import compute_policy_loss, loss_aggregation
 from training.utils.rl.losses.common import LossInputs
@@ -212,7 +221,15 @@ def train_on_batch(
     sequences = batch.tokens
     # one optimizer step over the whole batch: l_old is the pass's own logprobs, detached (module docstring)
     single_update = ppo_epochs * min(ppo_mini_batches, n) == 1
-    old_logprobs = None if single_update else trainer.logprobs(sequences, temperature=temperature)
+    critic = getattr(trainer, "critic", None)
+    old_values = targets = None
+    if critic is not None:  # l_old and V_old from one pre-update forward; GAE replaces the returns (docstring)
+        logprobs_before, old_values = trainer.logprobs_and_values(sequences, temperature=temperature)
+        old_logprobs = None if single_update else logprobs_before
+        advantages, targets = step_gae(batch.advantages, old_values, batch.loss_masks, critic.cfg)
+        batch = dataclasses.replace(batch, advantages=advantages)
+    else:
+        old_logprobs = None if single_update else trainer.logprobs(sequences, temperature=temperature)
     ref_logprobs: Optional[list] = None
     if reference is not None and loss_cfg.kl_beta > 0:
         ref_logprobs = reference.logprobs(sequences, temperature=temperature)
@@ -245,11 +262,15 @@ def train_on_batch(
                 )
                 if weighted
                 else None,
+                "old_values": None if old_values is None else [old_values[i] for i in idx],
+                "targets": None if targets is None else [targets[i] for i in idx],
             }
 
             num_sequences = len(idx)
 
-            def loss_fn(packed, logprobs_N, lists=lists, total_tokens=total_tokens, num_sequences=num_sequences):
+            def loss_fn(
+                packed, logprobs_N, values_N=None, lists=lists, total_tokens=total_tokens, num_sequences=num_sequences
+            ):
                 inputs = LossInputs(
                     logprobs_N=logprobs_N,
                     old_logprobs_N=logprobs_N.detach() if lists["old"] is None else packed.gather(lists["old"]),
@@ -261,17 +282,32 @@ def train_on_batch(
                     ref_logprobs_N=None if lists["ref"] is None else packed.gather(lists["ref"]),
                     sample_weights_N=None if lists["weight"] is None else packed.gather(lists["weight"]),
                 )
-                return compute_policy_loss(inputs, loss_cfg, total_tokens, num_sequences)
+                loss, metrics = compute_policy_loss(inputs, loss_cfg, total_tokens, num_sequences)
+                if values_N is None:
+                    return loss, metrics
+                critic_loss, critic_metrics = value_loss(
+                    values_N,
+                    packed.gather(lists["old_values"]),
+                    packed.gather(lists["targets"]),
+                    inputs,
+                    loss_cfg,
+                    critic.cfg,
+                    total_tokens,
+                    num_sequences,
+                )
+                return loss + critic_loss, {**metrics, **critic_metrics}
 
-            metrics = trainer.forward_backward([sequences[i] for i in idx], loss_fn, temperature=temperature)
+            mini_batch = [sequences[i] for i in idx]
+            if critic is None:
+                metrics = trainer.forward_backward(mini_batch, loss_fn, temperature=temperature)
+            else:
+                metrics = trainer.forward_backward(mini_batch, loss_fn, temperature=temperature, with_values=True)
             _merge(sums, metrics, float(total_tokens), weights)
             optim_metrics = trainer.optim_step()
-            _merge(
-                sums,
-                {"grad_norm": optim_metrics["grad_norm"], "grad_norm_max": optim_metrics["grad_norm"]},
-                1.0,
-                weights,
-            )
+            norms = {"grad_norm": optim_metrics["grad_norm"], "grad_norm_max": optim_metrics["grad_norm"]}
+            if "value_grad_norm" in optim_metrics:
+                norms["value_grad_norm"] = optim_metrics["value_grad_norm"]
+            _merge(sums, norms, 1.0, weights)
 
     out = {f"train/{k}": (v if k.endswith("_max") else v / max(weights.get(k, 1.0), 1e-12)) for k, v in sums.items()}
     out["train/learning_rate"] = optim_metrics.get("learning_rate", 0.0)
@@ -282,6 +318,8 @@ def train_on_batch(
     out["train/trainable_tokens"] = float(sum(batch.num_trainable_tokens(i) for i in range(n)))
     out["train/tokens"] = float(sum(len(t) for t in sequences))
     out.update(batch_distribution_metrics(batch))
+    if targets is not None:
+        out["train/value_explained_variance"] = explained_variance(old_values, targets, batch.loss_masks)
     return out
 
 

@@ -114,3 +114,25 @@ def test_a_resumed_critic_run_equals_an_uninterrupted_one_bit_for_bit(tiny_model
     a, b = _state(straight), _state(resumed)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ
+
+
+def test_the_memory_plan_counts_the_critics_bytes(tiny_model_path):
+    from training.recipes.async_rl_loop import Config
+    from training.recipes.memory_plan import GB, plan_memory
+
+    trainer = _trainer(tiny_model_path)
+    train_on_batch(trainer, _batch(), LossConfig(kl_beta=0.0))
+    head = trainer.critic
+    params = sum(p.numel() * p.element_size() for p in head.head.parameters())
+    moments = sum(
+        v.numel() * v.element_size() for s in head.optimizer.state.values() for k, v in s.items() if k != "step"
+    )
+    measured = 2 * params + moments  # weights, gradients (freed after the step, held during it), two moments
+    assert head.num_bytes() == measured
+
+    def parts(**kw):
+        cfg = Config(base_model=tiny_model_path, trainer=TrainerConfig(device="cpu"), **kw)
+        return {p.name: p.host_bytes for p in plan_memory(cfg, gpus_per_node=0, host_bytes=24 * GB).parts}
+
+    assert parts(advantage="gae")["critic"] == measured
+    assert "critic" not in parts()

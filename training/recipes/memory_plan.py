@@ -20,6 +20,7 @@ with hidden size h, MLP size I, query width q = heads·head_dim, key / value wid
 | optimizer | 8·N / W (AdamW's two fp32 moments; LoRA: the adapters'); 0 with ``offload_optimizer`` (host instead) |
 | gathered layer | 2 · b · (one decoder layer's parameters): FSDP2's all-gather of the running layer and the next |
 | reference | 2·N / W in bf16 (or 4·N in fp32 on CPU) when ``kl_beta > 0`` and no LoRA (LoRA: the base itself) |
+| critic | 16·(h + 1) with ``advantage="gae"``: the value head's fp32 weights, gradient and AdamW moments (it reads the policy's hidden states in the same forward: no second model, no extra process) |
 | activations | T · L · b · (6h + 2q + 2k + 4I, + 3q + 3k with per-head q / k norms) for T = ``micro_batch_tokens`` tokens (without checkpointing); with it T·L·b·h plus one layer's full set; and the LM-head chunk ``logprob_chunk_tokens``·V·4·3 |
 
 | part | bytes per inference GPU |
@@ -252,6 +253,8 @@ def plan_memory(
         put("gathered layer", 2 * b * shape.layer_params, note="FSDP2 all-gather of the running and next layer")
     if getattr(cfg, "loss", None) is not None and cfg.loss.kl_beta > 0 and not lora:
         put("reference", n * (2 if on_gpu else 4) / w, note="frozen copy of the start")
+    if getattr(cfg, "advantage", None) == "gae":
+        put("critic", 16 * (shape.hidden + 1), note="value head Linear(h, 1): fp32 weights, grad, AdamW moments")
     tokens = trainer.micro_batch_tokens
     per_token_layer = shape.activation_bytes_per_token_layer(b)
     checkpointing = bool(getattr(trainer, "gradient_checkpointing", False))

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 from training.utils.backends import BACKENDS, Backend
 from training.utils.device import DEVICES, DTYPES, is_device_name, resolve_device, resolve_dtype
+from training.openai_api.tool_parsers.registry import TOOL_CALL_PARSERS
 
 WEIGHT_SYNC_MODES = ("auto", "shm", "disk", "distributed")
 INFLIGHT_UPDATE_KV = ("keep", "recompute")
@@ -237,6 +238,10 @@ class EngineConfig:
     """Most entries a request's ``tools`` list may have (the server answers 400 naming ``tools`` and this limit)."""
     max_tools_bytes: int = 1024 * 1024
     """Most bytes a request's ``tools`` may take as compact JSON (400 naming ``tools`` and this limit above it)."""
+    tool_call_parser: str = "auto"
+    """How the server reads tool calls in chat replies: a parser of ``training/openai_api/tool_parsers`` (``hermes``
+    / ``qwen``, ``llama3_json``, ``mistral``, ``qwen3_coder``, ``gemma``, ``json``), or ``auto``: the one family
+    the chat template writes, else ``hermes``; the choice and why is logged at start-up. Embedded engine only."""
 
     def __post_init__(self):
         _check(
@@ -250,6 +255,11 @@ class EngineConfig:
         _check(self.max_model_len > 1, "max_model_len", f"must be > 1, got {self.max_model_len}")
         _check(self.max_tools > 0, "max_tools", f"must be > 0, got {self.max_tools}")
         _check(self.max_tools_bytes > 0, "max_tools_bytes", f"must be > 0, got {self.max_tools_bytes}")
+        _check(
+            self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"{self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}",
+        )
         _check_threads(self.num_threads)
         _check(
             all(isinstance(b, int) and b > 0 for b in self.cuda_graph_batch_sizes),

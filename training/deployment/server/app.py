@@ -65,6 +65,7 @@ from training.utils.http import bearer_ok, session_id_of
 from training.openai_api.errors import error_body, error_response
 from training.openai_api.responses_store import ResponseStore
 from training.openai_api.sse import end_sse, open_sse, sse_event
+from training.openai_api.tool_parsers import AUTO, ToolParser, select_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,11 @@ async def _parse(request: web.Request, parse: Callable[..., ParsedRequest], body
     loop, so a long prompt does not stall /health and every other request (one thread: HF tokenizers are
     not safe to call concurrently)."""
     pool = request.app[SETTINGS_KEY]["tokenize_pool"]
-    names, limits = request.app[SETTINGS_KEY]["served_names"], request.app[SETTINGS_KEY]["limits"]
-    return await asyncio.get_running_loop().run_in_executor(pool, parse, body, request.app[ENGINE_KEY], names, limits)
+    settings = request.app[SETTINGS_KEY]
+    names, limits, tool_parser = settings["served_names"], settings["limits"], settings["tool_parser"]
+    return await asyncio.get_running_loop().run_in_executor(
+        pool, parse, body, request.app[ENGINE_KEY], names, limits, tool_parser
+    )
 
 
 def _session_id(request: web.Request, body: Any, choice: int) -> Optional[str]:
@@ -335,6 +339,15 @@ async def resume(request: web.Request) -> web.Response:
     return web.json_response({"status": "running"})
 
 
+def server_tool_parser(engine: Any) -> ToolParser:
+    """The tool-call parser of this server: ``engine.config.tool_call_parser`` (``auto``: from the chat template,
+    ``training/openai_api/tool_parsers/registry.py``), logged once at start-up with why it was chosen."""
+    setting = getattr(getattr(engine, "config", None), "tool_call_parser", AUTO)
+    parser, why = select_tool_parser(setting, getattr(engine.tokenizer, "chat_template", None))
+    log.info(why)
+    return parser
+
+
 def create_app(
     engine: Any,
     *,
@@ -379,6 +392,7 @@ def create_app(
         "weight_dirs": [Path(d).resolve() for d in dirs],
         "weight_peers": list(weight_peers) if weight_peers else list(LOOPBACK_PEERS),
         "limits": limits,
+        "tool_parser": server_tool_parser(engine),
         "tokenize_pool": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
     }
     app[DIST_KEY] = {"group": None, "busy": False, "waits": set()}

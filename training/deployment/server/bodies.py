@@ -18,7 +18,7 @@ from typing import Any, Optional
 from training.deployment.engine.requests import GenerationResult
 from training.deployment.engine.runners.scoring import PromptLogprobs
 from training.deployment.server.protocol import ParsedRequest
-from training.openai_api.tool_parsers import HermesToolParser, to_openai_tool_calls
+from training.openai_api.tool_parsers import HermesToolParser, ToolParser, to_openai_tool_calls
 
 
 def token_text(tokenizer: Any, token_id: int, as_ids: bool = False) -> str:
@@ -156,14 +156,18 @@ def build_completion_response(
     }
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks out of ``text``.
+def parse_tool_calls(
+    text: str, parser: Optional[ToolParser] = None, tools: Optional[list[dict]] = None
+) -> tuple[str, list[dict]]:
+    """Split the tool calls of ``parser``'s format (Hermes ``<tool_call>`` blocks by default) out of ``text``.
 
-    Returns (content, OpenAI ``tool_calls``), parsed by ``HermesToolParser``. The
-    content is the text outside the blocks; if any block was malformed, it is the whole reply,
-    so nothing the model wrote is hidden from the client. Call ids are unique per response.
+    Returns (content, OpenAI ``tool_calls``). The content is the text outside the calls; if any call was
+    malformed, it is the whole reply, so nothing the model wrote is hidden from the client. Call ids are unique
+    per response (``parser.call_id``: Mistral's are 9 alphanumerics, as its templates require). ``tools`` type
+    the values of untyped formats (Qwen3-Coder XML).
     """
-    parsed = HermesToolParser().parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
+    parser = parser or HermesToolParser()
+    parsed = parser.parse(text, id_prefix=f"call_{uuid.uuid4().hex[:16]}_", tools=tools)
     if not parsed.calls:
         return text, []
     return (text if parsed.errors else parsed.content), to_openai_tool_calls(parsed.calls)
@@ -178,7 +182,7 @@ def build_chat_response(req: ParsedRequest, results: list[GenerationResult], tok
     """OpenAI ``chat.completion`` JSON; tool calls parsed when the request gave ``tools``."""
     choices = []
     for i, r in enumerate(results):
-        content, calls = parse_tool_calls(r.text) if req.parse_tool_calls else (r.text, [])
+        content, calls = parse_tool_calls(r.text, req.tool_parser, req.tools) if req.parse_tool_calls else (r.text, [])
         message = {"role": "assistant", "content": content if (content or not calls) else None, "tool_calls": calls}
         logprobs = None
         if req.logprobs is not None:

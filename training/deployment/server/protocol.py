@@ -28,7 +28,7 @@ from training.deployment.server.limits import (
 )
 from training.deployment.server.structured import StructuredOutputError, chat_constraint, completion_constraint
 from training.openai_api.chat_messages import ChatMessageError, prepare_for_template
-from training.openai_api.tool_parsers import messages_with_tools, tool_rendering
+from training.openai_api.tool_parsers import ToolParser, messages_with_tools, tool_rendering
 
 MAX_N = 256
 """Upper bound on ``n`` (choices per prompt) in one request."""
@@ -63,7 +63,10 @@ class ParsedRequest:
     """Chat with ``tools``: ``template`` (the chat template rendered them) or ``system_prompt`` (the template
     ignores ``tools``, so the schemas were written into the system message); None without tools."""
     parse_tool_calls: bool = False
-    """Chat only: turn ``<tool_call>`` blocks into ``tool_calls`` (``tools`` given, ``tool_choice`` not "none")."""
+    """Chat only: turn the model's calls into ``tool_calls`` (``tools`` given, ``tool_choice`` not "none")."""
+    tool_parser: Optional[ToolParser] = None
+    """The server's tool-call parser (``EngineConfig.tool_call_parser``; None: Hermes): reads the calls, and
+    writes the grammar of a forced one."""
     stream: bool = False
     """Answer with server-sent events (OpenAI chunks) instead of one JSON body."""
     include_usage: bool = False
@@ -296,7 +299,11 @@ def _as_dict(body: Any, endpoint: str) -> dict:
 
 
 def parse_completion_request(
-    body: Any, engine: Any, served_names: tuple[str, ...], limits: RequestLimits = DEFAULT_LIMITS
+    body: Any,
+    engine: Any,
+    served_names: tuple[str, ...],
+    limits: RequestLimits = DEFAULT_LIMITS,
+    tool_parser: Optional[ToolParser] = None,
 ) -> ParsedRequest:
     """Validate a /v1/completions body against the engine's vocabulary and context length (and ``limits``)."""
     body = _as_dict(body, "completions")
@@ -346,7 +353,7 @@ def parse_completion_request(
     tools = body.get("tools")
     _check_tools_size(tools if isinstance(tools, list) else None, engine.config)
     try:  # response_format, or tool_choice forcing a call of 'tools' (not rendered: the prompt is the caller's)
-        params = replace(params, constraint=completion_constraint(body))
+        params = replace(params, constraint=completion_constraint(body, tool_parser))
     except StructuredOutputError as e:
         raise RequestError(str(e), e.param) from None
     if score_only:
@@ -407,7 +414,11 @@ def _check_tools_size(tools: Optional[list[dict]], config: Any) -> None:
 
 
 def parse_chat_request(
-    body: Any, engine: Any, served_names: tuple[str, ...], limits: RequestLimits = DEFAULT_LIMITS
+    body: Any,
+    engine: Any,
+    served_names: tuple[str, ...],
+    limits: RequestLimits = DEFAULT_LIMITS,
+    tool_parser: Optional[ToolParser] = None,
 ) -> ParsedRequest:
     """Validate a /v1/chat/completions body and render its messages with the chat template.
 
@@ -436,7 +447,7 @@ def parse_chat_request(
         raise RequestError("'tools' must be a list of objects", "tools")
     _check_tools_size(tools, engine.config)
     try:  # tool_choice 'required' / a named tool, response_format json: the output's grammar
-        parse_calls, constraint = chat_constraint(body, tools)
+        parse_calls, constraint = chat_constraint(body, tools, tool_parser)
     except StructuredOutputError as e:
         raise RequestError(str(e), e.param) from None
     if body.get("prompt_logprobs") is not None:
@@ -520,6 +531,7 @@ def parse_chat_request(
         tools=tools or None,
         tool_rendering=rendering,
         parse_tool_calls=parse_calls,
+        tool_parser=tool_parser,
         stream=stream,
         include_usage=_stream_options(body, stream),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),

@@ -72,6 +72,7 @@ async def _parse(request: web.Request, rr: ResponsesRequest, history: list[dict]
             request.app[ENGINE_KEY],
             settings["served_names"],
             settings["limits"],
+            settings["tool_parser"],
         )
     except RequestError as e:
         raise _responses_error(e) from None

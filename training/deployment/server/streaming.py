@@ -8,7 +8,8 @@ Each chunk carries one choice (``n > 1`` and several prompts interleave by ``ind
   "finish_reason", "stop_reason"}]}``;
 - chat: ``{"object": "chat.completion.chunk", "choices": [{"index", "delta", "logprobs",
   "finish_reason", "stop_reason"}]}``; the first chunk of a choice has ``delta.role``, text
-  arrives as ``delta.content``, tool calls as ``delta.tool_calls`` (per call: one entry with
+  arrives as ``delta.content``, tool calls (in the format of the server's ``tool_call_parser``, ``req.tool_parser``)
+  as ``delta.tool_calls`` (per call: one entry with
   ``index``, ``id``, ``type`` and ``function.name`` with empty arguments, then one with the
   ``function.arguments`` string), and the last chunk has an empty delta and the finish reason.
 
@@ -35,7 +36,7 @@ from typing import Any, Optional
 
 from training.deployment.engine.requests import GenerationDelta, GenerationResult
 from training.deployment.server.protocol import ParsedRequest
-from training.openai_api.tool_parsers import HermesToolParser, to_openai_tool_calls
+from training.openai_api.tool_parsers import HermesToolParser, ToolParser, to_openai_tool_calls
 from training.deployment.server.bodies import (
     chat_finish_reason,
     chat_logprobs,
@@ -45,8 +46,6 @@ from training.deployment.server.bodies import (
 )
 
 log = logging.getLogger(__name__)
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -103,18 +102,24 @@ class IncrementalText:
 
 
 class ToolCallStream:
-    """Splits streamed text into content and Hermes ``<tool_call>{json}</tool_call>`` calls, in order.
+    """Splits streamed text into content and the tool calls of ``parser``'s format, in order.
 
-    A block is parsed by ``HermesToolParser`` when it closes (or at the end, for a
-    trailing unclosed block, as the whole-response parser does); a block that does not parse is
-    sent as content. Whitespace follows the whole response (content outside the blocks, stripped
-    once a call was made): trailing whitespace is held until more content follows, and dropped at
-    the end of a reply with calls; leading whitespace is dropped when a call came first.
+    The parser's facts say where calls are (``training/openai_api/tool_parsers/base.py``): a region opens at one
+    of its ``call_open`` strings (or at the reply's start, ``opens_at_start``) and ends at ``call_close`` (None:
+    at the end of the reply). Each region is parsed by ``parser`` when it ends (a trailing unclosed region at the
+    end, as the whole-response parser does); its calls are sent, each whole; a region that gives no call is
+    sent as content. Whitespace follows the whole response (content outside the blocks, stripped once a call
+    was made): trailing whitespace is held until more content follows, and dropped at the end of a reply with
+    calls; leading whitespace is dropped when a call came first.
     """
 
-    def __init__(self):
+    def __init__(self, parser: Optional[ToolParser] = None, tools: Optional[list[dict]] = None):
+        self.parser = parser or HermesToolParser()
+        self.tools = tools
         self.buf = ""
         self.in_call = False
+        self.region_open = ""
+        """The ``call_open`` string of the region being read ("" for a region that opens the reply)."""
         self.num_calls = 0
         self.sent_content = False
         self.pending_ws = ""
@@ -133,24 +138,43 @@ class ToolCallStream:
         self.pending_ws = ""
         return out
 
+    def _at_start(self, final: bool) -> Optional[bool]:
+        """Whether the reply opens with a call region (None: too little text yet to tell)."""
+        if self.sent_content or self.num_calls or not self.parser.opens_at_start:
+            return False
+        head = self.buf.lstrip()
+        if any(head.startswith(m) for m in self.parser.opens_at_start):
+            return True
+        if not final and any(m.startswith(head) for m in self.parser.opens_at_start):
+            return None
+        return False
+
     def _drain(self, final: bool) -> list[dict]:
         out: list[dict] = []
+        opens, close = self.parser.call_open, self.parser.call_close
         while True:
             if not self.in_call:
-                i = self.buf.find(TOOL_OPEN)
-                if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, TOOL_OPEN)
+                start = self._at_start(final)
+                if start is None:
+                    return out
+                if start:
+                    self.in_call, self.region_open = True, ""
+                    continue
+                found = [(i, m) for m in opens for i in [self.buf.find(m)] if i >= 0]
+                if not found:
+                    keep = 0 if final else max((_partial_suffix(self.buf, m) for m in opens), default=0)
                     self._content(self.buf[: len(self.buf) - keep], out)
                     self.buf = self.buf[len(self.buf) - keep :]
                     return out
+                i, marker = min(found)
                 self._content(self.buf[:i], out)
-                self.buf, self.in_call = self.buf[i + len(TOOL_OPEN) :], True
-            i = self.buf.find(TOOL_CLOSE)
+                self.buf, self.in_call, self.region_open = self.buf[i + len(marker) :], True, marker
+            i = self.buf.find(close) if close else -1
             if i < 0 and not final:
                 return out
             body = self.buf if i < 0 else self.buf[:i]
-            self.buf, self.in_call = ("" if i < 0 else self.buf[i + len(TOOL_CLOSE) :]), False
-            self._call(body, closed=i >= 0, out=out)
+            self.buf, self.in_call = ("" if i < 0 else self.buf[i + len(close) :]), False
+            self._call(self.region_open + body + (close if i >= 0 else ""), out=out)
 
     def _content(self, text: str, out: list[dict]) -> None:
         text = self.pending_ws + text
@@ -162,28 +186,29 @@ class ToolCallStream:
             self.sent_content = True
             out.append({"content": body})
 
-    def _call(self, body: str, closed: bool, out: list[dict]) -> None:
-        block = TOOL_OPEN + body + (TOOL_CLOSE if closed else "")
-        parsed = HermesToolParser().parse(block)
-        if not parsed.calls:
+    def _call(self, block: str, out: list[dict]) -> None:
+        parsed = self.parser.parse(block, id_prefix=self.id_prefix, first_index=self.num_calls, tools=self.tools)
+        if not parsed.calls or parsed.errors:
             self._content(block, out)
             return
-        call = to_openai_tool_calls(parsed.calls)[0]
-        index = self.num_calls
-        self.num_calls += 1
-        out.append(
-            {
-                "tool_calls": [
-                    {
-                        "index": index,
-                        "id": f"{self.id_prefix}{index}",
-                        "type": "function",
-                        "function": {"name": call["function"]["name"], "arguments": ""},
-                    }
-                ]
-            }
-        )
-        out.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
+        for call in to_openai_tool_calls(parsed.calls):
+            index = self.num_calls
+            self.num_calls += 1
+            out.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
+        if parsed.content:
+            self._content(parsed.content, out)
 
 
 class ChoiceStream:
@@ -192,7 +217,7 @@ class ChoiceStream:
     def __init__(self, req: ParsedRequest, chat: bool, index: int, prompt: list[int], tokenizer: Any):
         self.req, self.chat, self.index, self.prompt, self.tokenizer = req, chat, index, prompt, tokenizer
         self.text = IncrementalText(tokenizer, req.params.stop)
-        self.tools = ToolCallStream() if chat and req.parse_tool_calls else None
+        self.tools = ToolCallStream(req.tool_parser, req.tools) if chat and req.parse_tool_calls else None
         self.offset = 0
         self.first = True
         self.result: Optional[GenerationResult] = None

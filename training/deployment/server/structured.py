@@ -2,9 +2,12 @@
 
 - ``tool_choice``: ``"auto"`` (default when ``tools`` are given) and ``"none"`` only say whether tool calls are
   parsed. ``"required"`` or a named tool (``{"type": "function", "function": {"name": X}}``) constrain the
-  output to one Hermes / Qwen tool call, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-  whose ``arguments`` match that tool's ``parameters`` schema (any of the tools for ``"required"``, the named
-  one otherwise); the reply is parsed into ``tool_calls`` as usual.
+  output to one tool call in the format of the server's tool-call parser (``parser.forced_prefix`` +
+  ``{"name": ..., <parser.arguments_key>: {...}}`` + ``parser.forced_suffix``; Hermes / Qwen by default,
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), whose arguments match that tool's
+  ``parameters`` schema (any of the tools for ``"required"``, the named one otherwise); the reply is parsed into
+  ``tool_calls`` as usual. A parser whose format is not JSON (``forced_prefix`` None: Qwen3-Coder XML, Gemma
+  ``tool_code``) cannot be forced: a 400 names it.
 - ``response_format`` (chat and completions): ``{"type": "text"}`` (default) is free text; ``{"type": "json_object"}`` is one JSON
   object; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` is JSON matching the schema
   (``strict`` or not: the output always matches).
@@ -20,9 +23,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from training.deployment.engine.constraints import Constraint, check_constraint
+from training.openai_api.tool_parsers import HermesToolParser, ToolParser
 
-TOOL_CALL_PREFIX = "<tool_call>\n"
-TOOL_CALL_SUFFIX = "\n</tool_call>"
+TOOL_CALL_PREFIX = HermesToolParser.forced_prefix
+TOOL_CALL_SUFFIX = HermesToolParser.forced_suffix
 """The Hermes / Qwen wrapper of one call, as the chat templates write it and ``HermesToolParser`` reads it."""
 
 
@@ -42,8 +46,8 @@ def _tool_name(tool: Any, i: int) -> str:
     return name
 
 
-def _call_schema(tool: dict) -> dict:
-    """A ``{"name": <this tool>, "arguments": <its parameters>}`` object."""
+def _call_schema(tool: dict, arguments_key: str = "arguments") -> dict:
+    """A ``{"name": <this tool>, <arguments_key>: <its parameters>}`` object."""
     params = tool["function"].get("parameters")
     if params is None:
         params = {"type": "object"}
@@ -51,14 +55,16 @@ def _call_schema(tool: dict) -> dict:
         raise StructuredOutputError(f"the parameters of tool {tool['function']['name']!r} must be an object", "tools")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool["function"]["name"]}, "arguments": params},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: params},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
 
-def tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
-    """(whether tool calls are parsed, the constraint that forces one or None)."""
+def tool_choice(
+    body: dict, tools: Optional[list[dict]], parser: Optional[ToolParser] = None
+) -> tuple[bool, Optional[Constraint]]:
+    """(whether tool calls are parsed, the constraint that forces one in ``parser``'s format, or None)."""
     choice = body.get("tool_choice")
     if choice is None or choice == "auto":
         return bool(tools), None
@@ -86,9 +92,16 @@ def tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional
         raise StructuredOutputError(
             f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice"
         )
-    schemas = [_call_schema(t) for t in chosen]
+    parser = parser or HermesToolParser()
+    if parser.forced_prefix is None:
+        raise StructuredOutputError(
+            f"'tool_choice': {choice!r} cannot be forced with tool_call_parser {parser.name!r}: its calls are not "
+            "JSON, so no grammar writes them; send 'auto', or serve with a JSON tool_call_parser",
+            "tool_choice",
+        )
+    schemas = [_call_schema(t, parser.arguments_key) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return True, _checked(Constraint(schema, TOOL_CALL_PREFIX, TOOL_CALL_SUFFIX), "tool_choice")
+    return True, _checked(Constraint(schema, parser.forced_prefix, parser.forced_suffix), "tool_choice")
 
 
 def response_format(body: dict) -> Optional[Constraint]:
@@ -115,19 +128,21 @@ def response_format(body: dict) -> Optional[Constraint]:
     )
 
 
-def chat_constraint(body: dict, tools: Optional[list[dict]]) -> tuple[bool, Optional[Constraint]]:
+def chat_constraint(
+    body: dict, tools: Optional[list[dict]], parser: Optional[ToolParser] = None
+) -> tuple[bool, Optional[Constraint]]:
     """(whether tool calls are parsed, the output constraint) of a chat request.
 
     A forced tool call and a JSON ``response_format`` together (what openai-agents sends for an agent with an
     ``output_type`` and a forced ``tool_choice``) mean what they mean on OpenAI: this reply is the forced
     call, and the format governs a text reply, which a forced call's reply has none of; so the call's grammar
     is the constraint (the format is still checked)."""
-    parse_calls, forced = tool_choice(body, tools)
+    parse_calls, forced = tool_choice(body, tools, parser)
     fmt = response_format(body)
     return parse_calls, forced or fmt
 
 
-def completion_constraint(body: dict) -> Optional[Constraint]:
+def completion_constraint(body: dict, parser: Optional[ToolParser] = None) -> Optional[Constraint]:
     """The output constraint of a /v1/completions request: ``response_format``, or a forced ``tool_choice``.
 
     The prompt of a completion is the caller's own (token ids or text, tools already rendered by an in-process
@@ -144,7 +159,7 @@ def completion_constraint(body: dict) -> Optional[Constraint]:
         )
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise StructuredOutputError("'tools' must be a list of objects", "tools")
-    return chat_constraint(body, tools)[1]
+    return chat_constraint(body, tools, parser)[1]
 
 
 def _checked(constraint: Constraint, param: str) -> Constraint:

@@ -205,3 +205,61 @@ def test_tool_status_credit_penalises_failed_tool_calls_through_the_proxy():
 
     run = asyncio.run(go())
     assert run.metadata["credited_rewards"] == [0.5, 1.0]  # the first call's tool call failed; the answer did not
+
+
+class FakeSupervisorView:
+    """A FAKE of the recipe sampler's restart rules (``wait_ready``, ``resend_after_restart``): a replica that
+    dies under the next ``deaths`` calls and comes back, or one that is ``lost``. A real kill is
+    tests/recipes/test_fault_matrix.py's proxy test."""
+
+    api_key = None
+
+    def __init__(self, url, deaths=0, lost=None):
+        self.base_url, self.deaths, self.lost, self.waits = url, deaths, lost, 0
+
+    async def wait_ready(self, url):
+        self.waits += 1
+        if self.lost is not None:
+            raise self.lost
+
+    def resend_after_restart(self, url):
+        self.deaths -= 1
+        return self.deaths >= 0
+
+
+def test_proxy_calls_resend_after_a_restart_requeue_on_a_deployment_failure_and_stop_on_a_lost_server():
+    from training.deployment.client import DeploymentLostError
+    from training.recipes.context import is_fatal, is_retryable
+
+    async def agent(row, ep):
+        c = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3"}])
+        return "5"
+
+    async def episode(up, script, view):
+        up.script = list(script)
+        setup = RolloutSetup(sampler=view, tokenizer=None, sampling_kwargs={})
+        fn = make_proxy_rollout_fn(agent, reward_fn=lambda r, a: 1.0, proxy_kwargs={"backoff_s": 0.01})(setup)
+        try:
+            return await fn({})
+        except Exception as e:  # noqa: BLE001 - the test inspects what the recipe would see
+            return e
+        finally:
+            await fn.close()
+
+    async def go():
+        async with ScriptedUpstream() as up:
+            view = FakeSupervisorView(up.url, deaths=2)
+            resent = await episode(up, ["500", "500", "ok"], view)  # died twice under the call: two resends, no retry
+            resent_bodies, resent_waits = len(up.bodies), view.waits
+            failed = await episode(up, ["500"] * 10, FakeSupervisorView(up.url))
+            bare = await episode(up, ["bare"], FakeSupervisorView(up.url))
+            lost = await episode(up, ["ok"], FakeSupervisorView(up.url, lost=DeploymentLostError("restarts spent")))
+            return resent, resent_bodies, resent_waits, failed, bare, lost
+
+    resent, resent_bodies, resent_waits, failed, bare, lost = asyncio.run(go())
+    assert resent.reward == 1.0 and resent_bodies == 3 and resent_waits == 3  # waited before each of the 3 sends
+    assert isinstance(failed, UpstreamFailedError) and failed.deployment_failure and is_retryable(failed)
+    assert "failed after 4 attempts: HTTP 503" in str(failed)
+    assert isinstance(bare, UpstreamFailedError) and not bare.deployment_failure and not is_retryable(bare)
+    assert isinstance(lost, DeploymentLostError) and is_fatal(lost) and lost.reason == "restarts spent"

@@ -4,7 +4,8 @@ The eight rows and where each is tested:
 1. 10 % of rollouts raise: test_recipes.py (failing rollouts: the error budget, no row lost);
 2. a hung rollout: test_recipes.py (the rollout deadline), and one blocking the event loop here;
 3. a hung tool: here, a whole run in its own process (it must also exit);
-4. the server killed mid-step and during a weight push: here (and before a push: test_launcher.py);
+4. the server killed mid-step and during a weight push: here (and before a push: test_launcher.py), a proxy
+   episode's call too;
 5. the trainer killed and resumed: test_resume_kill.py;
 6. a kill during a checkpoint write: here;
 7. a malformed sample: here;
@@ -28,12 +29,14 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.recipes.test_recipes import ROWS
 from tests.recipes.test_recipes import config as recipes_config
 from training.deployment.backends.embedded import EmbeddedDeployment
 from training.deployment.backends.process import TEST_SLOW_START_ENV
+from training.proxy import make_proxy_rollout_fn
 from training.recipes import async_rl_loop
 from training.utils import DeployConfig, EngineConfig
 from training.utils.metrics import read_metrics
@@ -367,10 +370,30 @@ def test_a_misbehaving_rollout_loses_no_row_and_leaves_nothing_behind(
     assert not list(shm_dir().glob(f"{SHM_PREFIX}{run.pid}-*"))
 
 
-def run_killed_mid_step(model_path, tmp_path, monkeypatch, slow_start_s=None):
+def proxy_rollout(setup, before=None):
+    """``sampling_rollout``'s episode played by an unmodified agent through the proxy: one chat call (OpenAI SDK,
+    no retries of its own), its reward from the recorded call's output ids."""
+
+    async def agent(row, endpoint):
+        if before is not None:
+            await before(row)
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        content = f"row {row['id']}: say something"
+        r = await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": content}])
+        return r.choices[0].message.content
+
+    def reward(row, answer, session):
+        out = session.calls[-1].output_ids
+        return sum(t % 2 == 0 for t in out) / len(out) + row["id"] * 1e-3 + time.time() % 1e-4
+
+    return make_proxy_rollout_fn(agent, reward_fn=reward)(setup)
+
+
+def run_killed_mid_step(model_path, tmp_path, monkeypatch, slow_start_s=None, rollout=sampling_rollout):
     """A 3-step synchronous run on its own launched server, SIGKILLed just before row 2's request (step 1), with
-    short retries (0.05 + 0.1 s, twice); ``slow_start_s`` sets the FAKE slow start for the restart only. Checks that
-    every row trained exactly once, nothing requeued or failed, and that row 2's request died with its server
+    short retries (0.05 + 0.1 s, twice); ``slow_start_s`` sets the FAKE slow start for the restart only; ``rollout``
+    builds the rollout function (``sampling_rollout``, or ``proxy_rollout``: the same through the proxy). Checks
+    that every row trained exactly once, nothing requeued or failed, and that row 2's request died with its server
     (resent) or, when the death was seen first, waited for the restart. Returns the deployment."""
     launched, kills = [], []
     real_start = EmbeddedDeployment.start
@@ -389,7 +412,7 @@ def run_killed_mid_step(model_path, tmp_path, monkeypatch, slow_start_s=None):
                     monkeypatch.setenv(TEST_SLOW_START_ENV, str(slow_start_s))
                 os.kill(launched[0].pid, signal.SIGKILL)
 
-        return sampling_rollout(setup, before)
+        return rollout(setup, before)
 
     own = DeployConfig(
         engine_config=EngineConfig(max_batch_size=16), max_restarts=2, max_retries=1, retry_backoff_s=0.05
@@ -415,6 +438,14 @@ def test_rollouts_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path,
     is trained exactly once, none requeued or lost."""
     dep = run_killed_mid_step(tiny_model_path, tmp_path, monkeypatch, slow_start_s=4)
     assert dep.startup_s >= 4.0  # the fake really slowed it
+
+
+def test_proxy_episodes_outlive_a_slow_server_restart_and_lose_no_row(tiny_model_path, tmp_path, monkeypatch):
+    """Issue #45: the same kill and FAKE-slowed restart as above, the episodes played by an agent through the
+    proxy. The proxy's upstream calls wait for the restarting server and are resent by the sampler's rules
+    (``UpstreamPool(restarts=sampler)``, counted in the sampler's ``rollout/restart_*``); every row is trained
+    exactly once, none requeued or failed."""
+    run_killed_mid_step(tiny_model_path, tmp_path, monkeypatch, slow_start_s=4, rollout=proxy_rollout)
 
 
 @pytest.mark.slow

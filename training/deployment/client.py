@@ -15,7 +15,8 @@ launched servers gives it each replica's ``ReplicaStatus``) never sends to a rep
 restarting; it waits for the restart to end, the latest weights loaded again, up to the replica's
 ``budget_s`` (derived from its measured start-up). A request that failed because its server died is
 resent once the server is ready, with the same body (the same ``seed``), without spending a retry;
-``restart_retries`` counts those. A replica that cannot come back (its restarts spent, a restart
+``restart_retries`` counts those (``resend_after_restart``; the proxy's upstream calls follow the same two rules
+through ``wait_ready`` and ``resend_after_restart``). A replica that cannot come back (its restarts spent, a restart
 failed, or not back within the budget) raises ``DeploymentLostError`` with the reason. Attached
 servers have no supervisor here: the plain retries apply.
 
@@ -380,8 +381,7 @@ class DeploymentSampler:
             finally:
                 in_flight[base] -= 1
             failed = base
-            if not _is_ready(self.replica_status(base)):  # its server died under it: resend once it is back
-                self._client.restart_retries += 1
+            if self.resend_after_restart(base):
                 resent = True
                 log.warning("deployment %s%s failed as its server died (%s); resent once it is back", base, path, last)
                 continue
@@ -394,6 +394,16 @@ class DeploymentSampler:
             url=failed or "",
             status=getattr(last, "status", None),
         ) from last
+
+    def resend_after_restart(self, url: str) -> bool:
+        """Whether a request to ``url`` that just failed did so because its server died under it (its supervisor says
+        it is not ready): then it is resent, the same body, once ``wait_ready`` returns, without spending a retry, and
+        counted in ``restart_retries``. False without a supervisor or while it says ready (the plain retries apply).
+        The proxy's upstream pool (``training/proxy/upstream.py``) resends by this rule too."""
+        if _is_ready(self.replica_status(url)):
+            return False
+        self._client.restart_retries += 1
+        return True
 
     async def wait_ready(self, url: str) -> None:
         """Return once ``url``'s supervisor says it is ready (at once without a supervisor or when it is); raise

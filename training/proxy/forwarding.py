@@ -100,7 +100,7 @@ class CallForwarder:
                 "POST", url, upstream_path(endpoint), self.upstream_body(body, endpoint), headers=session_headers(sid)
             )
         except UpstreamError as e:
-            session.upstream_errors.append(str(e))
+            session.upstream_failed(str(e), deployment=True, lost=e.lost)
             return error_response(502, f"upstream failed: {e}", "upstream_error")
         if reply.status != 200:  # a 4xx names the agent's bad field: never retried without it
             return web.json_response(reply.body, status=reply.status)
@@ -125,7 +125,9 @@ class CallForwarder:
             record = record_from_reply(reply, endpoint, body, str(agent), url)
             sampling_policy.flag(record, self.upstream_body(body, endpoint), body, self.constrained_calls)
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            session.upstream_errors.append(f"upstream response lacks token-level detail ({type(e).__name__}: {e})")
+            session.upstream_failed(
+                f"upstream response lacks token-level detail ({type(e).__name__}: {e})", deployment=False
+            )
             return None
         async with session.lock:
             assign(session, record, self.strategy)

@@ -126,6 +126,12 @@ class SessionRecord:
     calls: list[CallRecord] = field(default_factory=list)
     upstream_errors: list[str] = field(default_factory=list)
     """One line per call that failed upstream after its retries (the rollout then fails)."""
+    deployment_failures: int = 0
+    """How many of ``upstream_errors`` were the deployment's (5xx or unreachable past the retries, a stream cut
+    off mid-way), not a reply's fault: the recipe rolls such an episode's row out again (``rollout.py``)."""
+    deployment_lost: Optional[Exception] = None
+    """What the sampler raised when a call's server cannot come back (``DeploymentLostError``): the rollout
+    re-raises it and the run stops with its reason."""
     aborted_calls: list[str] = field(default_factory=list)
     """One line per call the proxy aborted: a stream the agent stopped reading, a straggler a pre-sync drain
     cancelled (``server.py``). Such a call is not recorded and the rollout fails (never trained)."""
@@ -145,6 +151,15 @@ class SessionRecord:
         default_factory=lambda: ResponseStore(SESSION_RESPONSES, SESSION_RESPONSE_CHARS), repr=False
     )
     """Responses API: this session's stored responses, for ``previous_response_id`` (``responses.py``)."""
+
+    def upstream_failed(self, message: str, *, deployment: bool, lost: Optional[Exception] = None) -> str:
+        """Note a call that failed upstream (``deployment``: the deployment's failure, not the reply's); returns
+        ``message``."""
+        self.upstream_errors.append(message)
+        self.deployment_failures += deployment
+        if lost is not None:
+            self.deployment_lost = lost
+        return message
 
     def calls_of(self, agents: Optional[set[str]] = None) -> list[CallRecord]:
         """The calls of the named agents (all when ``agents`` is None), in order."""

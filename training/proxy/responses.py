@@ -187,10 +187,11 @@ async def _relay(
                     await _write(proxy, request, session, resp, events.opening())
                 await _write(proxy, request, session, resp, events.chat_chunk(chunk))
     except UpstreamError as e:
-        session.upstream_errors.append(str(e))
+        session.upstream_failed(str(e), deployment=True, lost=e.lost)
         return error_response(502, f"upstream failed: {e}", "upstream_error")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # broke mid-stream
-        session.upstream_errors.append(f"upstream stream broke: {type(e).__name__}: {e}")
+        broke = f"upstream stream broke: {type(e).__name__}: {e}"
+        session.upstream_failed(broke, deployment=not isinstance(e, ValueError))  # a cut stream, or a bad chunk
         if resp is None:
             return error_response(502, session.upstream_errors[-1], "upstream_error")
         return await _fail(proxy, request, session, resp, events, rr, session.upstream_errors[-1])

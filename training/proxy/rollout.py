@@ -12,7 +12,11 @@ every call's label, reason and weight version in ``metadata``.
 
 Failure policy: the agent raising → the sample fails (``AgentFailedError``, counted by the
 recipe as an error); an upstream call that failed after its retries → the sample fails
-(``UpstreamFailedError``) even if the agent swallowed the error; an over-length call or
+(``UpstreamFailedError``) even if the agent swallowed the error, and when the deployment failed it
+(5xx, unreachable, a stream cut off) the recipe rolls the row out again (``is_retryable``); a
+server that cannot come back → the sampler's ``DeploymentLostError``, which stops the run. The
+proxy's upstream calls wait for a restarting replica and are resent when their server died under
+them, by the recipe sampler's rules and retry settings (``upstream.py``); an over-length call or
 segment → truncated and masked (see ``server`` and ``stitching``); an episode with no
 trainable token → ``None`` (counted as dropped).
 
@@ -54,9 +58,31 @@ class AgentFailedError(RuntimeError):
 
 
 class UpstreamFailedError(RuntimeError):
-    """A call of the episode failed upstream after its retries: this completion fails."""
+    """A call of the episode failed upstream after its retries: this completion fails. ``deployment_failure``: the
+    deployment's fault (5xx or unreachable past the retries, a stream cut off), so the recipe requeues the row
+    (``training/recipes/context.py``, ``is_retryable``) instead of training the rest of its group."""
 
     failure_cause = "upstream"
+
+    def __init__(self, message: str, deployment_failure: bool = False):
+        super().__init__(message)
+        self.deployment_failure = deployment_failure
+
+
+def session_failure(session: SessionRecord) -> Optional[BaseException]:
+    """Why a closed session's episode fails, or None: the sampler's ``DeploymentLostError`` of a server that
+    cannot come back (re-raised as is: the run stops), an aborted call (``AgentFailedError``, ``call_aborted``),
+    or an upstream failure (``UpstreamFailedError``, a deployment failure when any of them was the deployment's)."""
+    if session.deployment_lost is not None:
+        return session.deployment_lost
+    if session.aborted_calls:
+        return AgentFailedError(f"the proxy aborted a call: {session.aborted_calls[-1]}", cause="call_aborted")
+    if session.upstream_errors:
+        return UpstreamFailedError(
+            f"{len(session.upstream_errors)} upstream failure(s): {session.upstream_errors[-1]}",
+            deployment_failure=session.deployment_failures > 0,
+        )
+    return None
 
 
 @dataclass
@@ -113,10 +139,14 @@ class ProxyRolloutFn:
         forced = {k: setup.sampling_kwargs[k] for k in ("temperature", "top_p") if k in setup.sampling_kwargs}
         kw = dict(
             upstream_api_key=getattr(sampler, "api_key", None),
+            restarts=sampler if hasattr(sampler, "resend_after_restart") else None,  # the sampler's restart rules
             strategy=strategy,
             forced_params=forced,
             default_max_tokens=setup.sampling_kwargs.get("max_tokens"),
         )
+        for name in ("max_retries", "backoff_s"):  # the sampler's retries (DeployConfig.max_retries, retry_backoff_s)
+            if isinstance(getattr(sampler, name, None), (int, float)):
+                kw[name] = getattr(sampler, name)
         kw.update(proxy_kwargs)
         self._make_proxy = lambda: ProxyServer(urls, **kw)
         self.proxy: Optional[ProxyServer] = None
@@ -221,12 +251,9 @@ class ProxyRolloutFn:
             result = await self._run_agent(row, endpoint)
         except Exception as e:
             session = proxy.close_session(sid)
-            if session.aborted_calls:
-                raise AgentFailedError(
-                    f"the proxy aborted a call: {session.aborted_calls[-1]}", cause="call_aborted"
-                ) from e
-            if session.upstream_errors:
-                raise UpstreamFailedError(session.upstream_errors[-1]) from e
+            failure = session_failure(session)
+            if failure is not None:
+                raise failure from e
             raise AgentFailedError(f"agent raised {type(e).__name__}: {e}", cause=f"agent_{type(e).__name__}") from e
         except BaseException:  # cancelled (rollout timeout): later calls of a straggling agent get 410
             proxy.close_session(sid)
@@ -243,12 +270,9 @@ class ProxyRolloutFn:
         """
         if session.evicted:
             raise AgentFailedError(f"the proxy dropped the session: {session.evicted}", cause="session_evicted")
-        if session.aborted_calls:
-            raise AgentFailedError(f"the proxy aborted a call: {session.aborted_calls[-1]}", cause="call_aborted")
-        if session.upstream_errors:
-            raise UpstreamFailedError(
-                f"{len(session.upstream_errors)} upstream failure(s): {session.upstream_errors[-1]}"
-            )
+        failure = session_failure(session)
+        if failure is not None:
+            raise failure
         if not session.calls:
             raise AgentFailedError(
                 "the agent made no model call through the proxy: does it use the given base_url?", cause="agent_no_call"

@@ -30,7 +30,8 @@ parsed, the token fields and logprobs removed unless it asked for them, its own 
 name echoed; ``stream: true`` gets SSE, see ``streaming.py``); the proxy records prompt ids,
 output ids, logprobs, finish reason, weight version, messages and tools, and labels the call
 (``turn_matching.assign``). Failure policy: upstream 5xx / unreachable → retried with backoff,
-then 502 to the agent and the session is marked failed; upstream 4xx → passed through
+then 502 to the agent and the session is marked failed (a restarting replica is waited for and a call its
+server died under is resent first, given ``restarts``); upstream 4xx → passed through
 unrecorded and never retried without the refused field (an invalid or over-long ``max_tokens``
 is the agent's 400). No agent stalls another or a sync: a streamed write the agent does not take within
 ``stream_write_timeout_s`` aborts that call (``write``), and it fails its episode (``SessionRecord.aborted_calls``).
@@ -62,7 +63,7 @@ from training.proxy.streaming import (
     completion_chunks,
     wanted_fields,
 )
-from training.proxy.upstream import UpstreamError, UpstreamPool
+from training.proxy.upstream import Restarts, UpstreamError, UpstreamPool
 from training.utils.http import SESSION_HEADER, close_idle_connections
 from training.openai_api.errors import error_body, error_response
 from training.utils.aio.pause_gate import PauseGate
@@ -108,6 +109,7 @@ class ProxyServer:
         constrained_calls: str = "exclude",
         stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        restarts: Optional[Restarts] = None,
     ):
         """``api_key="auto"`` makes a random key (``self.api_key``); None accepts any caller.
 
@@ -123,6 +125,8 @@ class ProxyServer:
         connection is closed, the call is recorded in ``SessionRecord.aborted_calls``: its episode is not trained).
         ``drain_timeout_s``: ``pause_and_drain`` waits this long for the calls in flight, then cancels the
         stragglers (counted in ``drain_cancelled_calls``, recorded as aborted) and returns.
+        ``restarts``: the recipe's ``DeploymentSampler``; upstream calls then wait for a restarting replica and are
+        resent when their server died under them, by the sampler's rules (``upstream.py``).
         """
         if not stream_write_timeout_s > 0 or not drain_timeout_s > 0:
             raise ValueError("stream_write_timeout_s and drain_timeout_s must be > 0")
@@ -134,7 +138,12 @@ class ProxyServer:
         """Calls a drain cancelled after ``drain_timeout_s`` (their episodes are not trained)."""
         self._calls: dict[asyncio.Task, tuple[web.Request, SessionRecord]] = {}
         self.pool = UpstreamPool(
-            upstream_urls, api_key=upstream_api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
+            upstream_urls,
+            api_key=upstream_api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            restarts=restarts,
         )
         self.forwarder = CallForwarder(
             self.pool,
@@ -505,10 +514,11 @@ class ProxyServer:
                     if out is not None:
                         await self.write(request, session, resp, sse_event(out))
         except UpstreamError as e:
-            session.upstream_errors.append(str(e))
+            session.upstream_failed(str(e), deployment=True, lost=e.lost)
             return error_response(502, f"upstream failed: {e}", "upstream_error")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # broke mid-stream
-            session.upstream_errors.append(f"upstream stream broke: {type(e).__name__}: {e}")
+            broke = f"upstream stream broke: {type(e).__name__}: {e}"
+            session.upstream_failed(broke, deployment=not isinstance(e, ValueError))  # a cut stream, or a bad chunk
             if resp is None:
                 return error_response(502, session.upstream_errors[-1], "upstream_error")
             await resp.write(sse_event(error_body(session.upstream_errors[-1], "upstream_error")))

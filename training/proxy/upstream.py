@@ -2,9 +2,16 @@
 
 ``UpstreamPool.pick(session_id)`` maps a session to one replica by a stable hash (SHA-256,
 not Python's salted ``hash``), so every call of a session lands on the same server and its
-KV cache is reused. ``post`` retries connection errors and 5xx with exponential backoff
+KV cache is reused. ``request`` retries connection errors and 5xx with exponential backoff
 (``backoff_s * 2**k``, ``max_retries`` times); a 4xx is returned at once. ``stream`` does the
 same before handing over the open response of a streamed call (no retry once bytes flow).
+
+Restarts: given ``restarts`` (the recipe's ``DeploymentSampler``, which knows each launched replica's
+supervisor), every attempt first waits for a restarting replica (``restarts.wait_ready``), and an attempt
+that failed because its server died under it is resent with the same body once the server is back,
+without spending a retry (``restarts.resend_after_restart``): the sampler's own rules, counted in its
+``restart_waits`` / ``restart_retries``. A replica that cannot come back ends the call with an
+``UpstreamError`` whose ``lost`` is the sampler's ``DeploymentLostError``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol, TypeVar
 
 import aiohttp
 
@@ -23,8 +30,28 @@ from training.utils.http import auth_headers
 logger = logging.getLogger(__name__)
 
 
+T = TypeVar("T")
+
+
 class UpstreamError(RuntimeError):
-    """The upstream failed (5xx or unreachable) after every retry."""
+    """The upstream failed (5xx or unreachable) after every retry, or its server cannot come back (``lost``)."""
+
+    def __init__(self, message: str, lost: Optional[Exception] = None):
+        super().__init__(message)
+        self.lost = lost
+        """What ``Restarts.wait_ready`` raised when the replica's server cannot come back (the sampler's
+        ``DeploymentLostError``: the rollout re-raises it and the run stops)."""
+
+
+class Restarts(Protocol):
+    """The supervisor's view of the replicas that the pool asks: ``DeploymentSampler`` has both
+    (``training/deployment/client.py``; the proxy never imports it, the recipe hands it over)."""
+
+    async def wait_ready(self, url: str) -> None:
+        """Return once ``url`` is ready; raise (``DeploymentLostError``) when it cannot come back."""
+
+    def resend_after_restart(self, url: str) -> bool:
+        """Whether a request to ``url`` that just failed is resent (its server died under it), counting it."""
 
 
 @dataclass
@@ -51,6 +78,7 @@ class UpstreamPool:
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        restarts: Optional[Restarts] = None,
     ):
         if not base_urls:
             raise ValueError("upstream_urls: at least one deployment base URL is needed")
@@ -59,6 +87,8 @@ class UpstreamPool:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.restarts = restarts
+        """Waits for restarting replicas and says when to resend (module docstring); None: the plain retries."""
         self._http: Optional[aiohttp.ClientSession] = None
 
     @staticmethod
@@ -79,16 +109,38 @@ class UpstreamPool:
             await self._http.close()
             self._http = None
 
+    async def _send(self, url: str, path: str, attempt_once: Callable[[], Awaitable[tuple[Optional[T], str]]]) -> T:
+        """Run ``attempt_once()`` (the result, or None and why it failed) under the retry and restart rules."""
+        attempt = 0
+        while True:
+            if self.restarts is not None:
+                try:
+                    await self.restarts.wait_ready(url)
+                except Exception as e:  # the replica cannot come back (the protocol's only raise)
+                    raise UpstreamError(f"{url}{path}: its server cannot come back: {e}", lost=e) from e
+            result, last = await attempt_once()
+            if result is not None:
+                return result
+            if self.restarts is not None and self.restarts.resend_after_restart(url):
+                logger.warning("upstream %s%s failed as its server died (%s); resent once it is back", url, path, last)
+                continue
+            attempt += 1
+            logger.warning(
+                "upstream %s%s failed (attempt %d of %d): %s", url, path, attempt, self.max_retries + 1, last
+            )
+            if attempt > self.max_retries:
+                raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+            await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+
     async def request(
         self, method: str, url: str, path: str, body: Optional[dict] = None, headers: Optional[dict[str, str]] = None
     ) -> UpstreamReply:
-        """Send with retries on connection errors and 5xx; raise ``UpstreamError`` when they run out."""
+        """Send with retries on connection errors and 5xx (and the restart rules); raise ``UpstreamError`` when they
+        run out."""
         await self.open()
         h = auth_headers(self.api_key, headers)
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+
+        async def once() -> tuple[Optional[UpstreamReply], str]:
             try:
                 async with self._http.request(method, url + path, json=body, headers=h) as resp:
                     text = await resp.text()
@@ -97,14 +149,12 @@ class UpstreamPool:
                     except ValueError:
                         parsed = {"error": {"message": text[:2000]}}
                     if resp.status < 500:
-                        return UpstreamReply(resp.status, parsed, url)
-                    last = f"HTTP {resp.status}: {text[:500]}"
+                        return UpstreamReply(resp.status, parsed, url), ""
+                    return None, f"HTTP {resp.status}: {text[:500]}"
             except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
-                last = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1, self.max_retries + 1, last
-            )
-        raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+                return None, f"{type(e).__name__}: {e}"
+
+        return await self._send(url, path, once)
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -115,27 +165,21 @@ class UpstreamPool:
         Connection errors and 5xx are retried like ``request``; ``UpstreamError`` when they run out.
         """
         await self.open()
-        h = dict(headers or {})
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+        h = auth_headers(self.api_key, headers)
+
+        async def once() -> tuple[Optional[aiohttp.ClientResponse], str]:
             try:
                 resp = await self._http.post(url + path, json=body, headers=h)
             except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
-                last = f"{type(e).__name__}: {e}"
-            else:
-                if resp.status < 500:
-                    try:
-                        yield resp
-                    finally:
-                        resp.release()
-                    return
-                last = f"HTTP {resp.status}: {(await resp.text())[:500]}"
-                resp.release()
-            logger.warning(
-                "upstream %s%s failed (attempt %d of %d): %s", url, path, attempt + 1, self.max_retries + 1, last
-            )
-        raise UpstreamError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+                return None, f"{type(e).__name__}: {e}"
+            if resp.status < 500:
+                return resp, ""
+            last = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+            resp.release()
+            return None, last
+
+        resp = await self._send(url, path, once)
+        try:
+            yield resp
+        finally:
+            resp.release()

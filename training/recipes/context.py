@@ -57,9 +57,12 @@ def is_fatal(error: BaseException) -> bool:
 
 
 def is_retryable(error: BaseException) -> bool:
-    """A failure of the deployment rather than of the rollout: no connection, or a 5xx."""
+    """A failure of the deployment rather than of the rollout: no connection, or a 5xx (a proxy episode's call too:
+    its ``UpstreamFailedError`` says ``deployment_failure``)."""
     if is_fatal(error):
         return False
+    if getattr(error, "deployment_failure", False) is True:
+        return True
     if isinstance(error, DeploymentRequestError):
         return error.status is None or error.status >= 500
     return isinstance(error, (aiohttp.ClientConnectionError, ConnectionError))

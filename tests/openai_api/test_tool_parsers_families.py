@@ -200,3 +200,12 @@ def test_special_marker_dropped_by_decoding_still_parses():
 def test_gemma_never_runs_the_code():
     parsed = get_tool_parser("gemma").parse("```tool_code\n__import__('os').system('touch /tmp/x')\n```")
     assert parsed.calls == [] and "is not a function name" in parsed.errors[0]
+
+
+def test_a_parse_error_tells_the_model_its_familys_format():
+    from training.openai_api.tool_parsers import format_parse_error
+
+    assert "<tool_call>" in format_parse_error("bad JSON")  # the Hermes default
+    for family in FAMILIES:
+        parser = get_tool_parser(family)
+        assert parser.example and parser.example in format_parse_error("bad JSON", parser)

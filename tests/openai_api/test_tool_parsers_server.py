@@ -1,7 +1,7 @@
 """The server's tool-call parser is chosen per server (``--tool-call-parser`` / ``EngineConfig.tool_call_parser``).
 
-The real server on the tiny model given Mistral's chat template: ``auto`` picks ``mistral`` from the template and
-says so in its start-up log; a forced call (``tool_choice`` required, constrained decoding) is then written in
+The real server on the tiny model given Mistral's chat template (slow: two server starts): ``auto`` picks
+``mistral`` from the template and says so in its start-up log; a forced call (``tool_choice`` required, constrained decoding) is then written in
 Mistral's format by the model and comes back as ``tool_calls`` (whole and streamed) with Mistral's 9-character
 ids, which the template accepts in the next turn. A server told ``llama3_json`` over the tiny model's own
 (Hermes) template writes and reads Llama's format instead. A format that is not JSON cannot be forced (400),
@@ -77,9 +77,19 @@ def _streamed_calls(server, **body) -> tuple[list[dict], str]:
     return [calls[i] for i in sorted(calls)], finish
 
 
+@pytest.mark.slow  # two server starts and constrained generation: ~40 s on 2 busy cores
 @needs_library
-def test_auto_picks_mistral_from_the_template_and_its_calls_come_back_structured(embedded_server, mistral_model):
-    server = embedded_server(model=mistral_model, max_model_len=1024, max_batch_size=4)
+def test_each_server_reads_calls_with_its_own_parser(embedded_server, mistral_model):
+    """``auto`` over Mistral's template is ``mistral``; ``llama3_json`` named over the Hermes template wins."""
+    mistral, llama = embedded_server.together(
+        {"model": mistral_model, "max_model_len": 1024, "max_batch_size": 4},
+        {"tool_call_parser": "llama3_json", "max_model_len": 1024, "max_batch_size": 4},
+    )
+    _check_mistral(mistral)
+    _check_llama(llama)
+
+
+def _check_mistral(server) -> None:
     log = Path(server.cfg.log_file).read_text()
     assert "tool-call parser: mistral (auto: the chat template writes its format)" in log
     r = _chat(server, tool_choice="required", return_token_ids=True)
@@ -87,7 +97,7 @@ def test_auto_picks_mistral_from_the_template_and_its_calls_come_back_structured
     choice = r.json()["choices"][0]
     from transformers import AutoTokenizer
 
-    written = AutoTokenizer.from_pretrained(mistral_model).decode(choice["token_ids"])
+    written = AutoTokenizer.from_pretrained(server.model).decode(choice["token_ids"])
     assert written.startswith('[TOOL_CALLS][{"name": "get_time", "arguments": {'), written  # the model wrote Mistral's
     calls = choice["message"]["tool_calls"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -110,18 +120,18 @@ def test_auto_picks_mistral_from_the_template_and_its_calls_come_back_structured
     assert r.status_code == 200, r.text
 
 
-@needs_library
-def test_a_parser_named_by_the_setting_wins_over_the_template(embedded_server):
-    server = embedded_server(tool_call_parser="llama3_json", max_model_len=1024, max_batch_size=4)
+def _check_llama(server) -> None:
     assert "tool-call parser: llama3_json (set by tool_call_parser)" in Path(server.cfg.log_file).read_text()
-    r = _chat(server, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = _chat(server, tool_choice={"type": "function", "function": {"name": "get_time"}}, return_token_ids=True)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
+    from transformers import AutoTokenizer
+
+    written = AutoTokenizer.from_pretrained(server.model).decode(choice["token_ids"])
+    assert written.startswith('{"name": "get_time", "parameters": {'), written
     calls = choice["message"]["tool_calls"]
     assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_time"]
     assert set(json.loads(calls[0]["function"]["arguments"])) == {"zone", "hours"}
-    streamed, finish = _streamed_calls(server, tool_choice="required")
-    assert finish == "tool_calls" and [c["name"] for c in streamed] == ["get_time"]
 
 
 def test_a_format_that_is_not_json_cannot_be_forced():

@@ -171,5 +171,5 @@ class ToolAgent(ConversationAgent):
             {"role": "tool", "tool_call_id": cid, "content": text}
             for cid, text in (obs.get("tool_outputs") or {}).items()
         ]
-        out += [{"role": "tool", "content": format_parse_error(e)} for e in obs.get("parse_errors") or []]
+        out += [{"role": "tool", "content": format_parse_error(e, self.parser)} for e in obs.get("parse_errors") or []]
         return out + super().feedback_messages(result)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from training.recipes.async_rl_loop import Config
 from training.recipes.memory_plan import GB, ModelShape, plan_memory
 from training.utils import LossConfig, TrainerConfig
+from training.utils.config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,3 +191,22 @@ def test_a_colocated_vllm_left_at_its_default_share_gets_what_the_trainer_leaves
         deployment=DeployConfig(engine="vllm", colocate=True, gpu_memory_fraction=0.3),
     )
     assert memory_plan.plan_run(given, folder).deployment.gpu_memory_fraction == 0.3  # a given share is kept
+
+
+def test_lora_on_a_gpu_holds_the_qwen3_8b_base_in_bf16_and_fits_one_gpu(tmp_path, tiny_model_path):
+    """The trainer's rule (trainer.py): under LoRA the frozen base is in the compute dtype, bf16 on CUDA."""
+    folder = _qwen3_8b_shape(tmp_path)
+    shape = ModelShape.of(folder)
+    trainer = TrainerConfig(micro_batch_tokens=4096, gradient_checkpointing=True, lora_rank=16)
+    cfg = Config(base_model=folder, trainer=trainer, deployment=DeployConfig(colocate=True))
+    plan = plan_memory(cfg, shape=shape, gpus_per_node=1, gpu_bytes=80 * GB, host_bytes=1000 * GB)
+    [weights] = [p for p in plan.parts if p.name == "policy weights"]
+    assert 2 * shape.params <= weights.gpu_bytes < 2.1 * shape.params, plan.table()
+    assert not plan.problems(), plan.table()
+    fp32 = replace(cfg, trainer=replace(trainer, dtype="float32"))
+    [weights] = [
+        p
+        for p in plan_memory(fp32, shape=shape, gpus_per_node=1, gpu_bytes=80 * GB).parts
+        if p.name == "policy weights"
+    ]
+    assert weights.gpu_bytes >= 4 * shape.params

@@ -201,3 +201,30 @@ def test_merged_weights_reach_the_embedded_server_which_needs_no_adapter_support
     assert after.weight_version == 1
     moved = trainer.logprobs([before.full_tokens])[0][before.prompt_len :]
     assert max(abs(a - b) for a, b in zip(moved, before.inference_logprobs)) > 1e-3, "the push changed the policy"
+
+
+def test_a_bf16_compute_run_holds_the_frozen_base_in_bf16_and_trains_fp32_adapters(tiny_model_path):
+    """The CUDA default (compute in bf16) on the CPU's opt-in path: the base has no fp32 master copy (half the bytes),
+    the adapters stay fp32 (bf16 adapters would round small updates away), and the merged export is W + s·BA."""
+    trainer = _lora(tiny_model_path, compute_dtype="bfloat16")
+    base = {n: p for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert base and all(p.dtype == torch.bfloat16 for p in base.values())
+    assert adapters and all(p.dtype == torch.float32 for p in adapters.values())
+    frozen = {n: p.detach().clone() for n, p in base.items()}
+    losses = _train(trainer, 6)
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(torch.equal(p, frozen[n]) for n, p in base.items())
+    params = dict(trainer.model.named_parameters())
+    for name, tensor in trainer.named_weights():
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.lora_A.default.weight" in params:
+            a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
+            expected = (params[f"{module}.base_layer.weight"].float() + 2.0 * b @ a).to(torch.bfloat16)
+            assert tensor.dtype == torch.bfloat16
+            torch.testing.assert_close(tensor, expected.detach(), atol=0, rtol=0)
+    # trainer.dtype set: the base follows it (the fp32 master-copy path a user asks for)
+    assert all(
+        p.dtype == torch.float32
+        for p in _lora(tiny_model_path, compute_dtype="bfloat16", dtype="float32").model.parameters()
+    )

@@ -233,7 +233,7 @@ def plan_memory(
 
     if lora:
         adapters = _lora_params(shape, trainer.lora_rank)
-        base_b = DTYPE_BYTES.get(_param_dtype(trainer), 4)
+        base_b = DTYPE_BYTES.get(_lora_base_dtype(trainer, on_gpu), 4)
         put(
             "policy weights",
             (n * base_b + adapters * 4) / w,
@@ -368,6 +368,11 @@ def _host_bytes() -> float:
 
 def _param_dtype(trainer: Any) -> str:
     return "float32" if trainer.dtype == "auto" else trainer.dtype
+
+
+def _lora_base_dtype(trainer: Any, on_gpu: bool) -> str:
+    """The frozen base's dtype under LoRA: ``trainer.dtype`` when set, else the compute dtype (trainer.py)."""
+    return trainer.dtype if trainer.dtype != "auto" else _compute_dtype(trainer, on_gpu)
 
 
 def _compute_dtype(trainer: Any, on_gpu: bool) -> str:

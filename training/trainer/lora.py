@@ -58,8 +58,12 @@ def lora_config(cfg) -> "peft.LoraConfig":  # noqa: F821
     )
 
 
-def apply_lora(model: torch.nn.Module, cfg) -> int:
+def apply_lora(model: torch.nn.Module, cfg, adapter_dtype: torch.dtype = torch.float32) -> int:
     """Inject LoRA (rank ``cfg.lora_rank``) into ``model`` in place, freeze the rest; return the trainable count.
+
+    The adapters are held in ``adapter_dtype`` (the trainer's parameter dtype: fp32, the copy AdamW updates) whatever
+    the base's dtype: a bf16 base (the trainer's default on CUDA) would otherwise give bf16 adapters, whose small
+    updates round away. The forward runs under the trainer's autocast, so the two dtypes meet in its matmuls.
 
     Only linear layers are supported (``W + s·BA`` is merged by ``export_plan``); a target that
     names another kind of layer, or matches nothing, is an error naming ``lora_target_modules``.
@@ -84,7 +88,10 @@ def apply_lora(model: torch.nn.Module, cfg) -> int:
                 f"lora_target_modules: {name} is a {type(layer.get_base_layer()).__name__}; "
                 "only linear layers are supported"
             )
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.data = p.data.to(adapter_dtype)
+    return sum(p.numel() for p in trainable)
 
 
 @contextlib.contextmanager

@@ -281,10 +281,13 @@ class PolicyTrainer(_ScoringModel):
                 model_path, self.device, self.dtype, checkpointing, self.compute_dtype, **load_kwargs
             )
         else:
-            self.model = load_causal_lm(model_path, self.device, self.dtype, checkpointing, **load_kwargs)
+            # LoRA: the frozen base needs no fp32 master copy, so it is held in the compute dtype (bf16 on CUDA) unless
+            # trainer.dtype is set; the adapters train in self.dtype (apply_lora)
+            base_dtype = self.compute_dtype if self.lora and cfg.dtype == "auto" else self.dtype
+            self.model = load_causal_lm(model_path, self.device, base_dtype, checkpointing, **load_kwargs)
         self.model.eval()
         if self.lora:
-            trainable = lora.apply_lora(self.model, cfg)
+            trainable = lora.apply_lora(self.model, cfg, self.dtype)
             logger.info("LoRA rank %d: %d trainable parameters", cfg.lora_rank, trainable)
         self.share_prefixes = self._use_prefix_sharing()
         if dist_utils.is_distributed() and self.lora:  # before the optimizer: it must hold the sharded parameters

@@ -101,7 +101,8 @@ class TrainerConfig:
     device: str = "auto"
     """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: str = "auto"
-    """Parameter dtype, the copy AdamW updates: ``auto`` is float32 (bfloat16 weights silently drop small updates)."""
+    """Parameter dtype, the copy AdamW updates: ``auto`` is float32 (bfloat16 weights silently drop small updates).
+    With LoRA, ``auto`` holds the frozen base in ``compute_dtype`` (bf16 on CUDA) and the adapters in float32."""
     compute_dtype: str = "auto"
     """Autocast dtype of the trainer's forward and backward passes: ``auto`` is bfloat16 on CUDA and float32 (no
     autocast) on CPU. ``bfloat16`` on CPU is the opt-in mixed-precision path: matmuls in bf16 (AMX / AVX-512 BF16

@@ -42,6 +42,7 @@ from training.deployment.server.bodies import parse_tool_calls
 from training.deployment.client import Completion, DeploymentRequestError, DeploymentSampler
 from training.deployment.backends.process import ServerProcess
 from training.deployment.weights.files import WeightSyncError
+from training.openai_api.tool_parsers import select_tool_parser
 from training.utils.config import DeployConfig
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,9 @@ class SGLangSampler(DeploymentSampler):
         session_id: Optional[str] = None,
         **sampling: Any,
     ) -> list[Completion]:
-        """Render ``messages`` with the chat template (needs ``tokenizer``) and sample from the ids."""
+        """Render ``messages`` with the chat template (needs ``tokenizer``) and sample from the ids; tool calls are
+        read in the format the template writes (``select_tool_parser("auto", ...)``, as the embedded server's
+        default)."""
         if self.tokenizer is None:
             raise ValueError(
                 "tokenizer: SGLangSampler.chat renders the chat template locally; "
@@ -193,8 +196,9 @@ class SGLangSampler(DeploymentSampler):
             messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         result = await self.sample_with_prompt_tokens(list(prompt), n, session_id=session_id, **sampling)
+        parser = select_tool_parser("auto", self.tokenizer.chat_template)[0]
         for c in result:
-            content, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+            content, calls = parse_tool_calls(c.text, parser, tools) if tools else (c.text, [])
             c.message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             c.text = content
             if calls and c.finish_reason == "stop":

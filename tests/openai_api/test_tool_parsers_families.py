@@ -209,3 +209,16 @@ def test_a_parse_error_tells_the_model_its_familys_format():
     for family in FAMILIES:
         parser = get_tool_parser(family)
         assert parser.example and parser.example in format_parse_error("bad JSON", parser)
+
+
+def test_gemma_reads_the_bare_call_list_of_googles_prompt():
+    text = '[get_weather(city="Oslo", days=3), add(a=1.5, b=-2)]'
+    parsed = get_tool_parser("gemma").parse(text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [
+        ("get_weather", {"city": "Oslo", "days": 3}),
+        ("add", {"a": 1.5, "b": -2}),
+    ]
+    content, streamed = stream_deltas("gemma", text)
+    assert content == "" and [c["name"] for c in streamed] == ["get_weather", "add"]
+    assert get_tool_parser("gemma").parse("[1] see the notes").content == "[1] see the notes"
+    assert stream_deltas("gemma", "[1] see the notes") == ("[1] see the notes", [])

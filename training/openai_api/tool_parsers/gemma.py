@@ -6,7 +6,8 @@ shows::
     ```
 
 A block may hold several calls (one per line, or one list ``[f(a=1), g(b=2)]``); ``print(f(...))`` reads as
-``f(...)``. Arguments must be keyword arguments whose values are literals (strings, numbers, ``True`` /
+``f(...)``. The bare list that Google's Gemma 3 function-calling prompt asks for, a whole reply
+``[f(a=1), g(b=2)]`` with no fence, is read too (a reply in brackets that is not a list of calls is content). Arguments must be keyword arguments whose values are literals (strings, numbers, ``True`` /
 ``true``, ``None`` / ``null``, lists, dicts): the block is parsed with ``ast``, never run, and anything else (a
 positional argument, a variable, an expression) makes the block a parse error. Text outside the blocks is
 content; a trailing block without its closing fence is parsed too.
@@ -79,30 +80,38 @@ class GemmaToolParser(ToolParser):
     name = "gemma"
     call_open = (FENCE_OPEN,)
     call_close = FENCE_CLOSE
+    opens_at_start = ("[",)
     example = '```tool_code\n<tool>(name="value", count=1)\n```'
     template_markers = (FENCE_OPEN,)
 
     def parse(
         self, text: str, id_prefix: str = "call_", *, first_index: int = 0, tools: Optional[list[dict]] = None
     ) -> ParsedCalls:
+        bare = text.strip()
+        if FENCE_OPEN not in text and bare.startswith("[") and bare.endswith("]"):
+            listed = self._block(bare, ParsedCalls(), id_prefix, first_index)
+            return listed if listed.calls and not listed.errors else ParsedCalls(content=bare)
         out = ParsedCalls()
         kept, pos = [], 0
         for m in _BLOCK_RE.finditer(text):
             kept.append(text[pos : m.start()])
             pos = m.end()
-            body = m.group(1).strip()
-            try:
-                statements = ast.parse(body, mode="exec").body
-                nodes = [c for s in statements for c in _calls_of(s.value if isinstance(s, ast.Expr) else s)]
-                if not nodes:
-                    raise ValueError("the block holds no call")
-                index = first_index + len(out.calls) + len(out.errors)
-                calls = [_call(n, self.call_id(id_prefix, index + i)) for i, n in enumerate(nodes)]
-                out.calls.extend(calls)
-            except SyntaxError as e:
-                out.errors.append(f"tool_code is not Python call syntax ({e.msg}): {short(body)}")
-            except (ValueError, RecursionError) as e:
-                out.errors.append(f"{e}: {short(body)}")
+            self._block(m.group(1).strip(), out, id_prefix, first_index)
         kept.append(text[pos:])
         out.content = "".join(kept).strip()
+        return out
+
+    def _block(self, body: str, out: ParsedCalls, id_prefix: str, first_index: int) -> ParsedCalls:
+        """Adds the calls of one block of Python statements to ``out`` (or one error, naming what is wrong)."""
+        try:
+            statements = ast.parse(body, mode="exec").body
+            nodes = [c for s in statements for c in _calls_of(s.value if isinstance(s, ast.Expr) else s)]
+            if not nodes:
+                raise ValueError("the block holds no call")
+            index = first_index + len(out.calls) + len(out.errors)
+            out.calls.extend([_call(n, self.call_id(id_prefix, index + i)) for i, n in enumerate(nodes)])
+        except SyntaxError as e:
+            out.errors.append(f"tool_code is not Python call syntax ({e.msg}): {short(body)}")
+        except (ValueError, RecursionError) as e:
+            out.errors.append(f"{e}: {short(body)}")
         return out

@@ -6,7 +6,7 @@
 | ``llama3_json`` | Llama 3.1 / 3.2 / 3.3 | ``{"name": ..., "parameters": {...}}``, bare or after ``<|python_tag|>`` |
 | ``mistral`` | Mistral | ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]`` |
 | ``qwen3_coder`` | Qwen3-Coder | ``<tool_call><function=NAME><parameter=P>V</parameter></function></tool_call>`` |
-| ``gemma`` | Gemma | ```` ```tool_code\\nname(p="v")\\n``` ```` |
+| ``gemma`` | Gemma | ```` ```tool_code\\nname(p="v")\\n``` ````, or a bare ``[f(a=1), g(b=2)]`` reply |
 | ``json`` | any (agents) | the whole reply is one JSON call object or a list of them |
 
 ``auto`` (the server's default, ``EngineConfig.tool_call_parser``) reads the chat template: the families whose

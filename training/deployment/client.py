@@ -174,6 +174,8 @@ class _HttpClient:
         """Requests that waited for a restarting server before they were sent (``DeploymentSampler.restart_waits``)."""
         self.waiting_on: set[str] = set()
         """Replicas some request is waiting for (their wait is logged once per restart)."""
+        self.replica_urls: list[str] = []
+        """The replicas' URLs, one list shared by related samplers (``DeploymentSampler.replace_replica``)."""
 
     def _drop_dead(self) -> None:
         for loop in [lp for lp in self._sessions if lp.is_closed()]:
@@ -247,10 +249,8 @@ class DeploymentSampler:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        self.base_urls = [_normalise_url(u) for u in urls]
-        """Every replica, in the order given."""
-        self.base_url = self.base_urls[0]
-        """The first replica (the only one, in the common case)."""
+        self.base_urls = [_normalise_url(u) for u in urls] if _client is None else _client.replica_urls
+        """Every replica, in the order given (one list shared by every sampler made by ``with_defaults``)."""
         self.api_key = api_key
         self.model = model
         self.timeout_s = timeout_s
@@ -260,6 +260,18 @@ class DeploymentSampler:
         """Seconds a replica that refused a connection is skipped before it is tried again."""
         self.sampling_defaults = dict(sampling_defaults or {})
         self._client = _client or _HttpClient(timeout_s)
+        self._client.replica_urls = self.base_urls
+
+    @property
+    def base_url(self) -> str:
+        """The first replica (the only one, in the common case)."""
+        return self.base_urls[0]
+
+    def replace_replica(self, old: str, new: str) -> None:
+        """Send from now on to ``new`` what went to replica ``old`` (a replica restarted at another address); it
+        keeps its place in the list, so its sessions keep their replica. Every ``with_defaults`` sampler sees it."""
+        old, new = _normalise_url(old), _normalise_url(new)
+        self.base_urls[:] = [new if u == old else u for u in self.base_urls]
 
     def with_defaults(self, **sampling: Any) -> "DeploymentSampler":
         """A sampler sharing this one's connections, with ``sampling`` layered over its defaults."""

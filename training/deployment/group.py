@@ -124,6 +124,8 @@ class DeploymentGroup:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(2, len(self.replicas)), thread_name_prefix="weight-push"
         )
+        for r in self.replicas:
+            r.on_moved = self.replica_moved
 
     @classmethod
     def attach(
@@ -197,6 +199,13 @@ class DeploymentGroup:
                 return r.status()
         return None
 
+    def replica_moved(self, old_url: str, new_url: str) -> None:
+        """A replica restarted at another address (``ServerProcess.on_moved``): the sampler sends its requests there and
+        the next distributed push forms a new group with it."""
+        log.info("replica %s moved to %s", old_url, new_url)
+        if self.sampler is not None:
+            self.sampler.replace_replica(old_url, new_url)
+
     @property
     def restart_count(self) -> int:
         """Restarts of every replica so far (``ServerProcess.restarts``)."""
@@ -267,9 +276,7 @@ class DeploymentGroup:
         try:
             dtype = await self.wire_dtype()
             if self.weight_sync_mode == "distributed":
-                out = await self._distributed_sender().push(
-                    named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
-                )
+                out = await self._push_distributed(named_weights, weight_version, specs, wait_for_inflight, dtype)
             else:
                 out = await self._push_file(named_weights, weight_version, wait_for_inflight, force, specs, dtype)
             out["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
@@ -392,8 +399,32 @@ class DeploymentGroup:
         replica.note_weights(folder, weight_version, mode)
         return answer
 
+    async def _push_distributed(
+        self,
+        named_weights: Iterable[tuple[str, Any]],
+        weight_version: int,
+        specs: Optional[Sequence[tuple[str, Any, tuple[int, ...]]]],
+        wait_for_inflight: bool,
+        dtype: Any,
+    ) -> dict:
+        """The distributed push. Launched replicas that are dead are restarted first (a restart in progress is waited
+        for), and a group whose members changed address is formed anew; each replica then hears ``weights_arrived``."""
+        if self.launched:
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._pool, r.ensure_alive) for r in self.replicas))
+        out = await self._distributed_sender().push(
+            named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
+        )
+        for r in self.replicas:
+            r.weights_arrived(weight_version)
+        return out
+
     def _distributed_sender(self):
-        """The weight sender of ``weight_sync="distributed"``, connected to every server on first use."""
+        """The weight sender of ``weight_sync="distributed"``, connected to every server on first use (again when a
+        replica moved: ``replica_moved``)."""
+        if self._sender is not None and list(self._sender.base_urls) != [u.rstrip("/") for u in self.base_urls]:
+            self._sender.close()
+            self._sender = None
         if self._sender is None:
             d = self.cfg
             self._sender = load_class(backend(d.engine).weight_sender).from_replicas(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from training.deployment.group import DeploymentGroup
+from training.launch.replicas import ray_deployment, under_ray
 from training.deployment.backends.process import DeploymentStartError
 from training.models import resolve_model
 from training.recipes.config import RESUME_MAY_CHANGE, Config
@@ -106,7 +107,11 @@ def start_rollouts(
     if share is not None:
         dcfg = replace(dcfg, engine_config=replace(dcfg.engine_config, num_threads=share.engine_threads))
     tokenizer = rollout_tokenizer(cfg, model_path, state.tokenizer, state.vocab_size)
-    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path, trainer=cfg.trainer).start(tokenizer)
+    replicas = None
+    if under_ray():  # the Ray launcher's trainer rank 0: the replicas are actors in its placement group
+        dcfg, replicas = ray_deployment(model_path, dcfg, str(log_path))
+    deployment = DeploymentGroup(model_path, dcfg, log_dir=log_path, trainer=cfg.trainer, replicas=replicas)
+    deployment.start(tokenizer)
     try:
         sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **cfg.sampling_kwargs}
         setup = RolloutSetup(

@@ -338,8 +338,9 @@ class DeployConfig:
     and refuse any other field set away from its default (training/utils/backends.py: ``engine_config_fields``)."""
     weight_sync: str = "auto"
     """How new weights reach the server: ``shm`` (same host), ``disk`` (safetensors folder), ``auto`` (shm when
-    embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to this
-    package's servers attached by ``base_url`` on other hosts; see training/deployment/weights/distributed.py)."""
+    embedded, disk when attached), ``distributed`` (tensor by tensor over a torch.distributed group, to servers
+    attached by ``base_url`` on other hosts or started by the Ray launcher, training/launch/; see
+    training/deployment/weights/distributed.py)."""
     weight_sync_master_addr: Optional[str] = None
     """With ``weight_sync="distributed"``: the trainer's address as the servers reach it (it hosts the group's store)."""
     weight_sync_master_port: int = 0
@@ -443,11 +444,11 @@ class DeployConfig:
         )
         if self.weight_sync == "distributed":
             _check(
-                self.base_url is not None and facts.distributed_weights,
+                facts.distributed_weights,
                 "weight_sync",
-                "'distributed' needs servers attached by base_url whose backend takes a distributed push (the "
-                "embedded engine, or vLLM started with the worker extension; same-host launched servers use shm; "
-                "SGLang syncs through its own endpoints)",
+                "'distributed' needs servers whose backend takes a distributed push (the embedded engine, or vLLM "
+                "started with the worker extension; SGLang syncs through its own endpoints), attached by base_url or "
+                "started by the Ray launcher (training/launch/); same-host launched servers use shm",
             )
             _check(
                 bool(self.weight_sync_master_addr),

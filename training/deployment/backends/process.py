@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from training.deployment.client import ReplicaStatus
 from training.deployment.placement import ReplicaPlacement, parse_replica_device, server_env
@@ -166,6 +166,9 @@ class ServerProcess:
         self._watchdog: Optional[threading.Thread] = None
         self._failed: Optional[str] = None
         self._own_weights = None  # the WeightFolder of push_weights (one-server shorthand)
+        self.on_moved: Optional[Callable[[str, str], None]] = None
+        """Called with (old URL, new URL) when a restart put the server at another address (a Ray replica on another
+        node, ``training/launch/replicas.py``); ``DeploymentGroup`` sets it. A local child restarts on its own port."""
 
     # ------------------------------------------------------------ properties
     @property
@@ -383,6 +386,10 @@ class ServerProcess:
         except ValueError:
             out = {}
         return out if isinstance(out, dict) else {}
+
+    def weights_arrived(self, weight_version: int) -> None:
+        """A distributed push loaded ``weight_version`` into this server (``DeploymentGroup.push``); a supervisor that
+        holds a restarted server back until it has the latest weights releases it here. Nothing to do by default."""
 
     def note_weights(self, folder: str, weight_version: int, mode: str) -> None:
         """Record the weights now live, to load them again after a restart."""

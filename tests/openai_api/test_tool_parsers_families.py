@@ -55,6 +55,7 @@ TURN_END = {
     "llama3_json": "<|eot_id|>",
     "mistral": "<|im_end|>",  # the tiny tokenizer's eos_token, which Mistral's template writes
     "gemma": "<end_of_turn>",
+    "functiongemma": "<end_of_turn>",
 }
 IDS = ["abcDEF123", "xyz987QRS"]
 
@@ -87,7 +88,7 @@ def assistant_text(tokenizer, family: str, calls=CALLS, content: str = "") -> st
 
 
 def test_every_family_has_a_template_and_a_parser():
-    assert set(FAMILIES) == {"hermes", "llama3_json", "mistral", "qwen3_coder", "gemma"}
+    assert set(FAMILIES) == {"hermes", "llama3_json", "mistral", "qwen3_coder", "gemma", "functiongemma"}
     assert set(FAMILIES) <= set(PARSERS)
 
 
@@ -106,7 +107,7 @@ def test_parser_reads_its_familys_template_output(tokenizer, family):
         assert ids == [f"call_7_{i}" for i in range(len(calls))]
 
 
-@pytest.mark.parametrize("family", ["hermes", "qwen3_coder", "gemma"])
+@pytest.mark.parametrize("family", ["hermes", "qwen3_coder", "gemma", "functiongemma"])
 def test_content_before_the_calls_is_kept(tokenizer, family):
     text = assistant_text(tokenizer, family, CALLS[:1], content="Let me look.")
     parsed = get_tool_parser(family).parse(text, tools=TOOLS)
@@ -165,6 +166,7 @@ MALFORMED = {
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city"',
     "qwen3_coder": "<tool_call>\n<parameter=city>\nOslo\n</parameter>\n</tool_call>",
     "gemma": "```tool_code\nget_weather(city=os.environ['HOME'])\n```",
+    "functiongemma": "<start_function_call>call:get_weather{city:<escape>Oslo}<end_function_call>",
 }
 
 
@@ -222,3 +224,10 @@ def test_gemma_reads_the_bare_call_list_of_googles_prompt():
     assert content == "" and [c["name"] for c in streamed] == ["get_weather", "add"]
     assert get_tool_parser("gemma").parse("[1] see the notes").content == "[1] see the notes"
     assert stream_deltas("gemma", "[1] see the notes") == ("[1] see the notes", [])
+
+
+def test_functiongemma_reads_calls_whose_special_tokens_were_dropped():
+    """Without ``<start_function_call>`` and ``<escape>`` (special tokens, skipped in decoding), strings are bare."""
+    parsed = get_tool_parser("functiongemma").parse("call:get_weather{city:Oslo,days:3,metric:true,hours:[6,12]}")
+    assert [(c.name, c.arguments) for c in parsed.calls] == CALLS[:1]
+    assert stream_deltas("functiongemma", "call:add{a:1.5,b:-2}")[1][0]["name"] == "add"

@@ -241,8 +241,9 @@ class EngineConfig:
     """Most bytes a request's ``tools`` may take as compact JSON (400 naming ``tools`` and this limit above it)."""
     tool_call_parser: str = "auto"
     """How the server reads tool calls in chat replies: a parser of ``training/openai_api/tool_parsers`` (``hermes``
-    / ``qwen``, ``llama3_json``, ``mistral``, ``qwen3_coder``, ``gemma``, ``json``), or ``auto``: the one family
-    the chat template writes, else ``hermes``; the choice and why is logged at start-up. Embedded engine only."""
+    / ``qwen``, ``llama3_json``, ``mistral``, ``qwen3_coder``, ``gemma``, ``functiongemma``, ``json``), or ``auto``:
+    the one family the chat template writes, else ``hermes``; the choice and why is logged at start-up. Embedded
+    engine only."""
 
     def __post_init__(self):
         _check(

@@ -2,7 +2,7 @@
 
 On the ground floor because both the inference server (``deployment/server``: tool calls in chat responses, the
 server's parser chosen by ``EngineConfig.tool_call_parser``) and the agents (``training/agents``) parse the same
-formats. One module per family (``hermes``, ``llama3``, ``mistral``, ``qwen3_coder``, ``gemma``, ``json_reply``),
+formats. One module per family (``hermes``, ``llama3``, ``mistral``, ``qwen3_coder``, ``gemma``, ``function_gemma``, ``json_reply``),
 the contract in ``base``, names and template detection in ``registry``, prompt rendering in ``rendering``.
 
 A block that is present but malformed never raises: it becomes an entry of ``ParsedCalls.errors``, which the
@@ -18,6 +18,7 @@ from training.openai_api.tool_parsers.base import (
     format_parse_error,
     to_openai_tool_calls,
 )
+from training.openai_api.tool_parsers.function_gemma import FunctionGemmaToolParser
 from training.openai_api.tool_parsers.gemma import GemmaToolParser
 from training.openai_api.tool_parsers.hermes import HermesToolParser
 from training.openai_api.tool_parsers.json_reply import JsonToolParser
@@ -45,6 +46,7 @@ from training.openai_api.tool_parsers.rendering import (
 __all__ = [
     "AUTO",
     "DEFAULT_PARSER",
+    "FunctionGemmaToolParser",
     "GemmaToolParser",
     "HERMES_EXAMPLE",
     "HermesToolParser",

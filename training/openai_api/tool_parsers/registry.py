@@ -7,6 +7,7 @@
 | ``mistral`` | Mistral | ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]`` |
 | ``qwen3_coder`` | Qwen3-Coder | ``<tool_call><function=NAME><parameter=P>V</parameter></function></tool_call>`` |
 | ``gemma`` | Gemma | ```` ```tool_code\\nname(p="v")\\n``` ````, or a bare ``[f(a=1), g(b=2)]`` reply |
+| ``functiongemma`` | FunctionGemma | ``<start_function_call>call:NAME{p:<escape>v<escape>}<end_function_call>`` |
 | ``json`` | any (agents) | the whole reply is one JSON call object or a list of them |
 
 ``auto`` (the server's default, ``EngineConfig.tool_call_parser``) reads the chat template: the families whose
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from training.openai_api.tool_parsers.base import ToolParser
+from training.openai_api.tool_parsers.function_gemma import FunctionGemmaToolParser
 from training.openai_api.tool_parsers.gemma import GemmaToolParser
 from training.openai_api.tool_parsers.hermes import HermesToolParser
 from training.openai_api.tool_parsers.json_reply import JsonToolParser
@@ -34,6 +36,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "gemma": GemmaToolParser,
+    "functiongemma": FunctionGemmaToolParser,
     "json": JsonToolParser,
 }
 """Every parser by name (``qwen`` is an alias of ``hermes``)."""

@@ -30,6 +30,7 @@ RESUME_MAY_CHANGE = (
     "epochs",
     "eval_interval",
     "sample_print_interval",
+    "mismatch_probe_threshold",
     "dcp_save_interval",
     "keep_checkpoints",
     "export_final_model",
@@ -64,6 +65,7 @@ TOP_RECORDED_WHEN_SET = {
     "reward_weights": None,
     "overlong": asdict(OverlongConfig()),
     "critic": asdict(CriticConfig()),
+    "mismatch_probe_threshold": 0.05,
 }
 """The same for top-level settings (``overlong`` and ``critic`` as ``asdict`` records them)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
@@ -192,6 +194,10 @@ class Config:
     sample_print_interval: int = 10
     """Print one sampled completion with its reward and prompt to the console every this many steps, from step 0
     (0 = never); ``rollouts.jsonl`` has every sample either way."""
+    mismatch_probe_threshold: Optional[float] = 0.05
+    """When a step's ``train/logprob_diff_mean`` (engine vs trainer, per trained token) passes this, the next step
+    re-scores a few on-policy samples in ways that isolate the cause and warns once with the numbers
+    (training/utils/rl/mismatch_probe.py); None = never."""
     dcp_save_interval: int = 0
     """Write a DCP checkpoint every this many steps (0 = off; a final one is written when > 0)."""
     keep_checkpoints: int = 2
@@ -309,6 +315,12 @@ class Config:
             isinstance(self.sample_print_interval, int) and self.sample_print_interval >= 0,
             "sample_print_interval",
             f"must be an int >= 0 (0 = never), got {self.sample_print_interval!r}",
+        )
+        check(
+            self.mismatch_probe_threshold is None
+            or (isinstance(self.mismatch_probe_threshold, (int, float)) and self.mismatch_probe_threshold > 0),
+            "mismatch_probe_threshold",
+            f"must be a number > 0 or None (never), got {self.mismatch_probe_threshold!r}",
         )
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.max_rows is None or self.max_rows >= 1, "max_rows", f"must be >= 1 or None, got {self.max_rows}")

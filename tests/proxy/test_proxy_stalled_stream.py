@@ -1,5 +1,6 @@
 """No agent can stall a sync: a stream the agent stops reading is aborted within ``stream_write_timeout_s``, the
-pre-sync drain cancels stragglers after ``drain_timeout_s``, and another session's call never waits (real tiny server)."""
+pre-sync drain cancels stragglers after ``drain_timeout_s`` (both deadlines a recipe's ``Config.proxy``), counted per
+step in ``rollout/drain_cancelled_calls``, and another session's call never waits (real tiny server)."""
 
 import asyncio
 import json
@@ -13,6 +14,7 @@ import pytest
 from training.deployment.client import DeploymentSampler
 from training.proxy import make_proxy_rollout_fn
 from training.proxy.rollout import AgentFailedError
+from training.utils.config import ProxyConfig
 from training.utils.rl.rollout import RolloutSetup
 
 MESSAGES = [{"role": "user", "content": "Count from one to one thousand."}]
@@ -85,9 +87,11 @@ async def wait_for(cond, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def make_rollout_fn(server, agent, **proxy_kwargs):
+def make_rollout_fn(server, agent, proxy_config=None, **proxy_kwargs):
     sampler = DeploymentSampler(server.base_url)
-    setup = RolloutSetup(sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0})
+    setup = RolloutSetup(
+        sampler=sampler, tokenizer=None, sampling_kwargs={"temperature": 1.0}, proxy_config=proxy_config
+    )
     make = make_proxy_rollout_fn(
         agent, reward_fn=lambda row, result: 1.0, template_check="off", proxy_kwargs=proxy_kwargs
     )
@@ -135,6 +139,26 @@ async def proxy_health(proxy) -> dict:
             return await r.json()
 
 
+def step_metric(fn, sampler) -> float:
+    """``rollout/drain_cancelled_calls`` as ``RunContext.take_counters`` reports it for a step (the real method on
+    the few parts of a run context it reads)."""
+    from types import SimpleNamespace
+
+    from training.recipes.context import RunContext
+    from training.recipes.step_metrics import StepCounters
+    from training.utils.rl.failure_log import FailureLog
+
+    ctx = SimpleNamespace(
+        counters=StepCounters(),
+        deployment=SimpleNamespace(sampler=sampler),
+        rollout_fn=fn,
+        _sampler_seen={},
+        failure_log=FailureLog("rollout"),
+        cfg=SimpleNamespace(group_reward_fn=None),
+    )
+    return RunContext.take_counters(ctx)["rollout/drain_cancelled_calls"]
+
+
 def test_the_pre_sync_drain_cancels_a_straggler_after_its_deadline_and_the_sync_proceeds(server):
     async def go():
         released = asyncio.Event()
@@ -142,11 +166,11 @@ def test_the_pre_sync_drain_cancels_a_straggler_after_its_deadline_and_the_sync_
         async def agent(row, endpoint):
             return await (stalled_agent(endpoint, released) if row["who"] == "A" else quick_agent(endpoint))
 
-        fn, sampler = make_rollout_fn(
-            server, agent, stream_write_timeout_s=60.0, drain_timeout_s=1.5, upstream_stream="on"
-        )
+        deadlines = ProxyConfig(stream_write_timeout_s=60.0, drain_timeout_s=1.5)  # a recipe's Config.proxy
+        fn, sampler = make_rollout_fn(server, agent, proxy_config=deadlines, upstream_stream="on")
         try:
             proxy = await fn.ensure_started()
+            assert (proxy.stream_write_timeout_s, proxy.drain_timeout_s) == (60.0, 1.5)
             a = asyncio.create_task(fn({"who": "A"}))
             await wait_for(lambda: proxy.gate.in_flight == 1, 10)
             await asyncio.sleep(1.0)  # the stream is stuck on the agent's full window
@@ -156,6 +180,7 @@ def test_the_pre_sync_drain_cancels_a_straggler_after_its_deadline_and_the_sync_
             await fn.before_weight_sync()  # what DeploymentGroup.push runs first
             drain_s = time.monotonic() - t0
             assert proxy.drain_cancelled_calls == 1 and proxy.gate.in_flight == 0 and proxy.aborted_streams == 0
+            assert step_metric(fn, sampler) == 1.0  # the recipe's rollout/drain_cancelled_calls of this step
             await fn.after_weight_sync()
             assert not proxy.gate.paused
             released.set()

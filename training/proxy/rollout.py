@@ -147,6 +147,11 @@ class ProxyRolloutFn:
         for name in ("max_retries", "backoff_s"):  # the sampler's retries (DeployConfig.max_retries, retry_backoff_s)
             if isinstance(getattr(sampler, name, None), (int, float)):
                 kw[name] = getattr(sampler, name)
+        if setup.proxy_config is not None:  # the recipe's Config.proxy deadlines
+            kw.update(
+                stream_write_timeout_s=setup.proxy_config.stream_write_timeout_s,
+                drain_timeout_s=setup.proxy_config.drain_timeout_s,
+            )
         kw.update(proxy_kwargs)
         self._make_proxy = lambda: ProxyServer(urls, **kw)
         self.proxy: Optional[ProxyServer] = None
@@ -154,6 +159,8 @@ class ProxyRolloutFn:
         self._host: Optional[asyncio.Task] = None
         self._starting: Optional[asyncio.Lock] = None
         self._closed = False
+        self._cancelled_before = 0
+        """Drain cancellations of the proxies this function started before its current one."""
         self._threads = ThreadPoolExecutor(max_workers=agent_threads, thread_name_prefix="proxy-agent")
         self._reward_wants_session = len(inspect.signature(reward_fn).parameters) >= 3
         self._hooks = (self.before_weight_sync, self.after_weight_sync)
@@ -174,13 +181,24 @@ class ProxyRolloutFn:
         if self.proxy is not None:
             self.proxy.gate.resume()
 
+    @property
+    def drain_cancelled_calls(self) -> int:
+        """Calls the pre-sync drains cancelled so far, over every proxy this function started (the recipe logs them
+        per step as ``rollout/drain_cancelled_calls``)."""
+        return self._cancelled_before + (self.proxy.drain_cancelled_calls if self.proxy is not None else 0)
+
+    def _forget_proxy(self) -> None:
+        self._cancelled_before = self.drain_cancelled_calls
+        self.proxy = None
+
     async def ensure_started(self) -> ProxyServer:
         """Start the proxy on the running loop (once per loop); it stops at ``close()`` or when the loop shuts down."""
         if self._closed:
             raise RuntimeError("ProxyRolloutFn is closed: build a new one (make_rollout_fn(setup))")
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._starting, self.proxy, self._host = loop, asyncio.Lock(), None, None
+            self._forget_proxy()
+            self._loop, self._starting, self._host = loop, asyncio.Lock(), None
         async with self._starting:
             if self.proxy is None:
                 proxy, started = self._make_proxy(), asyncio.Event()
@@ -202,7 +220,8 @@ class ProxyRolloutFn:
         self._closed = True
         if self._hooks in self._setup.weight_sync_hooks:
             self._setup.weight_sync_hooks.remove(self._hooks)
-        self._host, self.proxy = None, None
+        self._host = None
+        self._forget_proxy()
         if here and not host.done():
             host.cancel()
             await asyncio.gather(host, return_exceptions=True)

@@ -67,6 +67,7 @@ from training.proxy.upstream import Restarts, UpstreamError, UpstreamPool
 from training.utils.http import SESSION_HEADER, close_idle_connections
 from training.openai_api.errors import error_body, error_response
 from training.utils.aio.pause_gate import PauseGate
+from training.utils.config import ProxyConfig
 from training.utils.http import BodyError, read_json_request
 from training.utils.rl.rollout import RolloutValidationError, as_reward
 from training.openai_api.sse import end_sse, iter_sse, open_sse, sse_event
@@ -76,11 +77,12 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body after decoding (413 above it), as on the deployment server."""
 
-DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
-"""How long one streamed write may wait for the agent to take the bytes before the proxy aborts the stream."""
+DEFAULT_STREAM_WRITE_TIMEOUT_S = ProxyConfig.stream_write_timeout_s
+"""How long one streamed write may wait for the agent to take the bytes before the proxy aborts the stream (30 s;
+a recipe's ``Config.proxy.stream_write_timeout_s``)."""
 
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
-"""How long a pause waits for the calls in flight before it cancels the stragglers."""
+DEFAULT_DRAIN_TIMEOUT_S = ProxyConfig.drain_timeout_s
+"""How long a pause waits for the calls in flight before it cancels the stragglers (60 s; ``Config.proxy``)."""
 
 CANCEL_GRACE_S = 5.0
 """How long a drain waits for cancelled calls to unwind (they release their in-flight count at once)."""

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from training.utils.config import ConfigError, DeployConfig, TensorBoardConfig, TrainerConfig, WandBConfig
+from training.utils.config import ConfigError, DeployConfig, ProxyConfig, TensorBoardConfig, TrainerConfig, WandBConfig
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
 from training.utils.rl.distillation import DistillationConfig
 from training.utils.rl.gate import STALE_POLICIES
@@ -43,9 +43,10 @@ RESUME_MAY_CHANGE = (
     "trainer.gradient_checkpointing",
     "wandb",
     "tensorboard",
+    "proxy",
 )
 """Settings a resumed run may change without ``resume_with_changed_config`` (they do not change what
-is trained: how long, how it is logged and served, whether activations are recomputed)."""
+is trained: how long, how it is logged and served, whether activations are recomputed, the proxy's deadlines)."""
 DISTILLATION_LOSS = LossConfig(policy_loss="importance_sampling", kl_beta=0.0)
 """The loss of a distillation run whose ``loss`` is left unset: no ``policy_loss`` given (in either spelling; an
 explicit ``"grpo"`` counts as given, ``LossConfig.policy_loss_given``) and the rest of ``loss`` at its defaults. It is
@@ -65,9 +66,10 @@ TOP_RECORDED_WHEN_SET = {
     "reward_weights": None,
     "overlong": asdict(OverlongConfig()),
     "critic": asdict(CriticConfig()),
+    "proxy": asdict(ProxyConfig()),
     "mismatch_probe_threshold": 0.05,
 }
-"""The same for top-level settings (``overlong`` and ``critic`` as ``asdict`` records them)."""
+"""The same for top-level settings (``overlong``, ``critic`` and ``proxy`` as ``asdict`` records them)."""
 ERROR_CHECK_MIN_ATTEMPTS = 8
 """``max_rollout_error_fraction`` is checked once a step has this many attempts (and at least two
 groups' worth), so one early failure cannot stop a run."""
@@ -227,6 +229,9 @@ class Config:
     """Weights & Biases logging (``wandb.*``); off unless ``wandb.project`` or ``WANDB_PROJECT`` is set."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """TensorBoard scalars (``tensorboard.*``); off unless ``tensorboard.enabled``."""
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    """The deadlines of the recording proxy a ``make_proxy_rollout_fn`` rollout starts (``proxy.*``:
+    ``stream_write_timeout_s``, ``drain_timeout_s``; ``training/proxy/README.md``, "Limits")."""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """On-policy distillation from a teacher (``distillation.*``); off unless ``distillation.teacher_model`` or
     ``distillation.deployment.base_url`` is set. With it on, a loss left unset (no ``policy_loss`` given, the rest
@@ -358,6 +363,7 @@ class Config:
             ("deployment", DeployConfig),
             ("wandb", WandBConfig),
             ("tensorboard", TensorBoardConfig),
+            ("proxy", ProxyConfig),
             ("distillation", DistillationConfig),
             ("overlong", OverlongConfig),
             ("critic", CriticConfig),

@@ -129,7 +129,8 @@ class RunContext:
         self.requeues: dict[int, int] = {}
         """Row position -> times in a row its group was requeued for a deployment failure (``requeue``)."""
         self._sampler_seen: dict[str, int] = {}
-        """The sampler's ``restart_retries`` / ``restart_waits`` totals at the previous step."""
+        """The sampler's ``restart_retries`` / ``restart_waits`` and the rollout function's ``drain_cancelled_calls``
+        totals at the previous step."""
 
     # ---- rollouts ---------------------------------------------------------------------
     async def run_group(self, position: int, submit_version: int) -> PromptGroup:
@@ -240,8 +241,13 @@ class RunContext:
     def take_counters(self) -> dict[str, float]:
         m = self.counters.metrics()
         sampler = self.deployment.sampler
-        for name in ("restart_retries", "restart_waits"):  # the sampler's running totals, as per-step counts
-            total = getattr(sampler, name) if sampler is not None else 0
+        totals = (  # running totals, as per-step counts: the sampler's restarts, a proxy rollout's drain cancellations
+            (sampler, "restart_retries"),
+            (sampler, "restart_waits"),
+            (self.rollout_fn, "drain_cancelled_calls"),
+        )
+        for source, name in totals:
+            total = getattr(source, name, 0) if source is not None else 0
             m[f"rollout/{name}"] = float(total - self._sampler_seen.get(name, 0))
             self._sampler_seen[name] = total
         m["rollout/failures_unprinted"] = float(self.failure_log.take_unprinted())

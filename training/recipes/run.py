@@ -120,6 +120,7 @@ def start_rollouts(
             sampling_kwargs=sampling,
             extras=rollout_extras,
             max_seq_len=dcfg.engine_config.max_model_len,
+            proxy_config=cfg.proxy,
         )
         deployment.hooks = setup.weight_sync_hooks  # the same list: hooks added by make_rollout_fn count
         rollout_fn = rollout_fn_factory(setup)

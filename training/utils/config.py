@@ -1,5 +1,5 @@
-"""Sub-configs shared by the recipes: the trainer, the inference engine, the deployment and the trackers
-(wandb, TensorBoard).
+"""Sub-configs shared by the recipes: the trainer, the inference engine, the deployment, the trackers
+(wandb, TensorBoard) and the recording proxy's deadlines.
 
 Plain dataclasses, validated in ``__post_init__``: a bad value fails at construction with a
 ``ConfigError`` that names the field and says what is allowed. Each field's docstring is its help text.
@@ -7,6 +7,7 @@ Plain dataclasses, validated in ``__post_init__``: a bad value fails at construc
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional, Union
@@ -584,3 +585,25 @@ class TensorBoardConfig:
             "log_dir",
             f"must be a folder or None (<log_path>/tensorboard), got {self.log_dir!r}",
         )
+
+
+@dataclass
+class ProxyConfig:
+    """The deadlines of the recording proxy a proxy rollout function starts (``training/proxy``): no agent can stall
+    another or a weight sync beyond them."""
+
+    stream_write_timeout_s: float = 30.0
+    """How long one streamed write may wait for the agent to take the bytes; past it the stream is aborted and that
+    episode fails (``rollout/failed/call_aborted``)."""
+    drain_timeout_s: float = 60.0
+    """How long the pre-sync drain waits for the calls in flight; past it the stragglers are cancelled, their
+    episodes fail and the sync proceeds (counted per step in ``rollout/drain_cancelled_calls``)."""
+
+    def __post_init__(self):
+        for name in ("stream_write_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+                name,
+                f"must be a number of seconds > 0, got {value!r}",
+            )

@@ -186,6 +186,9 @@ class RolloutSetup:
         default_factory=list
     )
     """``(before, after)`` async callables the recipe awaits around every weight sync (a proxy pauses new calls)."""
+    proxy_config: Any = None
+    """The recipe's ``Config.proxy`` (a ``training.utils.config.ProxyConfig``: the deadlines a proxy rollout
+    function's server takes); None outside a recipe (the proxy's defaults)."""
 
     @property
     def sample_kwargs(self) -> dict[str, Any]:

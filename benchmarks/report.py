@@ -153,7 +153,8 @@ METHOD = {
 }
 
 METHOD_SOAK = (
-    "Bounded memory: the embedded server (tiny model, CPU) under N concurrent clients sending token-in and chat "
+    "Bounded memory: the embedded server (tiny model, CPU, its default engine settings) under N concurrent clients "
+    "sending token-in and chat "
     "completions back to back, a third of them under a fresh session id each (so parked sessions and cached "
     "prefixes are made and evicted all the time); `GET /stats` `pools` sampled every few seconds. A series levels "
     "off when the last third's maximum is at most the middle third's × 1.05 plus a small slack. Not run by "

@@ -1,8 +1,9 @@
 """Soak: does the server's memory level off under a long load, or grow without end?
 
-    python -m benchmarks.soak [--minutes 30] [--clients 128] [--sample-s 5] [--out benchmarks/soak]
+    python -m benchmarks.soak [--minutes 30] [--clients 128] [--sample-s 5] [--out benchmarks/soak] [--note TEXT]
 
-Starts the embedded server (tiny model, CPU, fp32) and runs ``--clients`` concurrent clients for
+Starts the embedded server (tiny model, CPU, fp32) at the server's default settings (``SOAK_ENGINE``:
+``EngineConfig`` with only the device pinned to the CPU) and runs ``--clients`` concurrent clients for
 ``--minutes``: each sends, back to back, a mix of token-in completions (random prompts),
 chat completions, and calls under a fresh ``x-multi-turn-session-id`` every time (so parked
 sessions and cached prefixes keep being made and must be evicted). Every ``--sample-s`` seconds
@@ -48,6 +49,8 @@ COLUMNS = (
 )
 JUDGED = ("rss_mb", "heap_in_use_mb", "open_fds", "parked_sessions", "kv_cache_blocks")
 """The series that must level off."""
+SOAK_ENGINE = {"device": "cpu"}
+"""The only engine settings the soak pins; every other one is ``EngineConfig``'s default (what a user gets)."""
 
 
 @dataclass
@@ -148,7 +151,7 @@ def run_soak(model_path: str, minutes: float, clients: int, sample_s: float, log
         api_key=API_KEY,
         startup_timeout_s=300,
         log_file=str(log_dir / "server.log"),
-        engine_config=EngineConfig(max_model_len=256, max_batch_size=16, device="cpu", dtype="float32"),
+        engine_config=EngineConfig(**SOAK_ENGINE),
     )
     with EmbeddedDeployment(model_path, cfg, served_model_name="tiny") as dep:
         return asyncio.run(soak(dep.base_url, minutes, clients, sample_s))
@@ -210,6 +213,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=128)
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/soak"))
+    p.add_argument("--note", default="", help="the machine's state, put in the report's first line")
     args = p.parse_args()
     from training.models.build_tiny import ensure_tiny_model
 
@@ -218,7 +222,8 @@ def main() -> None:
     write_outputs(result, args.out, f"soak: {args.clients} clients, {args.minutes:g} min, tiny model, CPU")
     head = (
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.clients} clients for {args.minutes:g} "
-        f"minutes on {os.cpu_count()} cores, tiny model, CPU fp32, {result.rows[-1]['requests']} requests; "
+        f"minutes on {os.cpu_count()} cores{', ' + args.note if args.note else ''}, tiny model, CPU fp32, "
+        f"engine settings: defaults except {json.dumps(SOAK_ENGINE)}; {result.rows[-1]['requests']} requests; "
         f"reproduce: `python -m benchmarks.soak --minutes {args.minutes:g} --clients {args.clients}` "
         f"(samples: `{args.out.with_suffix('.csv')}`)."
     )

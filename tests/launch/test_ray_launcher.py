@@ -33,7 +33,7 @@ RUN_ARGS = [
     "completions_per_prompt=4",
     "synchronous_training=true",
     "max_head_offpolicy_versions=0",
-    "learning_rate=2e-5",  # small steps: every step keeps reward spread, so every step has a gradient to compare
+    "learning_rate=2e-5",
     "deployment.num_replicas=2",
     "deployment.engine_config.enable_prefix_caching=false",
     "deployment.engine_config.num_threads=1",
@@ -133,6 +133,10 @@ def test_two_ranks_and_two_spread_replicas_survive_a_lost_replica_and_match_one_
     )
     assert moved and moved[0][2] != killed[2], "the log does not say where the new replica went"
 
+    # every replica, the new one included, served the final weights (version STEPS) at the end
+    final = dict(re.findall(r"replica (\d) on node .* stops at weight version (\S+)", text))
+    assert final == {"0": str(STEPS), "1": str(STEPS)}, final
+
     # every row of every step trained once: (step, row position, completion) unique, the same set as one machine
     def keys(log_path):
         rows = [json.loads(line) for line in (log_path / "rollouts.jsonl").read_text().splitlines()]
@@ -150,3 +154,31 @@ def test_two_ranks_and_two_spread_replicas_survive_a_lost_replica_and_match_one_
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     for a, b in zip(grad_1, grad_2):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lost_trainer_rank_stops_the_run_with_one_line_naming_it(cluster, tmp_path):
+    out = tmp_path / "launcher.log"
+    with open(out, "w") as fh:
+        proc = subprocess.Popen(
+            [*LAUNCH, "--trainer-ranks", "2", "--replicas", "1", "--shared-path", str(tmp_path)]
+            + [str(EXAMPLE / "train.py"), f"log_path={tmp_path / 'run'}", "max_steps=2", "trainer.device=cpu"],
+            env=_env(cluster),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    deadline = time.time() + 120
+    pid = None
+    while proc.poll() is None and time.time() < deadline and pid is None:
+        found = re.findall(r"trainer rank 1: actor pid (\d+) on node", out.read_text())
+        pid = int(found[0]) if found else None
+        time.sleep(0.1)
+    assert pid is not None, out.read_text()[-3000:]
+    os.kill(pid, signal.SIGKILL)  # rank 1's actor process: as if its node went away
+    rc = proc.wait(timeout=120)
+    text = out.read_text()
+    assert rc == 3, text[-3000:]
+    assert re.search(
+        r"trainer rank 1 on node \S+ \(\w+\) was lost .*: the run stops\. The same command again resumes", text
+    )

@@ -408,13 +408,30 @@ class DeploymentGroup:
         dtype: Any,
     ) -> dict:
         """The distributed push. Launched replicas that are dead are restarted first (a restart in progress is waited
-        for), and a group whose members changed address is formed anew; each replica then hears ``weights_arrived``."""
+        for), and a group whose members changed address is formed anew; each replica then hears ``weights_arrived``.
+        A push that failed before its broadcast because a launched replica died under it is tried once more after the
+        restart (with ``specs`` the weights are read only during the broadcast, so such a push has read none)."""
+        loop = asyncio.get_running_loop()
         if self.launched:
-            loop = asyncio.get_running_loop()
             await asyncio.gather(*(loop.run_in_executor(self._pool, r.ensure_alive) for r in self.replicas))
-        out = await self._distributed_sender().push(
-            named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
-        )
+        restarts = [r.restart_count for r in self.replicas]
+        sender = self._distributed_sender()
+        try:
+            out = await sender.push(
+                named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
+            )
+        except WeightSyncError:
+            if specs is None or sender.broadcast_started or not self.launched:
+                raise
+            recovered = await asyncio.gather(
+                *(loop.run_in_executor(self._pool, r.recover, n) for r, n in zip(self.replicas, restarts))
+            )
+            if not any(recovered):
+                raise
+            log.warning("a replica died during the weight push of v%d; retrying after its restart", weight_version)
+            out = await self._distributed_sender().push(
+                named_weights, weight_version, specs=specs, wait_for_inflight=wait_for_inflight, dtype=dtype
+            )
         for r in self.replicas:
             r.weights_arrived(weight_version)
         return out

@@ -124,6 +124,10 @@ def launch(args: argparse.Namespace, spec: RaySpec) -> int:
                 .remote()
             )
         wheres = ray.get([a.where.remote() for a in actors])
+        for r, w in enumerate(wheres):
+            log.info(
+                "trainer rank %d: actor pid %d on node %s, GPUs [%s]", r, w["pid"], w["label"], ",".join(w["gpus"])
+            )
         gcs = ray.get_runtime_context().gcs_address
         envs = trainer_envs(wheres, spec.trainer_ranks, f"{run_id}-{replica_pg_name(pgs)}", gcs)
         argv = [os.path.abspath(args.script), *args.script_args]

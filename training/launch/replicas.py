@@ -158,6 +158,10 @@ class RayReplica(ServerProcess):
         actor, self._actor, self._proc = self._actor, None, None
         if actor is None:
             return
+        if self._stopping.is_set():  # the run's end: say which weights it served last
+            status, text = self._http("GET", "/weight_version", timeout=5.0)
+            version = json.loads(text).get("weight_version") if status == 200 else None
+            log.info("replica %d on node %s stops at weight version %s", self.bundle_index, self.node, version)
         ray = connect()
         try:
             ray.get(actor.stop.remote(), timeout=self.stop_grace_s)

@@ -30,12 +30,12 @@ class TrainerRank:
 
     def where(self) -> dict:
         """This rank's node (``node``: address, ``label``: address and node id), a free port there (rank 0's
-        rendezvous) and the GPUs Ray gave it."""
+        rendezvous), the GPUs Ray gave it and the actor's pid."""
         from training.launch.node import node_address
         from training.launch.ray_import import import_ray
 
         gpus = [str(g) for g in import_ray().get_gpu_ids()]
-        return {"node": node_address(), "label": node_label(), "port": free_port(), "gpus": gpus}
+        return {"node": node_address(), "label": node_label(), "port": free_port(), "gpus": gpus, "pid": os.getpid()}
 
     def check_writable(self, path: str) -> str:
         return check_writable(path)

@@ -235,6 +235,9 @@ class DistributedWeightSender:
         self.server_ranks: list[int] = [1] * len(self.base_urls)
         """Group members per server (a vLLM server with tensor parallel holds one per worker), set by ``connect``."""
         self._lock = asyncio.Lock()
+        self.broadcast_started = False
+        """Whether the last ``push`` got as far as the broadcast (False: it failed or was refused before any tensor
+        was read or moved, so it may be sent again with the same ``named_weights``)."""
 
     @classmethod
     def from_replicas(cls, replicas: Sequence[Any], master_addr: str, **kwargs: Any) -> "DistributedWeightSender":
@@ -382,6 +385,7 @@ class DistributedWeightSender:
         broadcast with ``WeightSyncError`` (the servers then report version -1 until a full update).
         """
         async with self._lock:
+            self.broadcast_started = False
             await self.connect()
             t0 = time.perf_counter()
             if specs is None:
@@ -419,6 +423,7 @@ class DistributedWeightSender:
                         f"weights: " + "; ".join(errors or [str(first)])
                     ) from first
                 self.store.set(go_key(uid), b"go")
+                self.broadcast_started = True
                 t1 = time.perf_counter()
                 try:
                     sent, peak = await asyncio.to_thread(

@@ -3,6 +3,7 @@ hold named at start, torchrun's variables per rank, and the one line a missing `
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -62,3 +63,31 @@ def test_without_ray_the_launcher_says_which_extra_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"error: {MISSING_RAY}"]
     assert "pip install 'training[ray]'" in MISSING_RAY
+
+
+def test_a_colocated_replica_takes_only_its_own_share_of_the_bundle():
+    spec = RaySpec(trainer_ranks=1, trainer_cpus=2, replicas=1, replica_cpus=1, replica_gpus=1, colocate=True)
+    replica = plan_bundles(RaySpec(replica_cpus=1, replica_gpus=1))[1].bundles[0]
+    [env] = trainer_envs([{"node": "n", "label": "n (a)", "port": 1, "gpus": []}], 1, "g", "a:1", replica)
+    assert json.loads(env["TRAINING_RAY_REPLICA_RESOURCES"]) == {"CPU": 1.0, "GPU": 1.0}
+    assert plan_bundles(spec)[0].bundles == ({"CPU": 3.0, "GPU": 1.0},)  # the bundle holds both shares
+
+
+def test_the_readmes_ray_commands_parse():
+    """The launcher commands of the README's and the multi-node skill's Ray sections name flags that exist and a spec
+    that validates (the cluster they need is not here; tests/launch/test_ray_launcher.py runs the same shape)."""
+    import shlex
+    from pathlib import Path
+
+    from training.launch.ray import parse_args
+
+    root = Path(__file__).resolve().parents[2]
+    commands = []
+    for doc in (root / "README.md", root / "skills" / "multi-node" / "SKILL.md"):
+        text = doc.read_text().replace("\\\n", " ")
+        commands += [line for line in text.splitlines() if "python -m training.launch.ray --trainer-ranks" in line]
+    assert len(commands) == 2, commands
+    for line in commands:
+        argv = shlex.split(line.split("python -m training.launch.ray", 1)[1].split("  #")[0])
+        args, spec = parse_args(argv)
+        assert spec.trainer_ranks == 8 and spec.replica_gpus == 1 and args.script.endswith("train.py")

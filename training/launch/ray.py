@@ -58,7 +58,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, RaySpec]:
     return args, spec
 
 
-def trainer_envs(wheres: list[dict], world: int, replica_group: str, gcs_address: str) -> list[dict]:
+def trainer_envs(
+    wheres: list[dict], world: int, replica_group: str, gcs_address: str, replica_resources: Optional[dict] = None
+) -> list[dict]:
     """torchrun's variables for each rank (``wheres[r]``: its ``TrainerRank.where``), plus the launcher's own.
 
     ``LOCAL_RANK`` counts the ranks on one node in rank order; on GPUs each rank's process sees every GPU Ray gave the
@@ -82,6 +84,8 @@ def trainer_envs(wheres: list[dict], world: int, replica_group: str, gcs_address
             "TRAINING_RAY_REPLICA_GROUP": replica_group,
             "TRAINING_RAY_TRAINERS": trainers,
         }
+        if replica_resources is not None:
+            env["TRAINING_RAY_REPLICA_RESOURCES"] = json.dumps(replica_resources)
         gpus = [g for q in local for g in wheres[q]["gpus"]]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -108,14 +112,13 @@ def launch(args: argparse.Namespace, spec: RaySpec) -> int:
             for name, node in zip(g.names, bundle_nodes(pgs[g.name])):
                 log.info("ray placement: %s on node %s (group %s-%s, %s)", name, node, run_id, g.name, g.strategy)
         check_shared_path(ray, args.shared_path, pgs)
-        tr = trainer_pg.bundle_specs[0]
         for r in range(spec.trainer_ranks):
             actors.append(
                 ray.remote(TrainerRank)
                 .options(
                     num_cpus=spec.trainer_cpus,
                     num_gpus=spec.trainer_gpus,
-                    memory=tr.get("memory") or None,
+                    memory=int(spec.trainer_memory_gb * 2**30) or None,
                     max_concurrency=2,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=trainer_pg, placement_group_bundle_index=r
@@ -129,7 +132,8 @@ def launch(args: argparse.Namespace, spec: RaySpec) -> int:
                 "trainer rank %d: actor pid %d on node %s, GPUs [%s]", r, w["pid"], w["label"], ",".join(w["gpus"])
             )
         gcs = ray.get_runtime_context().gcs_address
-        envs = trainer_envs(wheres, spec.trainer_ranks, f"{run_id}-{replica_pg_name(pgs)}", gcs)
+        replica = plan_bundles(dataclasses.replace(spec, colocate=False))[1].bundles[0]  # one replica's own share
+        envs = trainer_envs(wheres, spec.trainer_ranks, f"{run_id}-{replica_pg_name(pgs)}", gcs, replica)
         argv = [os.path.abspath(args.script), *args.script_args]
         refs = [a.run.remote(argv, env, args.shared_path) for a, env in zip(actors, envs)]
         return wait_ranks(ray, refs, actors, wheres)

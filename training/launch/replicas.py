@@ -41,6 +41,9 @@ ENV_REPLICA_GROUP = "TRAINING_RAY_REPLICA_GROUP"
 """Set by the launcher on every trainer rank: the name of the replicas' placement group."""
 ENV_TRAINERS = "TRAINING_RAY_TRAINERS"
 """Set by the launcher on every trainer rank: JSON list of ``{"rank", "node"}`` (logged by rank 0)."""
+ENV_REPLICA_RESOURCES = "TRAINING_RAY_REPLICA_RESOURCES"
+"""Set by the launcher on every trainer rank: JSON ``{"CPU", "GPU", "memory"}`` one replica's actor takes from its
+bundle (a colocated bundle also holds its trainer rank's share)."""
 
 
 class _ActorExit:
@@ -59,8 +62,19 @@ class RayReplica(ServerProcess):
 
     guard_parent = False
 
-    def __init__(self, model: str, cfg: DeployConfig, *, placement_group: Any, bundle_index: int, log_file: str):
+    def __init__(
+        self,
+        model: str,
+        cfg: DeployConfig,
+        *,
+        placement_group: Any,
+        bundle_index: int,
+        log_file: str,
+        resources: Optional[dict] = None,
+    ):
         super().__init__(model, cfg, log_file=log_file)
+        self.resources = dict(resources if resources is not None else placement_group.bundle_specs[bundle_index])
+        """What the actor takes from its bundle (Ray's names: ``CPU``, ``GPU``, ``memory``)."""
         self.engine = cfg.engine
         self.placement = None  # Ray sets CUDA_VISIBLE_DEVICES for the actor's GPUs
         self.placement_group = placement_group
@@ -105,11 +119,11 @@ class RayReplica(ServerProcess):
         ray = connect()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = self.placement_group.bundle_specs[self.bundle_index]
+        bundle = self.resources
         actor_cls = ray.remote(ServerActor).options(
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
-            memory=bundle.get("memory") or None,
+            memory=int(bundle["memory"]) if bundle.get("memory") else None,
             max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group, placement_group_bundle_index=self.bundle_index
@@ -210,6 +224,7 @@ def ray_deployment(model: str, cfg: DeployConfig, log_dir: str) -> tuple[DeployC
             placement_group=pg,
             bundle_index=i,
             log_file=os.path.join(log_dir, f"deployment-{i}.log"),
+            resources=json.loads(os.environ[ENV_REPLICA_RESOURCES]) if os.environ.get(ENV_REPLICA_RESOURCES) else None,
         )
         for i in range(n)
     ]

@@ -22,6 +22,7 @@ from training.deployment.backends.process import DeploymentStartError
 from training.deployment.client import DeploymentSampler
 from training.deployment.backends.vllm import VLLM_VENV_PYTHON, VLLMDeployment
 from training.utils import DeployConfig, EngineConfig
+from training.utils.metrics import read_metrics
 
 _no_venv = pytest.mark.skipif(
     not VLLM_VENV_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_VENV_PYTHON}: run bash scripts/setup_vllm.sh"
@@ -330,6 +331,30 @@ def test_async_rl_loop_attached_to_vllm(server, vllm_model_path, tmp_path):
     assert result["steps"] == 2
     assert run(server.server_weight_version()) == "2"  # synced v0 at start, then after each step
     assert labels and set(labels) <= {0, 1, 2}
+
+
+@needs_vllm
+def test_the_mismatch_monitor_measures_vllm_against_the_trainer(server, vllm_model_path, tmp_path, caplog):
+    """The mismatch probes (training/utils/rl/mismatch_probe.py) forced on (a threshold under any gap) against vLLM's
+    CPU build: they report its |Δ logprob| to the trainer and either name a cause or say none removes it."""
+    import logging
+
+    from training.recipes import rl_loop
+
+    cfg = recipe_config(
+        vllm_model_path,
+        None,
+        tmp_path,
+        deployment=DeployConfig(engine="vllm", base_url=server.base_url),
+        mismatch_probe_threshold=1e-12,
+    )
+    with caplog.at_level(logging.WARNING, logger="training.recipe"):
+        rl_loop.main(cfg, rollout_fn_factory=labelling_rollouts([]), rows=ROWS)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("logprob mismatch")]
+    print(f"\n{line}")
+    assert "engine_prefill " in line and ("cause:" in line or "none of the probes removes it" in line)
+    [m] = [r for r in read_metrics(cfg.log_path) if "mismatch/trainer_mean" in r]
+    assert m["mismatch/trainer_mean"] < 1e-3  # fp32 on both sides
 
 
 @needs_vllm

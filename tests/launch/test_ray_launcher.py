@@ -157,24 +157,22 @@ def test_two_ranks_and_two_spread_replicas_survive_a_lost_replica_and_match_one_
 
 
 @pytest.mark.slow
-def test_a_lost_trainer_rank_stops_the_run_with_one_line_naming_it(cluster, tmp_path):
+def test_a_lost_trainer_rank_stops_the_run_and_the_same_command_resumes_it(cluster, tmp_path):
+    run = tmp_path / "run"
+    command = [*LAUNCH, "--trainer-ranks", "2", "--replicas", "1", "--shared-path", str(tmp_path)]
+    command += [str(EXAMPLE / "train.py"), f"log_path={run}", "max_steps=2", "dcp_save_interval=1", "eval_interval=0"]
+    command += ["prompt_groups_per_step=2", "completions_per_prompt=2", "trainer.device=cpu"]
     out = tmp_path / "launcher.log"
     with open(out, "w") as fh:
-        proc = subprocess.Popen(
-            [*LAUNCH, "--trainer-ranks", "2", "--replicas", "1", "--shared-path", str(tmp_path)]
-            + [str(EXAMPLE / "train.py"), f"log_path={tmp_path / 'run'}", "max_steps=2", "trainer.device=cpu"],
-            env=_env(cluster),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    deadline = time.time() + 120
+        proc = subprocess.Popen(command, env=_env(cluster), stdout=fh, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    latest = run / "checkpoints" / "latest"
     pid = None
-    while proc.poll() is None and time.time() < deadline and pid is None:
+    while proc.poll() is None and time.time() < deadline and not (pid and latest.exists()):
         found = re.findall(r"trainer rank 1: actor pid (\d+) on node", out.read_text())
         pid = int(found[0]) if found else None
-        time.sleep(0.1)
-    assert pid is not None, out.read_text()[-3000:]
+        time.sleep(0.05)
+    assert pid is not None and latest.exists(), out.read_text()[-3000:]
     os.kill(pid, signal.SIGKILL)  # rank 1's actor process: as if its node went away
     rc = proc.wait(timeout=120)
     text = out.read_text()
@@ -182,3 +180,9 @@ def test_a_lost_trainer_rank_stops_the_run_with_one_line_naming_it(cluster, tmp_
     assert re.search(
         r"trainer rank 1 on node \S+ \(\w+\) was lost .*: the run stops\. The same command again resumes", text
     )
+    assert len(_rows(run)) < 2, "the run was not stopped before its end"
+
+    again = subprocess.run(command, env=_env(cluster), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert re.search(r"resumed from \S+ at step 1\b", again.stdout + again.stderr)
+    assert [r["step"] for r in _rows(run)][-1] == 1  # the run reached its last step

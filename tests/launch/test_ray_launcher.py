@@ -72,7 +72,7 @@ def _curves(log_path: Path) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.slow
-def test_a_placement_the_cluster_cannot_hold_is_refused_naming_the_bundle(cluster, tmp_path):
+def test_a_placement_the_cluster_cannot_hold_or_a_shared_path_a_node_cannot_write_is_refused(cluster, tmp_path):
     done = subprocess.run(
         [*LAUNCH, "--replica-gpus", "1", "--shared-path", str(tmp_path), str(EXAMPLE / "train.py")],
         env=_env(cluster),
@@ -82,6 +82,18 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_naming_the_bundle(cluste
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "bundle 'replica 0' (CPU=1, GPU=1) fits on no node" in done.stderr
+
+    taken = tmp_path / "a-file"  # a shared path no node can make a folder of
+    taken.write_text("")
+    done = subprocess.run(
+        [*LAUNCH, "--shared-path", str(taken), str(EXAMPLE / "train.py")],
+        env=_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.search(rf"error: shared path {taken}: not writable from node \S+ \(\w+\)", done.stderr), done.stderr
 
 
 @pytest.mark.slow

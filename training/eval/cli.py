@@ -58,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="request seeds derive from it (default 0)")
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--max-concurrency", type=int, default=32)
-    s.add_argument("--timeout-s", type=float, default=300.0, help="a rollout past it scores 0 (failed)")
+    s.add_argument("--max-concurrency", type=int, default=64, help="rollouts in flight (default 64, a run's)")
+    s.add_argument(
+        "--timeout-s", type=float, default=600.0, help="a rollout past it scores 0 (failed; default 600, a run's)"
+    )
     s.add_argument("--device", default="auto", help="the engine's device: auto, cpu, cuda, cuda:N")
     s.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--compare", metavar="MODEL2", help="a second model (same forms as MODEL), same prompts and seeds")

@@ -39,10 +39,10 @@ class EvalSettings:
     """Request seeds derive from it, with the row and sample index; also the engine's seed."""
     temperature: float = 1.0
     max_tokens: int = 256
-    max_concurrency: int = 32
-    """Rollouts in flight at once."""
-    timeout_s: float = 300.0
-    """A rollout running longer scores 0 and counts as failed."""
+    max_concurrency: int = 64
+    """Rollouts in flight at once (a run's ``Config.max_concurrency``)."""
+    timeout_s: float = 600.0
+    """A rollout running longer scores 0 and counts as failed (a run's ``Config.rollout_timeout_s``)."""
     device: str = "auto"
     """The engine's device (``EngineConfig.device``)."""
     max_model_len: int = 2048

@@ -587,6 +587,9 @@ def test_cpu_share_splits_the_cores_only_when_trainer_and_servers_overlap_on_thi
     assert share(trainer=TrainerConfig(num_threads=3)) == CpuShare(4, 3, 3)
     assert share(overlaps=False) is None
     assert share(deployment=DeployConfig(base_url="http://127.0.0.1:1")) is None
+    monkeypatch.setenv("TRAINING_RAY_REPLICA_GROUP", "run-replicas")  # under the Ray launcher: the bundles split them
+    assert share() is None
+    monkeypatch.delenv("TRAINING_RAY_REPLICA_GROUP")
     assert async_rl_loop.AsyncRLLoop.overlaps(async_rl_loop.Config(base_model="m", max_head_offpolicy_versions=1))
     assert not async_rl_loop.AsyncRLLoop.overlaps(async_rl_loop.Config(base_model="m"))
     assert not rl_loop.SyncRLLoop.overlaps(async_rl_loop.Config(base_model="m", max_head_offpolicy_versions=1))

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from training.launch.replicas import under_ray
 from training.models import resolve_model
 from training.models.resolve import check_base_model
 from training.recipes.config import Config
@@ -165,7 +166,8 @@ def cpu_share(cfg: Config, overlaps: bool) -> Optional[CpuShare]:
     - the trainer gets ``trainer.num_threads`` when set (fixed), else every core while no rollout is in flight and
       the cores the servers leave (at least 1) while one is.
     "Every core" is torch's thread count in this process (one per physical core, or ``OMP_NUM_THREADS``). Without
-    overlap each side uses every core in its turn (or its own ``num_threads``).
+    overlap each side uses every core in its turn (or its own ``num_threads``). Under the Ray launcher the cores
+    are split by the bundles each part reserved, so there is no share here.
     """
     dcfg = cfg.deployment
     if (
@@ -173,6 +175,7 @@ def cpu_share(cfg: Config, overlaps: bool) -> Optional[CpuShare]:
         or dcfg.base_url is not None
         or not backend(dcfg.engine).reads("num_threads")
         or dist.is_distributed()
+        or under_ray()  # each part's CPUs are its Ray bundle's (training/launch/bundles.py)
         or resolve_device(cfg.trainer.device).type != "cpu"
         or dcfg.engine_config.resolve_device().type != "cpu"
     ):

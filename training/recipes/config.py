@@ -59,6 +59,7 @@ RECORDED_WHEN_SET = {
     "mis_low": None,
     "mis_high": 2.0,
     "kl_estimator": "k3",
+    "kl_in_reward": False,
 }
 """``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
 TOP_RECORDED_WHEN_SET = {
@@ -390,6 +391,12 @@ class Config:
             self.advantage != "gae" or not self.distillation.enabled,
             "advantage",
             "'gae' and distillation both set the per-token advantages; choose one",
+        )
+        check(
+            self.advantage != "gae" or not self.loss.kl_in_reward,
+            "loss.kl_in_reward",
+            "not built with advantage='gae' (the penalty would have to enter GAE's token rewards); keep the KL in "
+            "the loss (kl_in_reward=False) or choose another advantage",
         )
         if self.policy_loss is not None and not self.loss.policy_loss_given:
             self.loss = dataclasses.replace(self.loss, policy_loss=_given(self.policy_loss))  # the alias was given

@@ -52,6 +52,7 @@ from training.utils import dist as dist_utils
 from training.utils.dist import Command, broadcast_tensor, lead
 from training.utils.rl.gae import explained_variance, step_gae, value_loss
 from training.utils.rl.groups import PromptGroup
+from training.utils.rl.kl_reward import kl_reward_advantages
 from training.utils.rl.losses import compute_policy_loss, loss_aggregation
 from training.utils.rl.losses.common import LossInputs
 from training.utils.rl.losses.config import SEQUENCE_AGGREGATIONS, LossConfig
@@ -233,6 +234,14 @@ def train_on_batch(
     ref_logprobs: Optional[list] = None
     if reference is not None and loss_cfg.kl_beta > 0:
         ref_logprobs = reference.logprobs(sequences, temperature=temperature)
+    kl_penalties = None
+    if ref_logprobs is not None and loss_cfg.kl_in_reward:  # the penalty moves into the advantages (kl_reward.py)
+        before = old_logprobs if old_logprobs is not None else trainer.logprobs(sequences, temperature=temperature)
+        advantages, kl_penalties = kl_reward_advantages(
+            batch.advantages, before, ref_logprobs, batch.loss_masks, loss_cfg.kl_beta, loss_cfg.kl_estimator
+        )
+        batch = dataclasses.replace(batch, advantages=advantages)
+        loss_cfg = dataclasses.replace(loss_cfg, kl_beta=0.0, kl_in_reward=False)  # no second charge in the loss
 
     weighted = any(w != 1.0 for w in batch.weights)
     order = list(range(n))
@@ -318,6 +327,8 @@ def train_on_batch(
     out["train/trainable_tokens"] = float(sum(batch.num_trainable_tokens(i) for i in range(n)))
     out["train/tokens"] = float(sum(len(t) for t in sequences))
     out.update(batch_distribution_metrics(batch))
+    if kl_penalties is not None:
+        out["train/kl_reward_penalty_mean"] = sum(kl_penalties) / len(kl_penalties)
     if targets is not None:
         out["train/value_explained_variance"] = explained_variance(old_values, targets, batch.loss_masks)
     return out

@@ -58,9 +58,12 @@ def resolve_loss(cfg: LossConfig) -> LossFn:
 
 def needs_reference_logprobs(cfg: LossConfig) -> bool:
     """Whether the trainer must compute reference logprobs: kl_beta > 0 and the loss uses them
-    (a registered loss with ``uses_reference``, i.e. grpo, or any user callable, which may)."""
+    (a registered loss with ``uses_reference``, i.e. grpo, or any user callable, which may), or the penalty goes in
+    the advantages (``kl_in_reward``)."""
     if cfg.kl_beta <= 0:
         return False
+    if cfg.kl_in_reward:
+        return True
     loss = registered_loss(cfg)
     return loss is None or loss.uses_reference
 

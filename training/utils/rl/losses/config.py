@@ -48,6 +48,10 @@ class LossConfig:
     """The penalty's per-token estimate of KL(pi || pi_ref), with d = l - l_ref: ``k1`` d (unbiased, can be
     negative), ``k2`` d^2 / 2, ``k3`` exp(-d) + d - 1 (unbiased and >= 0; the default, as GRPO). All three are logged
     (``train/kl_ref_k1`` ...)."""
+    kl_in_reward: bool = False
+    """Charge the KL penalty in the advantages instead of the loss: each trained token's advantage loses ``kl_beta``
+    times the estimator's sum over it and the tokens after it (``training/utils/rl/kl_reward.py``), and the loss adds
+    no KL term. Needs ``kl_beta > 0``; any loss (the reference is loaded for it)."""
     eps_low: Optional[float] = None
     """Lower clip epsilon of the ratio; None = the loss's own default (0.2)."""
     eps_high: Optional[float] = None
@@ -107,6 +111,8 @@ class LossConfig:
             raise ValueError(f"kl_beta: must be >= 0, got {self.kl_beta}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
+        if self.kl_in_reward and self.kl_beta <= 0:
+            raise ValueError("kl_in_reward: needs kl_beta > 0 (the penalty's coefficient), got kl_beta=0")
         for name in ("eps_low", "eps_high"):
             v = getattr(self, name)
             if v is not None and not (0 <= v < 10):

@@ -25,8 +25,9 @@ class ServerActor:
 
     def __init__(self, model: str, cfg: DeployConfig, log_file: str, weight_peers: Sequence[str] = ()):
         cfg = dataclasses.replace(cfg, host=node_address())
-        extra = [a for p in weight_peers for a in ("--weight-peer", p)] if cfg.engine == "embedded" else []
-        self.server = load_class(backend(cfg.engine).deployment)(model, cfg, log_file=log_file, extra_args=extra)
+        facts = backend(cfg.engine)
+        extra = [a for p in weight_peers for a in ("--weight-peer", p)] if facts.weight_peer_flag else []
+        self.server = load_class(facts.deployment)(model, cfg, log_file=log_file, extra_args=extra)
         self._gone = threading.Event()
 
     def start(self) -> dict:

@@ -11,6 +11,7 @@ Everything that depends on the backend reads a fact of this table, never its nam
 | ``make_deployment`` / ``make_sampler`` (``training/deployment/backends/registry.py``) | ``deployment``, ``sampler``, ``sampler_tokenizer`` |
 | ``DeploymentGroup`` (``training/deployment/group.py``) | ``weight_sender`` (``weight_sync="distributed"``) |
 | ``plan_placement`` (``training/deployment/placement.py``) | ``multi_gpu``; ``memory_settings`` and ``default_gpu_memory_fraction`` (replicas sharing a GPU) |
+| the Ray launcher's server actor (``training/launch/server_actor.py``) | ``weight_peer_flag`` |
 | the recipes (``resources.py``, ``teacher.py``) | ``reads("num_threads")`` (the CPU split); ``scores_prompts_alone`` (a teacher's ``max_tokens``) |
 
 One memory setting per backend, and one meaning per setting (the other backends' setting is refused, naming it):
@@ -67,6 +68,9 @@ class Backend:
     scores_prompts_alone: bool
     """Answers a ``prompt_logprobs`` request with ``max_tokens: 0`` (nothing generated); False: one token is
     generated, so a teacher's ``max_model_len`` needs one more position."""
+    weight_peer_flag: bool = False
+    """Its server takes ``--weight-peer HOST`` (the hosts allowed to form a weight group with it: this package's
+    server, ``training/deployment/serve.py``); the Ray launcher's server actors pass the trainer's node so."""
     weight_sender: str = "training.deployment.weights.distributed:DistributedWeightSender"
     """``module:Class`` of the trainer's sender for ``weight_sync="distributed"`` (read when ``distributed_weights``;
     built by ``DeploymentGroup`` with ``from_replicas``): this package's routes, or vLLM's ``/collective_rpc``."""
@@ -95,6 +99,7 @@ BACKENDS: dict[str, Backend] = {
             engine_config_fields=None,
             distributed_weights=True,
             scores_prompts_alone=True,
+            weight_peer_flag=True,
         ),
         Backend(
             name="vllm",

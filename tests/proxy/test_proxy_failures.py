@@ -263,3 +263,42 @@ def test_proxy_calls_resend_after_a_restart_requeue_on_a_deployment_failure_and_
     assert "failed after 4 attempts: HTTP 503" in str(failed)
     assert isinstance(bare, UpstreamFailedError) and not bare.deployment_failure and not is_retryable(bare)
     assert isinstance(lost, DeploymentLostError) and is_fatal(lost) and lost.reason == "restarts spent"
+
+
+def test_a_proxy_episode_in_a_completion_scope_sends_the_same_derived_seeds_every_time():
+    """The recipe runs each completion in a ``seed_scope`` (``request_seeds.py``): the proxy stamps the episode's calls
+    that name no seed from it, so a resent call, a requeued row and a resumed run draw the same tokens; an agent's own
+    seed is kept, and outside any scope nothing is added."""
+    from training.utils.rl.request_seeds import seed_scope
+
+    async def agent(row, ep):
+        c = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        for seed in (None, 7, None):
+            extra = {} if seed is None else {"seed": seed}
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3"}], **extra)
+        return "5"
+
+    async def go():
+        async with ScriptedUpstream() as up:
+            up.script = ["text"] * 12
+
+            class Sampler:
+                base_url, api_key = up.url, None
+
+            fn = make_proxy_rollout_fn(agent, reward_fn=lambda r, a: 1.0)(
+                RolloutSetup(sampler=Sampler(), tokenizer=None)
+            )
+            try:
+                for key in ((0, 0, 3, 1), (0, 0, 3, 1), (0, 0, 3, 2)):  # (run seed, version, position, completion)
+                    with seed_scope(*key):
+                        await fn({})
+                await fn({})
+            finally:
+                await fn.close()
+            return [b.get("seed") for b in up.bodies]
+
+    seeds = asyncio.run(go())
+    first, again, other, unscoped = seeds[0:3], seeds[3:6], seeds[6:9], seeds[9:12]
+    assert first == again and first[1] == 7 and None not in first and first[0] != first[2]
+    assert other[1] == 7 and {other[0], other[2]}.isdisjoint({first[0], first[2]})
+    assert unscoped == [None, 7, None]

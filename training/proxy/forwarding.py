@@ -6,6 +6,7 @@ upstream) and does what a route asks of it:
 
 | operation | what it does |
 | --- | --- |
+| ``stamp_seed(session, body)`` | a call naming no ``seed`` gets the session's next derived one (``SessionRecord.seed_base``), so a resend draws the same tokens |
 | ``upstream_body(body, endpoint)`` | the body sent upstream: token ids and logprobs on, the agent's ``model`` and stream fields dropped, the forced fields set, ``max_tokens`` added when the agent sets none |
 | ``exchange(request, session, endpoint, body)`` | forward one call without streaming, record and label it |
 | ``commit(session, reply, endpoint, body, request, url)`` | record and label a reply that arrived another way (a relayed stream, accumulated) |
@@ -26,6 +27,7 @@ from training.proxy import sampling_policy
 from training.proxy.records import CallRecord, SessionRecord, record_from_reply
 from training.proxy.upstream import UpstreamError, UpstreamPool
 from training.utils.http import session_headers
+from training.utils.rl.request_seeds import derive_seed
 from training.utils.rl.rollout.turn_matching import STRATEGIES, assign
 
 AGENT_HEADER = "x-agent-name"
@@ -70,6 +72,15 @@ class CallForwarder:
         self.upstream_stream = upstream_stream
         self.refused_stream: set[str] = set()
         """Upstream base URLs that answered ``stream`` with a 400 (their streams are synthesised)."""
+
+    @staticmethod
+    def stamp_seed(session: SessionRecord, body: dict) -> None:
+        """Give ``body`` (the agent's call, before it is forwarded) ``seed = derive_seed(session.seed_base, k)`` for
+        the session's k-th call that names none; nothing without a ``seed_base`` or when the agent set a seed."""
+        if session.seed_base is None or body.get("seed") is not None:
+            return
+        body["seed"] = derive_seed(session.seed_base, session.seeded_calls)
+        session.seeded_calls += 1
 
     def upstream_body(self, body: dict, endpoint: str) -> dict:
         """The body forwarded upstream for the agent's ``body`` (a new dict; ``stream`` is the caller's to add)."""

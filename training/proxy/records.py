@@ -129,6 +129,13 @@ class SessionRecord:
     deployment_failures: int = 0
     """How many of ``upstream_errors`` were the deployment's (5xx or unreachable past the retries, a stream cut
     off mid-way), not a reply's fault: the recipe rolls such an episode's row out again (``rollout.py``)."""
+    seed_base: Optional[int] = None
+    """Where the seeds of this episode's calls come from: a call that names no ``seed`` is sent with
+    ``derive_seed(seed_base, k)``, k counting such calls (``CallForwarder.stamp_seed``). The proxy rollout sets it
+    from the recipe's completion scope (``training/utils/rl/request_seeds.py``), so a call resent after a restart,
+    a requeued row and a resumed run draw the same tokens; None (outside a recipe) sends no seed."""
+    seeded_calls: int = 0
+    """Calls so far that got a derived seed."""
     deployment_lost: Optional[Exception] = None
     """What the sampler raised when a call's server cannot come back (``DeploymentLostError``): the rollout
     re-raises it and the run stops with its reason."""

@@ -73,6 +73,7 @@ async def serve(proxy: ProxyServer, request: web.Request) -> web.StreamResponse:
     refused = sampling_policy.refusal(chat)
     if refused is not None:
         return error_response(400, refused[1], param=refused[0])
+    proxy.forwarder.stamp_seed(session, chat)
     with proxy.table.active(session):  # a session with a call in flight is never evicted
         async with proxy.admitted(request, session):
             if rr.stream:

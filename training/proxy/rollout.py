@@ -39,6 +39,7 @@ from training.proxy.records import APPEND, NEW, WIPE, SessionRecord
 from training.proxy.server import AGENT_HEADER, SESSION_HEADER, ProxyServer
 from training.proxy.stitching import DRIFT_POLICIES, stitch_calls
 from training.proxy.transitions import CreditFn, build_transitions, credit_parts, tool_status_counts
+from training.utils.rl.request_seeds import next_request_seed
 from training.utils.rl.rollout import RolloutRun, RolloutSetup
 from training.utils.rl.rollout.episode_facts import EpisodeFacts
 from training.openai_api.template_check import run_template_check
@@ -258,7 +259,7 @@ class ProxyRolloutFn:
     async def __call__(self, row: dict) -> Optional[RolloutRun]:
         proxy = await self.ensure_started()
         sid = f"ep-{uuid.uuid4().hex}"
-        proxy.open_session(sid)
+        proxy.open_session(sid).seed_base = next_request_seed()  # the recipe's completion scope: resends draw alike
         endpoint = AgentEndpoint(
             base_url=proxy.session_url(sid),
             api_key=proxy.session_key(sid) or "none",

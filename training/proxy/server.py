@@ -419,6 +419,7 @@ class ProxyServer:
             return error_response(400, "'stream' must be a boolean", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
             return error_response(400, "'stream_options' must be an object", "stream_options")
+        self.forwarder.stamp_seed(session, body)
         with self.table.active(session):  # a session with a call in flight is never evicted
             async with self.admitted(request, session):
                 if body.get("stream"):
@@ -444,6 +445,7 @@ class ProxyServer:
         refused = sampling_policy.refusal(chat)
         if refused is not None:
             return web.json_response(anthropic.error_body(refused[1]), status=400)
+        self.forwarder.stamp_seed(session, chat)
         with self.table.active(session):
             async with self.admitted(request, session):
                 out = await self.forwarder.exchange(request, session, "chat", chat)

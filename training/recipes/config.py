@@ -60,6 +60,7 @@ RECORDED_WHEN_SET = {
     "mis_high": 2.0,
     "kl_estimator": "k3",
     "kl_in_reward": False,
+    "reference_refresh_interval": 0,
 }
 """``loss.*`` settings ``to_dict`` leaves out at these defaults (added after runs were recorded: such a run resumes)."""
 TOP_RECORDED_WHEN_SET = {
@@ -391,6 +392,11 @@ class Config:
             self.advantage != "gae" or not self.distillation.enabled,
             "advantage",
             "'gae' and distillation both set the per-token advantages; choose one",
+        )
+        check(
+            not (self.loss.reference_refresh_interval and self.trainer.lora_rank > 0),
+            "loss.reference_refresh_interval",
+            "with LoRA the reference is the policy's own base weights (adapters off): there is no copy to refresh",
         )
         check(
             self.advantage != "gae" or not self.loss.kl_in_reward,

@@ -36,7 +36,7 @@ from training.utils.rl.eval_rollouts import score_rows
 from training.utils.rl.groups import PromptGroup, run_group
 from training.utils.rl.overlong import apply_overlong
 from training.utils.rl.mismatch_probe import PROBE_SAMPLES, probe_mismatch
-from training.utils.rl.ppo import train_on_groups
+from training.utils.rl.ppo import refreshes_reference, train_on_groups
 from training.utils.rl.reward_components import apply_reward_components
 from training.utils.rl.failure_log import FailureLog, row_label
 from training.utils.rl.rollout import RolloutFn, RolloutSetup
@@ -295,6 +295,7 @@ class RunContext:
                 ppo_mini_batches=cfg.ppo_mini_batches,
                 temperature=cfg.temperature,
                 seed=cfg.seed + step,
+                refresh_reference=refreshes_reference(cfg.loss, step + 1),
             ),
         )
         threshold = cfg.mismatch_probe_threshold
@@ -500,6 +501,7 @@ class RunContext:
                 state,
                 keep_last=self.cfg.keep_checkpoints,
                 critic=getattr(self.trainer, "critic", None),
+                reference=self.reference if self.cfg.loss.reference_refresh_interval else None,
             )
 
     async def wait_for(self, changed: asyncio.Event, in_flight: int, last_progress: float) -> float:

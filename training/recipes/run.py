@@ -83,7 +83,13 @@ def follow_rank0(cfg: Config, state: TrainState, log_path: Path) -> int:
             Command.TRAIN: lambda _: receive_and_train(trainer, cfg.loss, reference=state.reference),
             Command.WEIGHTS: lambda _: collections.deque(trainer.named_weights(), maxlen=0),
             Command.CHECKPOINT: lambda step: save_checkpoint(
-                log_path / "checkpoints", step, trainer.model, trainer.optimizer, None, keep_last=cfg.keep_checkpoints
+                log_path / "checkpoints",
+                step,
+                trainer.model,
+                trainer.optimizer,
+                None,
+                keep_last=cfg.keep_checkpoints,
+                reference=state.reference if cfg.loss.reference_refresh_interval else None,
             ),
             Command.EXPORT: lambda _: trainer.save_pretrained(log_path / "final"),
         }

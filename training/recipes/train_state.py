@@ -62,7 +62,11 @@ def build_train_state(cfg: Config, model_path: str, num_rows: int, log_path: Pat
         trainer.attach_critic(cfg.critic)
     start_step = 0
     resumed = load_latest_checkpoint(  # the newest that loads
-        log_path / "checkpoints", trainer.model, trainer.optimizer, critic=trainer.critic
+        log_path / "checkpoints",
+        trainer.model,
+        trainer.optimizer,
+        critic=trainer.critic,
+        reference=reference if cfg.loss.reference_refresh_interval else None,  # a refreshed one is in the checkpoint
     )
     if resumed is not None:
         ckpt, state = resumed

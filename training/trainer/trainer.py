@@ -253,6 +253,22 @@ class ReferenceModel(_ScoringModel):
         self.model.eval()
         self.share_prefixes = self._use_prefix_sharing()
 
+    @torch.no_grad()
+    def refresh_from(self, policy: "PolicyTrainer") -> None:
+        """Become a copy of ``policy``'s current weights (``LossConfig.reference_refresh_interval``), in this model's
+        dtype, parameter by parameter (under FSDP2 each rank copies its own shards: both are sharded alike)."""
+        if policy.lora:
+            raise ValueError(
+                "refresh_from: with LoRA the reference is the policy's own base weights (no copy to refresh)"
+            )
+        mine, theirs = dict(self.model.named_parameters()), dict(policy.model.named_parameters())
+        if mine.keys() != theirs.keys():
+            raise ValueError(
+                f"refresh_from: the reference and the policy differ in parameters: {sorted(mine.keys() ^ theirs.keys())[:3]}"
+            )
+        for name, param in mine.items():
+            param.copy_(theirs[name])
+
 
 class PolicyTrainer(_ScoringModel):
     """The trainable policy: model, AdamW optimizer, tokenizer.

@@ -46,7 +46,13 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from training.utils.checkpoint_files import (
     LATEST,
@@ -75,13 +81,16 @@ def _quiet():
     return ctx
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None) -> dict:
-    """What DCP writes and reads: ``model`` and ``optim`` (trainable only), and ``critic`` (head, optimizer) if given."""
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None, reference=None) -> dict:
+    """What DCP writes and reads: ``model`` and ``optim`` (trainable only), ``critic`` (head, optimizer) if given, and
+    ``reference`` (a refreshed reference model's weights, ``LossConfig.reference_refresh_interval``) if given."""
     model_sd, optim_sd = _trainable_state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         head_sd, head_optim_sd = get_state_dict(critic.head, critic.optimizer)
         state["critic"] = {"model": head_sd, "optim": head_optim_sd}
+    if reference is not None:
+        state["reference"] = get_model_state_dict(reference.model)
     return state
 
 
@@ -150,6 +159,7 @@ def save_checkpoint(
     recipe_state: Optional[dict],
     keep_last: int = 2,
     critic=None,
+    reference=None,
 ) -> Path:
     """Write checkpoint ``step`` (its manifest last), verify it, point ``latest`` at it; then keep the newest
     ``keep_last`` checkpoints that verify (older folders are deleted; the new one always counts).
@@ -167,7 +177,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()  # nobody writes into tmp before rank 0 has cleared it
-    state = _state(model, optimizer, critic)
+    state = _state(model, optimizer, critic, reference)
     ctx = _quiet()
     try:
         dcp.save(state, checkpoint_id=str(tmp))
@@ -260,7 +270,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_latest_checkpoint(
-    root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None
+    root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None, reference=None
 ) -> Optional[tuple[Path, dict]]:
     """Resume: load the newest checkpoint under ``root`` that verifies and loads; return it and its recipe state.
 
@@ -272,7 +282,7 @@ def load_latest_checkpoint(
     for folder, reason in scan_checkpoints(root):
         if reason is None:
             try:
-                state = load_checkpoint(folder, model, optimizer, critic)
+                state = load_checkpoint(folder, model, optimizer, critic, reference)
             except (Exception, CheckpointException) as e:
                 reason = f"does not load: {_one_line(e)}"
             else:
@@ -285,14 +295,15 @@ def load_latest_checkpoint(
 
 
 def load_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic=None, reference=None
 ) -> dict:
-    """Load model and optimizer state (and ``critic``'s, when given) in place from ``path``; return the recipe state.
+    """Load model and optimizer state (and ``critic``'s and ``reference``'s, when given) in place from ``path``; return
+    the recipe state.
 
     Works whatever world size wrote the checkpoint (DCP reshards to this model's layout).
     """
     path = Path(path)
-    state = _state(model, optimizer, critic)
+    state = _state(model, optimizer, critic, reference)
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -303,6 +314,8 @@ def load_checkpoint(
     )
     if critic is not None:
         _set_critic(critic, state)
+    if reference is not None:
+        set_model_state_dict(reference.model, state["reference"])
     return json.loads((path / RECIPE_STATE).read_text())
 
 

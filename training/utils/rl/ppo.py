@@ -155,6 +155,13 @@ class StepBatch:
         )
 
 
+def refreshes_reference(loss_cfg: LossConfig, steps_done: int) -> bool:
+    """Whether the step that brings the run to ``steps_done`` ends with a reference refresh (every
+    ``loss_cfg.reference_refresh_interval`` steps; never at 0)."""
+    interval = loss_cfg.reference_refresh_interval
+    return bool(interval) and steps_done % interval == 0
+
+
 def train_on_groups(
     trainer,
     groups: list[PromptGroup],
@@ -165,8 +172,10 @@ def train_on_groups(
     ppo_mini_batches: int = 1,
     temperature: float = 1.0,
     seed: int = 0,
+    refresh_reference: bool = False,
 ) -> dict[str, float]:
-    """Run the PPO inner loop on ``groups`` (advantages already set); return ``train/*`` metrics.
+    """Run the PPO inner loop on ``groups`` (advantages already set); return ``train/*`` metrics. ``refresh_reference``:
+    after the update the reference becomes a copy of the policy (``LossConfig.reference_refresh_interval``).
 
     Under torchrun (rank 0 only) it first hands the batch and the PPO settings to the other
     ranks, which run ``receive_and_train`` at the same time.
@@ -176,7 +185,10 @@ def train_on_groups(
         if dist_utils.is_distributed():
             StepBatch.broadcast(batch)
             broadcast_tensor(
-                torch.tensor([ppo_epochs, ppo_mini_batches, seed, temperature], dtype=torch.float64), torch.float64
+                torch.tensor(
+                    [ppo_epochs, ppo_mini_batches, seed, temperature, float(refresh_reference)], dtype=torch.float64
+                ),
+                torch.float64,
             )
         return train_on_batch(
             trainer,
@@ -187,13 +199,14 @@ def train_on_groups(
             ppo_mini_batches=ppo_mini_batches,
             temperature=temperature,
             seed=seed,
+            refresh_reference=refresh_reference,
         )
 
 
 def receive_and_train(trainer, loss_cfg: LossConfig, *, reference=None) -> dict[str, float]:
     """A non-zero rank's side of ``train_on_groups``: receive the batch and settings, train on it."""
     batch = StepBatch.broadcast(None)
-    epochs, mini_batches, seed, temperature = broadcast_tensor(None, torch.float64).tolist()
+    epochs, mini_batches, seed, temperature, refresh = broadcast_tensor(None, torch.float64).tolist()
     return train_on_batch(
         trainer,
         batch,
@@ -203,6 +216,7 @@ def receive_and_train(trainer, loss_cfg: LossConfig, *, reference=None) -> dict[
         ppo_mini_batches=int(mini_batches),
         temperature=temperature,
         seed=int(seed),
+        refresh_reference=bool(refresh),
     )
 
 
@@ -216,8 +230,10 @@ def train_on_batch(
     ppo_mini_batches: int = 1,
     temperature: float = 1.0,
     seed: int = 0,
+    refresh_reference: bool = False,
 ) -> dict[str, float]:
-    """The PPO inner loop on one ``StepBatch`` (see the module docstring); ``train/*`` metrics."""
+    """The PPO inner loop on one ``StepBatch`` (see the module docstring); ``train/*`` metrics. ``refresh_reference``:
+    the reference copies the updated policy at the end (``ReferenceModel.refresh_from``)."""
     n = len(batch)
     sequences = batch.tokens
     # one optimizer step over the whole batch: l_old is the pass's own logprobs, detached (module docstring)
@@ -329,6 +345,9 @@ def train_on_batch(
     out.update(batch_distribution_metrics(batch))
     if kl_penalties is not None:
         out["train/kl_reward_penalty_mean"] = sum(kl_penalties) / len(kl_penalties)
+    if refresh_reference and reference is not None:
+        reference.refresh_from(trainer)
+        out["train/reference_refreshed"] = 1.0
     if targets is not None:
         out["train/value_explained_variance"] = explained_variance(old_values, targets, batch.loss_masks)
     return out

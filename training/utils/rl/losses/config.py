@@ -52,6 +52,10 @@ class LossConfig:
     """Charge the KL penalty in the advantages instead of the loss: each trained token's advantage loses ``kl_beta``
     times the estimator's sum over it and the tokens after it (``training/utils/rl/kl_reward.py``), and the loss adds
     no KL term. Needs ``kl_beta > 0``; any loss (the reference is loaded for it)."""
+    reference_refresh_interval: int = 0
+    """Every this many steps the reference model becomes a copy of the policy (after the step's update), so the KL
+    penalty anchors to a recent policy instead of the start; 0 = never (the reference stays the start). The reference's
+    weights are then checkpointed with the run. Needs ``kl_beta > 0``; not with LoRA (its reference is the base)."""
     eps_low: Optional[float] = None
     """Lower clip epsilon of the ratio; None = the loss's own default (0.2)."""
     eps_high: Optional[float] = None
@@ -111,6 +115,12 @@ class LossConfig:
             raise ValueError(f"kl_beta: must be >= 0, got {self.kl_beta}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: {self.kl_estimator!r} is not one of {KL_ESTIMATORS}")
+        if not isinstance(self.reference_refresh_interval, int) or self.reference_refresh_interval < 0:
+            raise ValueError(
+                f"reference_refresh_interval: must be an int >= 0 (0 = never), got {self.reference_refresh_interval!r}"
+            )
+        if self.reference_refresh_interval and self.kl_beta <= 0:
+            raise ValueError("reference_refresh_interval: needs kl_beta > 0 (without it no reference is loaded)")
         if self.kl_in_reward and self.kl_beta <= 0:
             raise ValueError("kl_in_reward: needs kl_beta > 0 (the penalty's coefficient), got kl_beta=0")
         for name in ("eps_low", "eps_high"):

@@ -6,7 +6,9 @@ recipe therefore gives every training completion a ``seed_scope`` keyed by (run 
 weight version, data position, completion index); inside it the deployment sampler
 (``training.deployment.client``) stamps each request that has no ``seed`` of its own with
 ``next_request_seed()``: the scope's key hashed with a count of the requests made so far in that
-completion (0, 1, 2 ... for a multi-turn rollout's calls, in the order they are made).
+completion (0, 1, 2 ... for a multi-turn rollout's calls, in the order they are made). A proxy episode
+(``training/proxy/rollout.py``) takes one such seed as its session's ``seed_base``, and the proxy stamps each call
+of the episode that names no ``seed`` with ``derive_seed(seed_base, k)`` (``training/proxy/forwarding.py``).
 
 Requests outside a scope (eval, user code) and requests with an explicit ``seed`` are unchanged.
 """

@@ -10,7 +10,9 @@ completion (0, 1, 2 ... for a multi-turn rollout's calls, in the order they are 
 (``training/proxy/rollout.py``) takes one such seed as its session's ``seed_base``, and the proxy stamps each call
 of the episode that names no ``seed`` with ``derive_seed(seed_base, k)`` (``training/proxy/forwarding.py``).
 
-Requests outside a scope (eval, user code) and requests with an explicit ``seed`` are unchanged.
+Evals run each row's completions in ``seed_scope(seed, row, k)`` too (``eval_rollouts.score_rows``), so a run's eval
+and ``python -m training.eval --seed`` draw alike. Requests outside a scope (user code) and requests with an
+explicit ``seed`` are unchanged.
 """
 
 from __future__ import annotations

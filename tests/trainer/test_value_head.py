@@ -12,7 +12,7 @@ import torch
 from training.trainer import PolicyTrainer
 from training.utils.checkpoint import load_checkpoint, save_checkpoint
 from training.utils.config import TrainerConfig
-from training.utils.rl.gae import CriticConfig
+from training.utils.rl.critic_config import CriticConfig
 from training.utils.rl.losses.config import LossConfig
 from training.utils.rl.ppo import StepBatch, train_on_batch
 

@@ -15,7 +15,7 @@ from training.utils.rl.losses.config import LossConfig
 from training.utils.run_record import IF_EXISTS
 from training.utils.rl.group_reward import GroupRewardFn
 from training.utils.rl.groups import PromptGroup
-from training.utils.rl.gae import CriticConfig
+from training.utils.rl.critic_config import CriticConfig
 from training.utils.rl.overlong import OverlongConfig
 from training.utils.rl.rollout import COMPONENT_NAME
 

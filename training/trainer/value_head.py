@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 import torch
 
 from training.trainer.packing import PackedBatch
-from training.utils.rl.gae import CriticConfig
+from training.utils.rl.critic_config import CriticConfig
 
 
 class ValueHead:

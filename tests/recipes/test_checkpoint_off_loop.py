@@ -26,7 +26,8 @@ def test_a_step_checkpoint_does_not_block_the_event_loop(tiny_model_path, tmp_pa
     optimizer.step()  # optimizer state to save too
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
     ctx = SimpleNamespace(
-        cfg=SimpleNamespace(keep_checkpoints=2),
+        cfg=SimpleNamespace(keep_checkpoints=2, loss=SimpleNamespace(reference_refresh_interval=0)),
+        reference=None,
         log_path=tmp_path,
         trainer=SimpleNamespace(model=model, optimizer=optimizer),
         cursor=SimpleNamespace(state=lambda: {"position": 3}),

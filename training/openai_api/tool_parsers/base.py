@@ -10,6 +10,7 @@ parser instead of knowing its family.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -58,6 +59,18 @@ def call_from_object(obj: Any, call_id: str) -> ToolCall:
     if not isinstance(args, dict):
         raise ValueError(f"'arguments' of {name!r} must be a JSON object, got {type(args).__name__}")
     return ToolCall(id=call_id, name=name, arguments=args)
+
+
+def split_blocks(pattern: re.Pattern[str], text: str) -> tuple[str, list[str]]:
+    """``(content, bodies)``: ``text`` with every match of ``pattern`` cut out (the rest joined and stripped: the
+    reply's plain content) and each match's first group, in order (the call blocks a parser then reads)."""
+    kept, bodies, pos = [], [], 0
+    for m in pattern.finditer(text):
+        kept.append(text[pos : m.start()])
+        bodies.append(m.group(1))
+        pos = m.end()
+    kept.append(text[pos:])
+    return "".join(kept).strip(), bodies
 
 
 def short(text: str, limit: int = 200) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short
+from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short, split_blocks
 
 CALL_OPEN, CALL_CLOSE, ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 _CALL_RE = re.compile(r"<start_function_call>(.*?)(?:<end_function_call>|$)", re.DOTALL)
@@ -114,20 +114,14 @@ class FunctionGemmaToolParser(ToolParser):
     def parse(
         self, text: str, id_prefix: str = "call_", *, first_index: int = 0, tools: Optional[list[dict]] = None
     ) -> ParsedCalls:
-        out = ParsedCalls()
         if CALL_OPEN not in text and text.lstrip().startswith("call:"):
-            bodies, kept = [text.strip()], []
+            content, bodies = "", [text.strip()]
         else:
-            kept, pos, bodies = [], 0, []
-            for m in _CALL_RE.finditer(text):
-                kept.append(text[pos : m.start()])
-                pos = m.end()
-                bodies.append(m.group(1))
-            kept.append(text[pos:])
+            content, bodies = split_blocks(_CALL_RE, text)
+        out = ParsedCalls(content=content)
         for body in bodies:
             try:
                 out.calls.append(_call(body, self.call_id(id_prefix, first_index + len(out.calls) + len(out.errors))))
             except ValueError as e:
                 out.errors.append(f"{e}: {short(body)}")
-        out.content = "".join(kept).strip()
         return out

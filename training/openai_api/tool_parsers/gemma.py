@@ -19,7 +19,7 @@ import ast
 import re
 from typing import Any, Optional
 
-from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short
+from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short, split_blocks
 
 FENCE_OPEN, FENCE_CLOSE = "```tool_code", "```"
 _BLOCK_RE = re.compile(r"```tool_code[ \t]*\n?(.*?)(?:```|$)", re.DOTALL)
@@ -91,14 +91,10 @@ class GemmaToolParser(ToolParser):
         if FENCE_OPEN not in text and bare.startswith("[") and bare.endswith("]"):
             listed = self._block(bare, ParsedCalls(), id_prefix, first_index)
             return listed if listed.calls and not listed.errors else ParsedCalls(content=bare)
-        out = ParsedCalls()
-        kept, pos = [], 0
-        for m in _BLOCK_RE.finditer(text):
-            kept.append(text[pos : m.start()])
-            pos = m.end()
-            self._block(m.group(1).strip(), out, id_prefix, first_index)
-        kept.append(text[pos:])
-        out.content = "".join(kept).strip()
+        content, bodies = split_blocks(_BLOCK_RE, text)
+        out = ParsedCalls(content=content)
+        for body in bodies:
+            self._block(body.strip(), out, id_prefix, first_index)
         return out
 
     def _block(self, body: str, out: ParsedCalls, id_prefix: str, first_index: int) -> ParsedCalls:

@@ -10,7 +10,14 @@ import json
 import re
 from typing import Optional
 
-from training.openai_api.tool_parsers.base import HERMES_EXAMPLE, ParsedCalls, ToolParser, call_from_object, short
+from training.openai_api.tool_parsers.base import (
+    HERMES_EXAMPLE,
+    ParsedCalls,
+    ToolParser,
+    call_from_object,
+    short,
+    split_blocks,
+)
 
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -29,12 +36,10 @@ class HermesToolParser(ToolParser):
     def parse(
         self, text: str, id_prefix: str = "call_", *, first_index: int = 0, tools: Optional[list[dict]] = None
     ) -> ParsedCalls:
-        out = ParsedCalls()
-        kept, pos = [], 0
-        for m in _BLOCK_RE.finditer(text):
-            kept.append(text[pos : m.start()])
-            pos = m.end()
-            body = m.group(1).strip()
+        content, bodies = split_blocks(_BLOCK_RE, text)
+        out = ParsedCalls(content=content)
+        for body in bodies:
+            body = body.strip()
             call_id = self.call_id(id_prefix, first_index + len(out.calls) + len(out.errors))
             try:
                 obj = json.loads(body)
@@ -45,6 +50,4 @@ class HermesToolParser(ToolParser):
                 out.calls.append(call_from_object(obj, call_id))
             except ValueError as e:
                 out.errors.append(f"{e}: {short(body)}")
-        kept.append(text[pos:])
-        out.content = "".join(kept).strip()
         return out

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any, Optional
 
-from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short
+from training.openai_api.tool_parsers.base import ParsedCalls, ToolCall, ToolParser, short, split_blocks
 
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
@@ -78,12 +78,9 @@ class Qwen3CoderToolParser(ToolParser):
     def parse(
         self, text: str, id_prefix: str = "call_", *, first_index: int = 0, tools: Optional[list[dict]] = None
     ) -> ParsedCalls:
-        out = ParsedCalls()
-        kept, pos = [], 0
-        for m in _BLOCK_RE.finditer(text):
-            kept.append(text[pos : m.start()])
-            pos = m.end()
-            body = m.group(1)
+        content, bodies = split_blocks(_BLOCK_RE, text)
+        out = ParsedCalls(content=content)
+        for body in bodies:
             fn = _FUNCTION_RE.search(body)
             call_id = self.call_id(id_prefix, first_index + len(out.calls) + len(out.errors))
             if fn is None or not fn.group(1).strip():
@@ -98,6 +95,4 @@ class Qwen3CoderToolParser(ToolParser):
                 value = value[:-1] if value.endswith("\n") else value
                 args[p.group(1).strip()] = typed_value(value, types.get(p.group(1).strip()))
             out.calls.append(ToolCall(id=call_id, name=name, arguments=args))
-        kept.append(text[pos:])
-        out.content = "".join(kept).strip()
         return out

@@ -67,7 +67,9 @@ def test_a_backend_added_to_the_table_is_deployed_placed_and_checked_without_oth
     assert type(make_deployment("m", cfg)).__name__ == "VLLMDeployment"
     with pytest.raises(ConfigError, match="^colocate: the other backend cannot"):
         DeployConfig(engine="other", colocate=True)
-    with pytest.raises(ConfigError, match=r"^engine: 'tgi' is not 'auto' or one of \('embedded', 'vllm', 'sglang', 'other'\)"):
+    with pytest.raises(
+        ConfigError, match=r"^engine: 'tgi' is not 'auto' or one of \('embedded', 'vllm', 'sglang', 'other'\)"
+    ):
         DeployConfig(engine="tgi")
 
 

@@ -113,9 +113,9 @@ class RunContext:
             sample_every=cfg.sample_print_interval,
         )
         self._train_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
         self._mismatch_state = "watch"
         """The mismatch probes: ``watch`` each step's gap, ``due`` at the next step, ``done`` (once per run)."""
-        """The trainer's own thread: training never waits behind user code in asyncio's default pool."""
         release_openmp_threads()  # the models were built on this thread; from here the trainer's thread computes
         self.groups_in_flight = 0
         """Training groups being sampled (``run_group`` calls not yet returned)."""

@@ -109,10 +109,9 @@ def probe_mismatch(
     report.gaps["trainer"] = masked_gap(trained, sampled, masks)
     alone = [trainer.logprobs([t], temperature=temperature)[0] for t in tokens]
     report.gaps["trainer_one_by_one"] = masked_gap(alone, sampled, masks)
-    params = {p.dtype for p in trainer.model.parameters()}
     if trainer.compute_dtype == trainer.dtype:
         report.skipped["trainer_fp32"] = f"the trainer already computes in {str(trainer.dtype).removeprefix('torch.')}"
-    elif params != {torch.float32} or trainer.dtype != torch.float32:
+    elif trainer.dtype != torch.float32 or any(p.dtype != torch.float32 for p in trainer.model.parameters()):
         report.skipped["trainer_fp32"] = "the trainer's weights are not fp32"
     else:
         with _fp32_compute(trainer):
